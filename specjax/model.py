@@ -1,0 +1,187 @@
+"""A pure-functional Llama-family decoder: one forward for prefill, decode and verify.
+
+Parameters are a plain pytree (dicts and a list of per-layer dicts), so they
+can carry shardings. Q/K/V and gate/up projections are stored fused, which
+turns seven skinny matmuls per layer into four.
+
+Params layout (D model width, N/K query/kv heads, H head dim, F ffn width):
+  embed       [V, D]
+  layers[l]   attn_norm [D], wqkv [D, (N+2K)H], bqkv [(N+2K)H] (Qwen2 only),
+              wo [NH, D], mlp_norm [D], w_gate_up [D, 2F], w_down [F, D]
+  final_norm  [D]
+  lm_head     [D, V] (absent when embeddings are tied)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache as kvc
+from specjax.config import ModelConfig
+from specjax.rope import apply_rope, inverse_frequencies
+
+Params = dict[str, Any]
+
+
+class ForwardOutput(NamedTuple):
+  """What one forward pass returns.
+
+  Attributes:
+    logits: [B, T, V] float32, or None when ``compute_logits=False``.
+    hidden: [B, T, D] output of the last decoder layer, before the final norm.
+    intermediates: tuple of [B, T, D], the outputs of the requested layers.
+    cache: the cache with the T new entries written and lengths advanced.
+  """
+
+  logits: Optional[jax.Array]
+  hidden: jax.Array
+  intermediates: tuple[jax.Array, ...]
+  cache: kvc.KVCache
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
+  """[B, T, T] lower-triangular mask: new token i sees new tokens j <= i."""
+  tri = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
+  return jnp.broadcast_to(tri, (batch_size, num_tokens, num_tokens))
+
+
+def _visibility(cache_lengths: jax.Array, new_mask: jax.Array, size: int) -> jax.Array:
+  """[B, T, S] which cache slots each new token attends to.
+
+  Slots below ``lengths[b]`` are the committed prefix (always visible); the
+  T new tokens sit in slots ``lengths[b] + j`` and are visible per ``new_mask``.
+  Example: lengths=[2], T=2, causal -> token 0 sees slots {0,1,2}, token 1 {0,1,2,3}.
+  """
+  slots = jnp.arange(size)[None, :]
+  rel = slots - cache_lengths[:, None]  # [B, S]
+  t = new_mask.shape[-1]
+  in_new = (rel >= 0) & (rel < t)
+  gathered = jnp.take_along_axis(
+      new_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :],
+                                 new_mask.shape[:2] + (size,)), axis=2)
+  return (rel < 0)[:, None, :] | (in_new[:, None, :] & gathered)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+  """Grouped-query attention: q [B,T,N,H], k/v [B,S,K,H], visible [B,T,S] -> [B,T,N,H]."""
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  q = q.reshape(b, t, kh, n // kh, h)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (1.0 / np.sqrt(h))
+  scores = jnp.where(visible[:, None, None], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+  return out.reshape(b, t, n, h)
+
+
+def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
+           k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, visible: jax.Array,
+           inv_freq: np.ndarray):
+  b, t, _ = x.shape
+  n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  y = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+  qkv = y @ p["wqkv"]
+  if "bqkv" in p:
+    qkv = qkv + p["bqkv"]
+  q, k, v = jnp.split(qkv, [n * h, (n + kh) * h], axis=-1)
+  q = apply_rope(q.reshape(b, t, n, h), positions, inv_freq)
+  k = apply_rope(k.reshape(b, t, kh, h), positions, inv_freq)
+  v = v.reshape(b, t, kh, h)
+  k_cache = kvc.write_layer(k_cache, k, start)
+  v_cache = kvc.write_layer(v_cache, v, start)
+  attn = _attention(q, k_cache, v_cache, visible).reshape(b, t, n * h)
+  x = x + attn @ p["wo"]
+  y = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+  gate, up = jnp.split(y @ p["w_gate_up"], 2, axis=-1)
+  x = x + (jax.nn.silu(gate) * up) @ p["w_down"]
+  return x, k_cache, v_cache
+
+
+def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
+  """Final norm + output projection: [B, T, D] -> [B, T, V] float32 logits."""
+  x = rms_norm(hidden, params["final_norm"], cfg.norm_eps)
+  if cfg.tie_embeddings:  # contract against [V, D] directly: no transposed copy
+    return jnp.einsum("btd,vd->btv", x, params["embed"], preferred_element_type=jnp.float32)
+  return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "compute_logits", "return_layers"))
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: kvc.KVCache, mask: Optional[jax.Array] = None,
+            num_valid: Optional[jax.Array] = None, *, compute_logits: bool = True,
+            return_layers: tuple[int, ...] = ()) -> ForwardOutput:
+  """Runs T new tokens per row against the cache.
+
+  Args:
+    params: model parameters.
+    cfg: static model config.
+    tokens: [B, T] int token ids.
+    positions: [B, T] int RoPE positions (explicit, so token trees can share one).
+    cache: the KV cache; new keys/values go to slots ``cache.lengths[b] + j``.
+    mask: [B, T, T] bool, which new tokens each new token sees (default causal).
+      The committed prefix is always visible.
+    num_valid: [B] how many of the T tokens to commit (lengths advance by this);
+      default T. Padding tokens beyond it are written as scratch.
+    compute_logits: skip the LM head (e.g. during prefill) when False.
+    return_layers: indices of decoder layers whose outputs to return.
+
+  Returns:
+    ForwardOutput with logits, last hidden state, intermediates and new cache.
+  """
+  b, t = tokens.shape
+  if mask is None:
+    mask = causal_mask(b, t)
+  if num_valid is None:
+    num_valid = jnp.full((b,), t, jnp.int32)
+  inv_freq = inverse_frequencies(cfg)
+  visible = _visibility(cache.lengths, mask, cache.size)
+  x = params["embed"][tokens]
+  ks, vs, inter = [], [], []
+  for l, p in enumerate(params["layers"]):
+    x, k_l, v_l = _layer(cfg, p, x, positions, cache.k[l], cache.v[l], cache.lengths,
+                         visible, inv_freq)
+    ks.append(k_l)
+    vs.append(v_l)
+    if l in return_layers:
+      inter.append(x)
+  new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs),
+                          lengths=cache.lengths + num_valid.astype(jnp.int32))
+  logits = lm_head(cfg, params, x) if compute_logits else None
+  return ForwardOutput(logits=logits, hidden=x, intermediates=tuple(inter), cache=new_cache)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+  """Random parameters (tests, toy models, drafts trained from scratch)."""
+  n, kh, h, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim, cfg.ffn_dim
+  keys = iter(jax.random.split(key, 6 * cfg.num_layers + 2))
+  normal = lambda shape: (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+  layers = []
+  for _ in range(cfg.num_layers):
+    layer = {
+        "attn_norm": jnp.ones((d,), dtype),
+        "wqkv": normal((d, (n + 2 * kh) * h)),
+        "wo": normal((n * h, d)),
+        "mlp_norm": jnp.ones((d,), dtype),
+        "w_gate_up": normal((d, 2 * f)),
+        "w_down": normal((f, d)),
+    }
+    if cfg.qkv_bias:
+      layer["bqkv"] = normal(((n + 2 * kh) * h,))
+    layers.append(layer)
+  params = {"embed": normal((cfg.vocab_size, d)), "layers": layers,
+            "final_norm": jnp.ones((d,), dtype)}
+  if not cfg.tie_embeddings:
+    params["lm_head"] = normal((d, cfg.vocab_size))
+  return params

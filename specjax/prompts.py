@@ -1,0 +1,57 @@
+"""Validation and packing of a batch of prompts into one static-shape token buffer."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 cache_size: Optional[int] = None, *, headroom: int = 0,
+                 vocab_size: Optional[int] = None, round_to: int = 64) -> tuple[np.ndarray, np.ndarray, int]:
+  """Right-pads prompts into a [B, S] buffer.
+
+  Args:
+    prompts: B lists of token ids, each non-empty.
+    max_new_tokens: tokens to generate per row (>= 0).
+    cache_size: S, slots per row; default: the smallest multiple of
+      ``round_to`` that fits the longest prompt + max_new_tokens + headroom.
+    headroom: extra slots a method writes past the output (e.g. γ for
+      speculative verification).
+    vocab_size: when given, token ids must lie in [0, vocab_size).
+
+  Returns:
+    (tokens [B, S] int32, prompt_lengths [B] int32, S).
+
+  Raises:
+    ValueError naming the offending prompt.
+  """
+  if max_new_tokens < 0:
+    raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+  if isinstance(prompts, np.ndarray) and prompts.ndim == 1 or (
+      len(prompts) and isinstance(prompts[0], (int, np.integer))):
+    raise ValueError("prompts must be a batch: a list of token-id lists")
+  if len(prompts) == 0:
+    raise ValueError("no prompts given")
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  for i, n in enumerate(lengths):
+    if n == 0:
+      raise ValueError(f"prompt {i} is empty")
+    if vocab_size is not None:
+      ids = np.asarray(prompts[i])
+      if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+  need = int(lengths.max()) + max_new_tokens + headroom
+  if cache_size is None:
+    cache_size = -(-need // round_to) * round_to
+  if need > cache_size:
+    i = int(lengths.argmax())
+    raise ValueError(
+        f"prompt {i} has {lengths[i]} tokens; with max_new_tokens={max_new_tokens}"
+        f"{f' and {headroom} slots of headroom' if headroom else ''} it needs {need} cache "
+        f"slots but the cache has {cache_size}")
+  tokens = np.zeros((len(prompts), cache_size), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  return tokens, lengths, cache_size

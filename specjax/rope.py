@@ -1,0 +1,39 @@
+"""Rotary position embeddings (rotate-half layout, as in Hugging Face Llama)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """[H/2] inverse frequencies, with Llama-3 scaling when configured."""
+  h = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+  s = cfg.rope_scaling
+  if s is None:
+    return inv.astype(np.float32)
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+      s.high_freq_factor - s.low_freq_factor)
+  scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+  mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+  scaled = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+  return scaled.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates ``x`` [B, T, heads, H] by ``positions`` [B, T]."""
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
