@@ -1,0 +1,106 @@
+"""Any specjax model as a draft, optionally over a reduced vocabulary.
+
+The draft keeps its own KV cache. After a step in which all γ drafts were
+accepted, the draft has not yet seen its own last draft token, so its cache
+can lag the committed sequence by up to two tokens; each ``propose`` therefore
+starts with one forward over two tokens (``num_valid`` 1 or 2), which keeps
+the shapes static.
+
+Reduced vocabulary (FR-Spec / EAGLE-3 style): a draft with V_d < V outputs
+logits over V_d ids and carries ``vocab_map`` [V_d] of target ids. Its logits
+are lifted to the target vocabulary with -inf elsewhere before any warping, so
+tokens outside the map have q = 0 — verification remains exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache as kvc
+from specjax.config import ModelConfig
+from specjax.generate import prefill
+from specjax.model import Params, forward
+from specjax.sampling import Sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+  """A draft model.
+
+  Attributes:
+    cfg: the draft's config.
+    target_vocab_size: when set (reduced vocabulary), the size of the target
+      vocabulary; draft_params must then come from ``make_params`` with a map.
+  """
+
+  cfg: ModelConfig
+  target_vocab_size: Optional[int] = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.target_vocab_size or self.cfg.vocab_size
+
+  def make_params(self, params: Params, vocab_map: Optional[np.ndarray] = None,
+                  unknown_row: int = 0) -> dict[str, Any]:
+    """Packs draft weights (and the reduced-vocabulary maps) as ``draft_params``."""
+    if vocab_map is None:
+      if self.target_vocab_size is not None:
+        raise ValueError("a reduced-vocabulary drafter needs a vocab_map")
+      return {"model": params}
+    vocab_map = np.asarray(vocab_map, np.int32)
+    if self.target_vocab_size is None or vocab_map.shape != (self.cfg.vocab_size,):
+      raise ValueError(f"vocab_map must have shape ({self.cfg.vocab_size},) and the drafter "
+                       "a target_vocab_size")
+    if vocab_map.min() < 0 or vocab_map.max() >= self.target_vocab_size:
+      raise ValueError("vocab_map has ids outside the target vocabulary")
+    inverse = np.full((self.target_vocab_size,), unknown_row, np.int32)
+    inverse[vocab_map] = np.arange(len(vocab_map), dtype=np.int32)
+    return {"model": params, "vocab_map": jnp.asarray(vocab_map),
+            "inverse_map": jnp.asarray(inverse)}
+
+  def _forward(self, dp, tokens, positions, cache, num_valid=None):
+    ids = tokens if "inverse_map" not in dp else dp["inverse_map"][tokens]
+    out = forward(dp["model"], self.cfg, ids, positions, cache, num_valid=num_valid)
+    logits = out.logits
+    if "vocab_map" in dp:
+      full = jnp.full(logits.shape[:-1] + (self.target_vocab_size,), -jnp.inf, logits.dtype)
+      logits = full.at[..., dp["vocab_map"]].set(logits)
+    return logits, out.cache
+
+  def init(self, draft_params, tokens, prompt_lens) -> kvc.KVCache:
+    b, s = tokens.shape
+    ids = tokens if "inverse_map" not in draft_params else draft_params["inverse_map"][tokens]
+    return prefill(draft_params["model"], self.cfg, ids, prompt_lens - 1,
+                   kvc.init_cache(self.cfg, b, s))
+
+  def propose(self, draft_params, state: kvc.KVCache, tokens, seq_lens, key, sampler: Sampler,
+              gamma: int):
+    b = tokens.shape[0]
+    start = state.lengths  # seq_lens - 2 <= start <= seq_lens - 1
+    idx = start[:, None] + jnp.arange(2)[None, :]
+    pair = jnp.take_along_axis(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)
+    num_valid = seq_lens - start
+    logits, cache = self._forward(draft_params, pair, idx, state, num_valid)
+    last_logits = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
+    keys = jax.random.split(key, gamma)
+    d1, q1 = sampler.sample(keys[0], last_logits)
+
+    def step(carry, k):
+      cache, tok, pos = carry
+      logits, cache = self._forward(draft_params, tok[:, None], pos[:, None], cache)
+      nxt, q = sampler.sample(k, logits[:, 0])
+      return (cache, nxt, pos + 1), (nxt, q)
+
+    (cache, _, _), (rest, qs) = jax.lax.scan(step, (cache, d1, seq_lens), keys[1:])
+    drafts = jnp.concatenate([d1[:, None], rest.T.reshape(b, gamma - 1)], axis=1)
+    q = jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    return drafts, q, cache
+
+  def rollback(self, state: kvc.KVCache, seq_lens) -> kvc.KVCache:
+    # The cache never holds the newest committed token (the next propose feeds it).
+    return state.rollback(seq_lens - 1)

@@ -1,0 +1,78 @@
+"""Acceptance metrics of a speculative generation, per row and per call.
+
+Conventions:
+  * α (``alpha``) is the paper's E[β], β = Σₓ min(p(x), q(x)), averaged over
+    draft positions up to and including the first rejection of each step.
+  * ``acceptance_rate`` is accepted drafts / proposed drafts (γ per step).
+  * ``tokens_per_call`` counts every emitted token, including the corrected or
+    bonus token drawn from the target, per target forward: it estimates the
+    paper's E[#tokens per iteration] = (1 − α^{γ+1}) / (1 − α) (before EOS or
+    budget trimming).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class SpecResult:
+  """Tokens and metrics of ``SpeculativeDecoder.generate``.
+
+  Attributes:
+    tokens: [B, S] prompt + output.
+    prompt_lens, seq_lens: [B].
+    steps: speculative steps (= target verify forwards) of the batch.
+    seconds: wall time of the call.
+    gamma: the draft length.
+    per_row: dict of [B] / [B, γ(+1)] arrays (see ``SpecCounters``).
+  """
+
+  tokens: np.ndarray
+  prompt_lens: np.ndarray
+  seq_lens: np.ndarray
+  steps: int
+  seconds: float
+  gamma: int
+  per_row: dict[str, np.ndarray]
+
+  def generated(self, row: int) -> list[int]:
+    return self.tokens[row, self.prompt_lens[row]:self.seq_lens[row]].tolist()
+
+  @property
+  def num_generated(self) -> np.ndarray:
+    return self.seq_lens - self.prompt_lens
+
+  def row_metrics(self, row: int) -> dict[str, float]:
+    return _rates({k: v[row] for k, v in self.per_row.items()})
+
+  def metrics(self) -> dict[str, Any]:
+    """Totals over the batch, plus timing."""
+    total = _rates({k: v.sum(axis=0) for k, v in self.per_row.items()})
+    total.update(steps=self.steps, seconds=self.seconds,
+                 tokens_per_second=float(self.num_generated.sum()) / max(self.seconds, 1e-9))
+    return total
+
+
+def _rates(c: dict[str, np.ndarray]) -> dict[str, Any]:
+  div = lambda a, b: float(a) / float(b) if b else float("nan")
+  return {
+      "tokens": int(c["emitted"]), "target_calls": int(c["target_calls"]),
+      "drafted": int(c["drafted"]), "accepted": int(c["accepted"]),
+      "alpha": div(c["beta_sum"], c["beta_count"]),
+      "acceptance_rate": div(c["accepted"], c["drafted"]),
+      "tokens_per_call": div(c["emitted"], c["target_calls"]),
+      "accepted_at": np.asarray(c["accepted_at"]).tolist(),
+      "accept_len_hist": np.asarray(c["accept_len_hist"]).tolist(),
+  }
+
+
+def summarize(state, prompt_lens: np.ndarray, gamma: int, seconds: float) -> SpecResult:
+  counters = {f.name: np.asarray(getattr(state.counters, f.name))
+              for f in dataclasses.fields(state.counters)}
+  return SpecResult(tokens=np.asarray(state.tokens), prompt_lens=np.asarray(prompt_lens),
+                    seq_lens=np.asarray(state.seq_lens), steps=int(state.steps), seconds=seconds,
+                    gamma=gamma, per_row=counters)

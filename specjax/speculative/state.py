@@ -1,0 +1,73 @@
+"""The speculative loop's state pytree and its per-row counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import kv_cache as kvc
+
+
+@flax.struct.dataclass(kw_only=True)
+class SpecCounters:
+  """Per-row acceptance statistics, accumulated over steps in which the row was active.
+
+  Attributes:
+    target_calls: [B] verification forwards (one per step) that served the row.
+    drafted: [B] draft tokens proposed (γ per step).
+    accepted: [B] draft tokens accepted by the rule (before EOS/budget trimming).
+    emitted: [B] tokens appended to the output (accepted + corrected/bonus,
+      trimmed at EOS and at the budget).
+    accepted_at: [B, γ] how often draft position i was accepted.
+    accept_len_hist: [B, γ+1] how often exactly n drafts were accepted.
+    beta_sum: [B] Σ β over scored positions (positions up to the first
+      rejection, whose prefix is a target sample — the paper's E[β] protocol).
+    beta_count: [B] number of such positions.
+  """
+
+  target_calls: jax.Array
+  drafted: jax.Array
+  accepted: jax.Array
+  emitted: jax.Array
+  accepted_at: jax.Array
+  accept_len_hist: jax.Array
+  beta_sum: jax.Array
+  beta_count: jax.Array
+
+  @classmethod
+  def zeros(cls, batch_size: int, gamma: int) -> "SpecCounters":
+    z = lambda *s: jnp.zeros(s, jnp.int32)
+    return cls(target_calls=z(batch_size), drafted=z(batch_size), accepted=z(batch_size),
+               emitted=z(batch_size), accepted_at=z(batch_size, gamma),
+               accept_len_hist=z(batch_size, gamma + 1),
+               beta_sum=jnp.zeros((batch_size,), jnp.float32), beta_count=z(batch_size))
+
+
+@flax.struct.dataclass(kw_only=True)
+class SpecState:
+  """Everything the jitted speculative step reads and writes.
+
+  Attributes:
+    tokens: [B, S] prompt followed by committed output (right-padded).
+    seq_lens: [B] committed tokens per row; the target cache holds seq_lens - 1.
+    max_lens: [B] prompt length + max_new_tokens.
+    done: [B] row finished.
+    target_cache: the target's KV cache.
+    draft_state: the drafter's state (e.g. its own KV cache).
+    rng: PRNG key.
+    steps: scalar, speculative steps taken.
+    counters: acceptance statistics.
+  """
+
+  tokens: jax.Array
+  seq_lens: jax.Array
+  max_lens: jax.Array
+  done: jax.Array
+  target_cache: kvc.KVCache
+  draft_state: Any
+  rng: jax.Array
+  steps: jax.Array
+  counters: SpecCounters
