@@ -34,12 +34,13 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax
   The number of chunks is dynamic (a while loop), so one compiled program
   serves every prompt length and its cost grows with the longest prompt.
   """
-  b = tokens.shape[0]
+  b, s = tokens.shape
+  chunk = min(chunk, s)
 
   def body(carry):
     i, cache = carry
     idx = i * chunk + jnp.arange(chunk)
-    chunk_tokens = jnp.take(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)
+    chunk_tokens = jnp.take(tokens, jnp.clip(idx, 0, s - 1), axis=1)
     valid = jnp.clip(num_tokens - i * chunk, 0, chunk)
     out = forward(params, cfg, chunk_tokens, jnp.broadcast_to(idx, (b, chunk)), cache,
                   num_valid=valid, compute_logits=False)
