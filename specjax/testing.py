@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 
 from specjax.config import ModelConfig
@@ -18,3 +20,21 @@ def tiny_model(seed: int = 0, scale: float = 0.5, **kw) -> tuple[ModelConfig, Pa
   """A random tiny model with peaked (non-uniform) next-token distributions."""
   cfg = tiny_config(**kw)
   return cfg, init_params(cfg, jax.random.PRNGKey(seed), scale=scale)
+
+
+DRAFTER_KINDS = ("prompt_lookup", "unigram", "bigram", "early_exit")
+
+
+def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[Sequence[int]]):
+  """(drafter, draft_params) for each non-model drafter kind, for tests over all drafters."""
+  from specjax import drafters  # local: drafters import this package's models
+
+  if kind == "prompt_lookup":
+    return drafters.PromptLookupDrafter(cfg.vocab_size, max_ngram=3), ()
+  if kind in ("unigram", "bigram"):
+    order = 1 if kind == "unigram" else 2
+    return drafters.NgramDrafter(cfg.vocab_size, order=order), drafters.fit_ngram(
+        corpus, cfg.vocab_size, top_k=4)
+  if kind == "early_exit":
+    return drafters.early_exit_drafter(cfg, params, 1)
+  raise ValueError(f"unknown drafter kind {kind!r}")

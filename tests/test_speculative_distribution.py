@@ -19,7 +19,7 @@ from specjax.drafters import ModelDrafter
 from specjax.model import forward
 from specjax.sampling import Sampling, sample_from
 from specjax.speculative import Acceptance, SpeculativeDecoder, accept
-from specjax.testing import tiny_model
+from specjax.testing import DRAFTER_KINDS, make_drafter, tiny_model
 
 V, N, PROMPT = 8, 100_000, [1, 2, 5]
 
@@ -45,9 +45,9 @@ def _exact_joint(cfg, params, sampler) -> np.ndarray:
   return p1[:, None] * p2
 
 
-def _empirical_joint(dec, target, draft, seed=0) -> np.ndarray:
-  (cfg, params), (_, dparams) = target, draft
-  out = dec.generate(params, dec.drafter.make_params(dparams), [PROMPT] * N, 2, seed=seed,
+def _empirical_joint(dec, target, draft_params, seed=0) -> np.ndarray:
+  cfg, params = target
+  out = dec.generate(params, draft_params, [PROMPT] * N, 2, seed=seed,
                      cache_size=len(PROMPT) + 2 + dec.gamma)
   gen = out.tokens[:, len(PROMPT):len(PROMPT) + 2]
   assert np.all(out.num_generated == 2)
@@ -79,10 +79,24 @@ def test_joint_of_first_two_tokens_matches_target(models, gamma, sampler):
   target, draft = models
   dec = SpeculativeDecoder(target[0], ModelDrafter(draft[0]), gamma=gamma, sampler=sampler,
                            eos_ids=())
-  counts = _empirical_joint(dec, target, draft)
+  _assert_matches_target(dec, target, dec.drafter.make_params(draft[1]), sampler)
+
+
+def _assert_matches_target(dec, target, draft_params, sampler):
+  counts = _empirical_joint(dec, target, draft_params)
   exact = _exact_joint(*target, sampler)
   assert _chi_square_pvalue(counts, exact) > 1e-3
   assert 0.5 * np.abs(counts / N - exact).sum() < 0.02
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_every_drafter_matches_target(models, kind):
+  target, _ = models
+  sampler = Sampling(temperature=0.9, top_k=6)
+  corpus = [[1, 2, 5, 3, 3, 7, 1, 2, 5, 0], [4, 4, 1, 2, 6]]
+  drafter, dp = make_drafter(kind, *target, corpus)
+  dec = SpeculativeDecoder(target[0], drafter, gamma=2, sampler=sampler, eos_ids=())
+  _assert_matches_target(dec, target, dp, sampler)
 
 
 # --- deliberately wrong variants: the test must reject them -----------------------
@@ -123,5 +137,5 @@ def test_wrong_variants_are_rejected(models, variant):
   else:
     dec = SpeculativeDecoder(target[0], _ArgmaxDrafter(draft[0]), gamma=2, sampler=sampler,
                              eos_ids=())
-  counts = _empirical_joint(dec, target, draft)
+  counts = _empirical_joint(dec, target, dec.drafter.make_params(draft[1]))
   assert _chi_square_pvalue(counts, _exact_joint(*target, sampler)) < 1e-6

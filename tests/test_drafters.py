@@ -1,0 +1,59 @@
+"""Every drafter keeps greedy speculative decoding identical to plain greedy decoding."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.drafters import NgramDrafter, PromptLookupDrafter, early_exit_drafter, fit_ngram
+from specjax.speculative import SpeculativeDecoder
+from specjax.testing import DRAFTER_KINDS as KINDS, make_drafter, tiny_model
+
+PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9, 10, 7], [3]]
+
+
+
+
+@pytest.fixture(scope="module")
+def target():
+  cfg, params = tiny_model(seed=0)
+  corpus = specjax.generate(params, cfg, PROMPTS, 16, eos_ids=(), sampler=specjax.Sampling())
+  return cfg, params, [corpus.generated(i) for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_plain_greedy_decoding(target, kind):
+  cfg, params, corpus = target
+  drafter, dp = make_drafter(kind, cfg, params, corpus)
+  dec = SpeculativeDecoder(cfg, drafter, gamma=3, eos_ids=())
+  out = dec.generate(params, dp, PROMPTS, 20)
+  ref = specjax.generate(params, cfg, PROMPTS, 20, eos_ids=())
+  for row in range(len(PROMPTS)):
+    assert out.generated(row) == ref.generated(row)
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
+  d = PromptLookupDrafter(16, max_ngram=3)
+  tokens = jnp.array([[1, 2, 3, 4, 5, 9, 1, 2, 3, 6, 1, 2, 3, 0, 0, 0],
+                      [5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+  props = np.asarray(d.lookup(tokens, jnp.array([13, 4]), 4))
+  assert props[0].tolist() == [6, 1, 2, 3]  # latest earlier [1,2,3] is at 6..8
+  assert props[1].tolist() == [8, 8, 8, 8]  # no match: repeat the last token
+
+
+def test_bigram_fit_normalises_and_prefers_seen_successors():
+  tables = fit_ngram([[1, 2, 1, 2, 1, 3]], vocab_size=8, top_k=2)
+  d = NgramDrafter(8, order=2)
+  q = np.exp(np.asarray(d.log_q(tables, jnp.array([1]))))[0]
+  assert q.sum() == pytest.approx(1.0, abs=1e-5)
+  assert q[2] > q[3] > q[5]
+  np.testing.assert_allclose(np.asarray(tables["unigram"]).sum(), 1.0, atol=1e-6)
+
+
+def test_early_exit_shares_the_target_arrays():
+  cfg, params = tiny_model(num_layers=3)
+  drafter, dp = early_exit_drafter(cfg, params, 2)
+  assert drafter.cfg.num_layers == 2 and dp["model"]["embed"] is params["embed"]
+  assert dp["model"]["layers"][1] is params["layers"][1]
+  with pytest.raises(ValueError):
+    early_exit_drafter(cfg, params, 4)
