@@ -1,0 +1,56 @@
+"""Greedy speculative decoding on the embedded SmolLM2-135M equals plain greedy decoding."""
+
+import pytest
+
+import specjax
+from specjax.drafters import ModelDrafter
+from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
+from specjax.speculative import SpeculativeDecoder
+from specjax.testing import tiny_model
+
+pytestmark = pytest.mark.real_model
+
+TEXTS = ["Write a Python function that checks whether a number is prime.",
+         "Summarise in one sentence: the cat sat on the mat because it was warm.",
+         "What is 17 times 23?", "Give me three tips for learning to play the guitar."]
+
+
+@pytest.fixture(scope="module")
+def target():
+  cfg, params = load_model()
+  tok = load_model_tokenizer()
+  return cfg, params, [chat_prompt(tok, t) for t in TEXTS]
+
+
+def _check(target, drafter, draft_params, prompts, gamma, new=32):
+  cfg, params, _ = target
+  dec = SpeculativeDecoder(cfg, drafter, gamma=gamma)
+  out = dec.generate(params, draft_params, prompts, new)
+  ref = specjax.generate(params, cfg, prompts, new)
+  for row in range(len(prompts)):
+    assert out.generated(row) == ref.generated(row)
+  return out
+
+
+def test_target_as_draft_batch1(target):
+  cfg, params, prompts = target
+  drafter = ModelDrafter(cfg)
+  out = _check(target, drafter, drafter.make_params(params), prompts[:1], gamma=4)
+  assert out.metrics()["acceptance_rate"] > 0.97
+
+
+def test_random_tiny_draft_batch1(target):
+  cfg, params, prompts = target
+  dcfg, dparams = tiny_model(vocab_size=cfg.vocab_size, dim=32, num_layers=1)
+  drafter = ModelDrafter(dcfg)
+  _check(target, drafter, drafter.make_params(dparams), prompts[2:3], gamma=3)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("which", ["target_as_draft", "random_tiny"])
+def test_batch4(target, which):
+  cfg, params, prompts = target
+  dcfg, dparams = (cfg, params) if which == "target_as_draft" else tiny_model(
+      vocab_size=cfg.vocab_size, dim=32, num_layers=1)
+  drafter = ModelDrafter(dcfg)
+  _check(target, drafter, drafter.make_params(dparams), prompts, gamma=5, new=48)
