@@ -1,0 +1,112 @@
+"""Per-step overhead of the speculative loop beyond its forward passes (SmolLM2-135M target).
+
+Usage:
+  python -m benchmarks.spec_overhead [--gamma 4] [--out benchmarks/results/spec_overhead.md]
+
+For each draft (the target itself, and a random tiny model), measures in one run:
+  step      = (fused ``run`` time) / steps, the prefill excluded;
+  forwards  = one draft forward over 2 tokens + (γ − 1) over 1 token + one
+              target forward over γ + 1 tokens, each timed alone;
+  overhead  = step − forwards (sampling, acceptance, commit, rollback, loop);
+and reports overhead relative to one target decode step (forward over 1 token).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from specjax import kv_cache as kvc
+from specjax.drafters import ModelDrafter
+from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
+from specjax.model import forward
+from specjax.speculative import SpeculativeDecoder
+from specjax.testing import tiny_model
+
+GAMMA = flags.DEFINE_integer("gamma", 4, "draft length")
+NEW = flags.DEFINE_integer("new_tokens", 96, "tokens per run")
+OUT = flags.DEFINE_string("out", "benchmarks/results/spec_overhead.md", "markdown output")
+
+
+def _median_time(fn, repeats=15):
+  fn()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def forward_time(cfg, params, t, context=150):
+  cache = kvc.init_cache(cfg, 1, 256).with_lengths(jnp.array([context], jnp.int32))
+  tok = jnp.ones((1, t), jnp.int32)
+  pos = context + jnp.arange(t)[None]
+  return _median_time(lambda: forward(params, cfg, tok, pos, cache).logits.block_until_ready())
+
+
+def fused_step_time(dec, params, dparams, prompt, new):
+  state, _ = dec.prepare(params, dparams, [prompt], new, cache_size=256)
+  jax.block_until_ready(dec.run(params, dparams, state))  # compile
+  times, steps = [], 0
+  for _ in range(3):
+    state, _ = dec.prepare(params, dparams, [prompt], new, cache_size=256)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    out = jax.block_until_ready(dec.run(params, dparams, state))
+    times.append(time.perf_counter() - t)
+    steps = int(out.steps)
+  return min(times) / steps, steps
+
+
+def main(_):
+  cfg, params = load_model()
+  tok = load_model_tokenizer()
+  prompt = chat_prompt(tok, "Write a short story about a robot learning to paint.")
+  g = GAMMA.value
+  t1 = forward_time(cfg, params, 1)
+  verify = forward_time(cfg, params, g + 1)
+  drafts = {"target as draft": (cfg, params),
+            "random tiny draft (1 layer, d=64)": tiny_model(vocab_size=cfg.vocab_size, dim=64,
+                                                            num_layers=1, num_heads=2,
+                                                            num_kv_heads=1, ffn_dim=128)}
+  rows = []
+  for name, (dcfg, dparams) in drafts.items():
+    drafter = ModelDrafter(dcfg)
+    dec = SpeculativeDecoder(cfg, drafter, gamma=g, eos_ids=())
+    dp = drafter.make_params(dparams)
+    step, steps = fused_step_time(dec, params, dp, prompt, NEW.value)
+    draft = forward_time(dcfg, dparams, 2) + (g - 1) * forward_time(dcfg, dparams, 1)
+    overhead = step - draft - verify
+    rows.append(f"| {name} | {steps} | {step * 1e3:.1f} | {draft * 1e3:.1f} | "
+                f"{verify * 1e3:.1f} | {overhead * 1e3:.1f} | {overhead / t1 * 100:.1f}% |")
+  rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                       text=True).stdout.strip()
+  text = "\n".join([
+      "# Speculative-step overhead beyond the forward passes (SmolLM2-135M target, greedy)",
+      "",
+      f"Command: `python -m benchmarks.spec_overhead --gamma {g} --new_tokens {NEW.value}` "
+      f"(git {rev}, {os.cpu_count()} cores, jax {jax.__version__}).",
+      "",
+      f"One target decode step (forward over 1 token): {t1 * 1e3:.1f} ms. "
+      "Goal: overhead <= 10% of it.",
+      "",
+      "| draft | steps | step ms | draft forwards ms | verify forward ms | overhead ms | "
+      "overhead / target step |",
+      "|---|---|---|---|---|---|---|",
+      *rows,
+  ]) + "\n"
+  print(text)
+  os.makedirs(os.path.dirname(OUT.value), exist_ok=True)
+  with open(OUT.value, "w") as f:
+    f.write(text)
+
+
+if __name__ == "__main__":
+  app.run(main)
