@@ -106,6 +106,10 @@ def test_stream_twin_matches_fused_loop(target, draft):
     assert set(timing) == {"draft", "verify", "other"}
   np.testing.assert_array_equal(np.asarray(state.tokens), fused.tokens)
   np.testing.assert_array_equal(np.asarray(state.counters.emitted), fused.per_row["emitted"])
+  profiled = dec.generate(params, dp, PROMPTS, 16, seed=7, profile=True)
+  np.testing.assert_array_equal(profiled.tokens, fused.tokens)
+  m = profiled.metrics()
+  assert 0 < m["draft_seconds"] + m["verify_seconds"] + m["other_seconds"] <= m["seconds"]
 
 
 def test_metrics_are_consistent(target, draft):

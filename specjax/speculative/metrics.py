@@ -13,7 +13,7 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -29,6 +29,7 @@ class SpecResult:
     seconds: wall time of the call.
     gamma: the draft length.
     per_row: dict of [B] / [B, γ(+1)] arrays (see ``SpecCounters``).
+    timing: seconds in draft / verify / other, when generated with ``profile=True``.
   """
 
   tokens: np.ndarray
@@ -38,6 +39,7 @@ class SpecResult:
   seconds: float
   gamma: int
   per_row: dict[str, np.ndarray]
+  timing: Optional[dict[str, float]] = None
 
   def generated(self, row: int) -> list[int]:
     return self.tokens[row, self.prompt_lens[row]:self.seq_lens[row]].tolist()
@@ -54,6 +56,8 @@ class SpecResult:
     total = _rates({k: v.sum(axis=0) for k, v in self.per_row.items()})
     total.update(steps=self.steps, seconds=self.seconds,
                  tokens_per_second=float(self.num_generated.sum()) / max(self.seconds, 1e-9))
+    if self.timing is not None:
+      total.update({f"{k}_seconds": v for k, v in self.timing.items()})
     return total
 
 
