@@ -65,9 +65,14 @@ def config_from_gguf_metadata(md: dict[str, Any]) -> ModelConfig:
     raise CheckpointError(f"unsupported GGUF architecture {arch!r}; specjax supports "
                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
   g = lambda k, default=None: md.get(f"{arch}.{k}", default)
+  for k in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length"):
+    if g(k) is None:
+      raise CheckpointError(f"GGUF metadata lacks {arch}.{k}")
   heads = int(g("attention.head_count"))
   dim = int(g("embedding_length"))
-  vocab = g("vocab_size") or len(md["tokenizer.ggml.tokens"])
+  vocab = g("vocab_size") or len(md.get("tokenizer.ggml.tokens") or ())
+  if not vocab:
+    raise CheckpointError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
   eos = md.get("tokenizer.ggml.eos_token_id")
   return ModelConfig(
       vocab_size=int(vocab), dim=dim, num_layers=int(g("block_count")), num_heads=heads,

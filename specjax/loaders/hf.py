@@ -31,6 +31,13 @@ def config_from_hf_dict(c: dict[str, Any]) -> ModelConfig:
     raise CheckpointError(
         f"unsupported architecture model_type={model_type!r}; specjax supports "
         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+  # Llama/Mistral's attention_bias also adds an o_proj bias, and mlp_bias adds
+  # biases to the MLP; specjax has neither, so loading would silently drop them.
+  if c.get("mlp_bias"):
+    raise CheckpointError("mlp_bias=true is not supported (specjax's MLP has no biases)")
+  if model_type != "qwen2" and c.get("attention_bias"):
+    raise CheckpointError(f"attention_bias=true is not supported for {model_type}: it adds an "
+                          "o_proj bias that specjax's attention does not have")
   rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   scaling = None
@@ -51,7 +58,7 @@ def config_from_hf_dict(c: dict[str, Any]) -> ModelConfig:
       ffn_dim=c["intermediate_size"], head_dim=c.get("head_dim"), rope_theta=float(theta),
       rope_scaling=scaling, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-      qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+      qkv_bias=model_type == "qwen2",
       max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
       bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=model_type)
 
@@ -131,9 +138,15 @@ def load_hf_config(path: str) -> ModelConfig:
     raise CheckpointError(f"{path!r} has no config.json")
   try:
     with open(cfg_file) as f:
-      return config_from_hf_dict(json.load(f))
+      c = json.load(f)
   except json.JSONDecodeError as e:
     raise CheckpointError(f"corrupt config.json in {path!r}: {e}") from None
+  if not isinstance(c, dict):
+    raise CheckpointError(f"corrupt config.json in {path!r}: not a JSON object")
+  try:
+    return config_from_hf_dict(c)
+  except KeyError as e:
+    raise CheckpointError(f"config.json in {path!r} lacks the field {e.args[0]!r}") from None
 
 
 def load_hf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:

@@ -1,0 +1,152 @@
+"""Sampling strategies: each warped distribution against a plain numpy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.sampling import Greedy, Sampling, make_sampler, sample_from
+
+V = 50
+
+
+def _logits(seed: int = 0, rows: int = 4, scale: float = 3.0) -> np.ndarray:
+  """Random float32 logits; normal draws are distinct, so there are no ties."""
+  return (scale * np.random.default_rng(seed).standard_normal((rows, V))).astype(np.float32)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+  x = x.astype(np.float64)
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _ref_top_k(logits: np.ndarray, k: int) -> np.ndarray:
+  """Keeps the k largest logits per row (others -> -inf)."""
+  out = np.full_like(logits, -np.inf, dtype=np.float64)
+  for r, row in enumerate(logits):
+    keep = np.argsort(-row)[:k]
+    out[r, keep] = row[keep]
+  return out
+
+
+def _ref_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+  """Smallest prefix of the descending-sorted probs whose mass reaches top_p, renormalised."""
+  out = np.zeros_like(probs)
+  for r, row in enumerate(probs):
+    order = np.argsort(-row)
+    n = int(np.searchsorted(np.cumsum(row[order]), top_p)) + 1  # first cumsum >= top_p
+    out[r, order[:n]] = row[order[:n]]
+  return out / out.sum(-1, keepdims=True)
+
+
+def test_greedy_probs_are_one_hot_argmax():
+  logits = _logits()
+  probs = np.asarray(Greedy().probs(jnp.asarray(logits)))
+  np.testing.assert_array_equal(probs, np.eye(V)[logits.argmax(-1)])
+  tokens, sample_probs = Greedy().sample(jax.random.PRNGKey(0), jnp.asarray(logits))
+  np.testing.assert_array_equal(np.asarray(tokens), logits.argmax(-1))
+  np.testing.assert_array_equal(np.asarray(sample_probs), probs)
+
+
+def test_top1_sampling_matches_greedy():
+  logits = jnp.asarray(_logits())
+  np.testing.assert_array_equal(np.asarray(Sampling(top_k=1).probs(logits)),
+                                np.asarray(Greedy().probs(logits)))
+  keys = jax.random.split(jax.random.PRNGKey(1), 64)
+  tokens = jax.vmap(lambda k: Sampling(top_k=1, temperature=2.0).sample(k, logits)[0])(keys)
+  np.testing.assert_array_equal(np.asarray(tokens),
+                                np.broadcast_to(np.asarray(logits).argmax(-1), (64, 4)))
+
+
+@pytest.mark.parametrize("k", [2, 5, 17])
+def test_top_k_keeps_exactly_k_and_renormalises(k):
+  logits = _logits(seed=k)
+  probs = np.asarray(Sampling(top_k=k).probs(jnp.asarray(logits)))
+  assert ((probs > 0).sum(-1) == k).all()
+  top = np.argsort(-logits, axis=-1)[:, :k]
+  np.testing.assert_array_equal(np.sort(np.nonzero(probs)[1].reshape(-1, k), -1), np.sort(top, -1))
+  np.testing.assert_allclose(probs, _softmax(_ref_top_k(logits, k)), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_matches_numpy_reference(top_p):
+  logits = _logits(seed=int(top_p * 100), rows=8, scale=2.0)
+  probs = np.asarray(Sampling(top_p=top_p).probs(jnp.asarray(logits)))
+  np.testing.assert_allclose(probs, _ref_top_p(_softmax(logits), top_p), rtol=1e-5, atol=1e-7)
+
+
+def test_top_p_one_is_plain_softmax():
+  logits = _logits()
+  np.testing.assert_allclose(np.asarray(Sampling(top_p=1.0).probs(jnp.asarray(logits))),
+                             _softmax(logits), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_temperature_scaling_matches_softmax_of_scaled_logits(temperature):
+  logits = _logits()
+  probs = np.asarray(Sampling(temperature=temperature).probs(jnp.asarray(logits)))
+  np.testing.assert_allclose(probs, _softmax(logits / temperature), rtol=1e-5, atol=1e-7)
+
+
+def test_temperature_top_k_top_p_combined_match_numpy_reference():
+  # Hugging Face order: temperature, then top-k (renormalised), then top-p.
+  logits = _logits(seed=7, rows=8)
+  temperature, k, top_p = 1.7, 12, 0.8
+  ref = _ref_top_p(_softmax(_ref_top_k(logits / temperature, k)), top_p)
+  probs = np.asarray(Sampling(temperature=temperature, top_k=k, top_p=top_p).probs(
+      jnp.asarray(logits)))
+  np.testing.assert_allclose(probs, ref, rtol=1e-5, atol=1e-7)
+  assert ((probs > 0).sum(-1) < k).any()  # top-p actually cut below top-k somewhere
+
+
+def test_sample_from_frequencies_match_probs():
+  probs = np.array([0.3, 0.0, 0.2, 0.05, 0.25, 0.0, 0.15, 0.05], np.float32)
+  n = 40_000
+  keys = jax.random.split(jax.random.PRNGKey(3), n)
+  draws = np.asarray(jax.vmap(lambda k: sample_from(k, jnp.asarray(probs)))(keys))
+  counts = np.bincount(draws, minlength=len(probs))
+  assert counts[probs == 0].sum() == 0  # zero-probability tokens are never drawn
+  support = probs > 0
+  expected = n * probs[support]
+  chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+  df = int(support.sum()) - 1
+  assert chi2 < df + 6 * np.sqrt(2 * df), (chi2, counts)  # mean + 6 sd of chi2(df)
+
+
+def test_sampling_sample_returns_its_probs_and_draws_from_support():
+  logits = jnp.asarray(_logits())
+  sampler = Sampling(temperature=0.8, top_k=3)
+  tokens, probs = sampler.sample(jax.random.PRNGKey(0), logits)
+  np.testing.assert_array_equal(np.asarray(probs), np.asarray(sampler.probs(logits)))
+  assert (np.asarray(probs)[np.arange(4), np.asarray(tokens)] > 0).all()
+
+
+def test_make_sampler_picks_greedy_at_zero_temperature():
+  assert make_sampler(0.0) == Greedy()
+  assert make_sampler(0.7, top_k=5, top_p=0.9) == Sampling(temperature=0.7, top_k=5, top_p=0.9)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=1.0, top_p=0.0), "top_p"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
+    (dict(temperature=1.0, top_k=0), "top_k"),
+])
+def test_invalid_sampling_params_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    make_sampler(**kwargs)
+  with pytest.raises(ValueError, match=match):
+    Sampling(**kwargs)
+
+
+def test_make_sampler_validates_even_at_zero_temperature():
+  with pytest.raises(ValueError, match="top_k"):
+    make_sampler(0.0, top_k=0)
+  with pytest.raises(ValueError, match="top_p"):
+    make_sampler(0.0, top_p=1.5)
+
+
+def test_sampling_rejects_zero_temperature():
+  with pytest.raises(ValueError, match="Greedy"):
+    Sampling(temperature=0.0)
