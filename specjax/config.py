@@ -42,6 +42,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   max_position_embeddings: int = 8192
+  sliding_window: Optional[int] = None
   bos_token_id: Optional[int] = None
   eos_token_ids: tuple[int, ...] = ()
   name: str = "llama"
@@ -57,6 +58,11 @@ class ModelConfig:
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+  @property
+  def max_cache_size(self) -> Optional[int]:
+    """Attention is full (no window) only up to this many cached tokens."""
+    return self.sliding_window
 
   @property
   def group_size(self) -> int:

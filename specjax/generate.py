@@ -162,7 +162,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       rounded up to 64). Every prompt length up to it shares one compile.
     eos_ids: stop tokens (default ``cfg.eos_token_ids``); () never stops early.
   """
-  tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, vocab_size=cfg.vocab_size)
+  tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, vocab_size=cfg.vocab_size,
+                                   max_cache_size=cfg.max_cache_size)
   eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
   start = time.perf_counter()
   out_tokens, seq_lens, steps = _generate(

@@ -9,7 +9,8 @@ import numpy as np
 
 def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  cache_size: Optional[int] = None, *, headroom: int = 0,
-                 vocab_size: Optional[int] = None, round_to: int = 64) -> tuple[np.ndarray, np.ndarray, int]:
+                 vocab_size: Optional[int] = None, round_to: int = 64,
+                 max_cache_size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray, int]:
   """Right-pads prompts into a [B, S] buffer.
 
   Args:
@@ -20,6 +21,7 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
     headroom: extra slots a method writes past the output (e.g. γ for
       speculative verification).
     vocab_size: when given, token ids must lie in [0, vocab_size).
+    max_cache_size: largest cache the model supports (e.g. a sliding window).
 
   Returns:
     (tokens [B, S] int32, prompt_lengths [B] int32, S).
@@ -38,8 +40,10 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
   for i, n in enumerate(lengths):
     if n == 0:
       raise ValueError(f"prompt {i} is empty")
+    ids = np.asarray(prompts[i])
+    if not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"prompt {i} must hold integer token ids, got dtype {ids.dtype}")
     if vocab_size is not None:
-      ids = np.asarray(prompts[i])
       if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
   need = int(lengths.max()) + max_new_tokens + headroom
@@ -51,6 +55,9 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
         f"prompt {i} has {lengths[i]} tokens; with max_new_tokens={max_new_tokens}"
         f"{f' and {headroom} slots of headroom' if headroom else ''} it needs {need} cache "
         f"slots but the cache has {cache_size}")
+  if max_cache_size is not None and cache_size > max_cache_size:
+    raise ValueError(f"a cache of {cache_size} slots exceeds this model's limit of "
+                     f"{max_cache_size} (sliding-window attention is not implemented)")
   tokens = np.zeros((len(prompts), cache_size), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p

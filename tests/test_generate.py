@@ -89,3 +89,15 @@ def test_bad_input_raises_before_compiling(model, prompts, max_new, match):
   with pytest.raises(ValueError, match=match):
     generate(params, cfg, prompts, max_new, cache_size=CACHE)
   assert _generate._cache_size() == compiled
+
+
+def test_cache_beyond_a_sliding_window_is_refused():
+  cfg, params = tiny_model(sliding_window=32)
+  with pytest.raises(ValueError, match="sliding-window"):
+    generate(params, cfg, [[1, 2]], 8, cache_size=64)
+
+
+def test_non_integer_token_ids_are_refused():
+  cfg, params = tiny_model()
+  with pytest.raises(ValueError, match="integer"):
+    generate(params, cfg, [[1.5, 2.0]], 4)

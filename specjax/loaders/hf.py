@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +60,16 @@ def config_from_hf_dict(c: dict[str, Any]) -> ModelConfig:
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
       qkv_bias=model_type == "qwen2",
       max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
+      sliding_window=_sliding_window(c),
       bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=model_type)
+
+
+def _sliding_window(c: dict[str, Any]) -> Optional[int]:
+  """Mistral always windows when sliding_window is set; Qwen2 only with use_sliding_window."""
+  window = c.get("sliding_window")
+  if window is None or (c.get("model_type") == "qwen2" and not c.get("use_sliding_window")):
+    return None
+  return int(window)
 
 
 def config_to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:

@@ -166,7 +166,8 @@ class SpeculativeDecoder:
               cache_size: Optional[int] = None) -> tuple[SpecState, np.ndarray]:
     """Validates and packs prompts (before any compilation), then prefills."""
     tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, headroom=self.gamma,
-                                   vocab_size=self.target_cfg.vocab_size)
+                                   vocab_size=self.target_cfg.vocab_size,
+                                   max_cache_size=self.target_cfg.max_cache_size)
     state = self.init(target_params, draft_params, jnp.asarray(tokens), jnp.asarray(lens),
                       jnp.full(lens.shape, max_new_tokens, jnp.int32), jax.random.PRNGKey(seed))
     return state, lens
