@@ -15,8 +15,6 @@ Prints and writes (markdown):
 from __future__ import annotations
 
 import os
-import platform
-import subprocess
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,9 +25,8 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from specjax import kv_cache as kvc
+from benchmarks.common import forward_time, provenance, write_markdown
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer, smollm2_gguf_path
-from specjax.model import forward
 
 FLAGS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per prompt")
 OUT = flags.DEFINE_string("out", "benchmarks/results/decode_speed.md", "markdown output")
@@ -58,21 +55,9 @@ def measure_bandwidth_gbps() -> float:
   return x.nbytes / best / 1e9
 
 
-def verify_cost_curve(cfg, params, ts=(1, 2, 4, 8, 16), context=200, repeats=20):
-  """Median seconds of one forward over T new tokens after ``context`` cached tokens."""
-  out = {}
-  for t in ts:
-    cache = kvc.init_cache(cfg, 1, 256).with_lengths(jnp.array([context], jnp.int32))
-    tok = jnp.ones((1, t), jnp.int32)
-    pos = context + jnp.arange(t)[None]
-    forward(params, cfg, tok, pos, cache).logits.block_until_ready()
-    times = []
-    for _ in range(repeats):
-      s = time.perf_counter()
-      forward(params, cfg, tok, pos, cache).logits.block_until_ready()
-      times.append(time.perf_counter() - s)
-    out[t] = float(np.median(times))
-  return out
+def verify_cost_curve(cfg, params, ts=(1, 2, 4, 8, 16)):
+  """Median seconds of one forward over T new tokens after 200 cached tokens."""
+  return {t: forward_time(cfg, params, t, repeats=20) for t in ts}
 
 
 def specjax_ms_per_token(cfg, params, prompts, new_tokens, repeats):
@@ -117,14 +102,10 @@ def main(_):
   curve = verify_cost_curve(cfg, params)
   theirs = hf_ms_per_token(prompts, n, REPEATS.value)
   s_ms, h_ms = float(np.mean(ours)), float(np.mean(theirs))
-  rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                       text=True).stdout.strip()
-  lines = [
+  write_markdown(OUT.value, [
       "# Decode speed: SmolLM2-135M-Instruct, f32, batch 1, greedy",
       "",
-      f"Command: `python -m benchmarks.decode_speed --new_tokens {n}` "
-      f"(git {rev}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-      f"jax {jax.__version__}).",
+      f"Command: `python -m benchmarks.decode_speed --new_tokens {n}` ({provenance()}).",
       "",
       f"{len(prompts)} chat prompts, {n} new tokens each (EOS ignored), best of "
       f"{REPEATS.value} warm runs; ms/token includes the prefill.",
@@ -141,12 +122,7 @@ def main(_):
       "",
       "| T | ms | relative to T=1 |",
       "|---|---|---|",
-  ] + [f"| {t} | {v * 1e3:.1f} | {v / curve[1]:.2f} |" for t, v in curve.items()]
-  text = "\n".join(lines) + "\n"
-  print(text)
-  os.makedirs(os.path.dirname(OUT.value), exist_ok=True)
-  with open(OUT.value, "w") as f:
-    f.write(text)
+  ] + [f"| {t} | {v * 1e3:.1f} | {v / curve[1]:.2f} |" for t, v in curve.items()])
 
 
 if __name__ == "__main__":

@@ -13,42 +13,20 @@ and reports overhead relative to one target decode step (forward over 1 token).
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
-from specjax import kv_cache as kvc
+from benchmarks.common import forward_time, provenance, write_markdown
 from specjax.drafters import ModelDrafter
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
-from specjax.model import forward
 from specjax.speculative import SpeculativeDecoder
 from specjax.testing import tiny_model
 
 GAMMA = flags.DEFINE_integer("gamma", 4, "draft length")
 NEW = flags.DEFINE_integer("new_tokens", 96, "tokens per run")
 OUT = flags.DEFINE_string("out", "benchmarks/results/spec_overhead.md", "markdown output")
-
-
-def _median_time(fn, repeats=15):
-  fn()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
-
-
-def forward_time(cfg, params, t, context=150):
-  cache = kvc.init_cache(cfg, 1, 256).with_lengths(jnp.array([context], jnp.int32))
-  tok = jnp.ones((1, t), jnp.int32)
-  pos = context + jnp.arange(t)[None]
-  return _median_time(lambda: forward(params, cfg, tok, pos, cache).logits.block_until_ready())
 
 
 def fused_step_time(dec, params, dparams, prompt, new):
@@ -86,13 +64,11 @@ def main(_):
     overhead = step - draft - verify
     rows.append(f"| {name} | {steps} | {step * 1e3:.1f} | {draft * 1e3:.1f} | "
                 f"{verify * 1e3:.1f} | {overhead * 1e3:.1f} | {overhead / t1 * 100:.1f}% |")
-  rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                       text=True).stdout.strip()
-  text = "\n".join([
+  write_markdown(OUT.value, [
       "# Speculative-step overhead beyond the forward passes (SmolLM2-135M target, greedy)",
       "",
       f"Command: `python -m benchmarks.spec_overhead --gamma {g} --new_tokens {NEW.value}` "
-      f"(git {rev}, {os.cpu_count()} cores, jax {jax.__version__}).",
+      f"({provenance()}).",
       "",
       f"One target decode step (forward over 1 token): {t1 * 1e3:.1f} ms. "
       "Goal: overhead <= 10% of it.",
@@ -101,11 +77,7 @@ def main(_):
       "overhead / target step |",
       "|---|---|---|---|---|---|---|",
       *rows,
-  ]) + "\n"
-  print(text)
-  os.makedirs(os.path.dirname(OUT.value), exist_ok=True)
-  with open(OUT.value, "w") as f:
-    f.write(text)
+  ])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """The speculative loop on tiny models: greedy equality, batching, EOS, cache limits, metrics."""
 
-import jax
 import numpy as np
 import pytest
 

@@ -1,0 +1,51 @@
+"""Helpers shared by the benchmark scripts: timing, a warm forward, and the markdown footer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache as kvc
+from specjax.model import forward
+
+
+def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
+  """Median seconds of ``fn()`` after one warm-up call."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15) -> float:
+  """Median seconds of one forward over ``num_tokens`` new tokens after ``context`` cached."""
+  cache = kvc.init_cache(cfg, 1, 256).with_lengths(jnp.array([context], jnp.int32))
+  tok = jnp.ones((1, num_tokens), jnp.int32)
+  pos = context + jnp.arange(num_tokens)[None]
+  return median_time(lambda: forward(params, cfg, tok, pos, cache).logits.block_until_ready(),
+                     repeats)
+
+
+def provenance() -> str:
+  """git revision, cores and library versions, for the line under a results title."""
+  rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                       text=True).stdout.strip()
+  return f"git {rev}, {os.cpu_count()} cores, jax {jax.__version__}"
+
+
+def write_markdown(path: str, lines: list[str]) -> None:
+  """Prints the report and writes it to ``path``."""
+  text = "\n".join(lines) + "\n"
+  print(text)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    f.write(text)

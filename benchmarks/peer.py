@@ -1,0 +1,149 @@
+"""Peer benchmark: specjax vs HF transformers on the same prompts, machine and run.
+
+Usage:
+  python -m benchmarks.peer [--gamma 4] [--new_tokens 96] [--num_prompts 6]
+                            [--out benchmarks/results/peer.md]
+
+Batch 1, SmolLM2-135M-Instruct in f32, every output forced to ``new_tokens``
+(EOS ignored) so all methods produce the same number of tokens. Methods:
+  HF `generate` greedy and sampled (T = 1); HF assisted generation with the
+  shipped draft exported as an HF Llama directory (greedy, constant γ);
+  HF prompt lookup (greedy, γ tokens); specjax autoregressive greedy and
+  sampled; specjax speculative with the shipped draft (greedy and T = 1) and
+  with prompt lookup (greedy). Each is warmed up once, then timed over all
+  prompts. Reports tokens/s and ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from absl import app, flags
+
+import specjax
+from benchmarks.common import provenance, write_markdown
+from specjax import drafts
+from specjax.drafters import ModelDrafter, PromptLookupDrafter
+from specjax.loaders import chat_prompt, load_model, load_model_tokenizer, smollm2_gguf_path
+from specjax.sampling import Greedy, Sampling
+from specjax.speculative import SpeculativeDecoder
+
+GAMMA = flags.DEFINE_integer("gamma", 4, "draft length for every speculative method")
+NEW = flags.DEFINE_integer("new_tokens", 96, "tokens generated per prompt")
+NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 6, "prompts (batch 1 each)")
+OUT = flags.DEFINE_string("out", "benchmarks/results/peer.md", "markdown output")
+
+TEXTS = ["Write a Python function that merges two sorted lists.",
+         "Summarise the plot of Romeo and Juliet in three sentences.",
+         "What is the difference between a list and a tuple in Python?",
+         "A train travels 120 km in 1.5 hours. What is its average speed?",
+         "Rewrite this sentence in a formal tone: we gotta ship it by friday.",
+         "Give me four tips for writing clear documentation.",
+         "Explain recursion to a ten-year-old.",
+         "Write a SQL query that counts orders per customer."]
+
+
+def _timed(fn, prompts) -> float:
+  fn(prompts[0])  # warm-up (compilation / caches)
+  start = time.perf_counter()
+  for p in prompts:
+    fn(p)
+  return time.perf_counter() - start
+
+
+def main(_):
+  n, g = NEW.value, GAMMA.value
+  cfg, params = load_model()
+  tok = load_model_tokenizer()
+  prompts = [chat_prompt(tok, t) for t in TEXTS[:NUM_PROMPTS.value]]
+  dcfg, dparams, vocab_map = drafts.load_default_draft(tok, cfg.vocab_size)
+  drafter = ModelDrafter(dcfg, cfg.vocab_size if vocab_map is not None else None)
+  dp = drafter.make_params(dparams, vocab_map)
+  cache = max(len(p) for p in prompts) + n + g + 8
+
+  def sj_ar(sampler):
+    return lambda p: specjax.generate(params, cfg, [p], n, sampler, eos_ids=(), cache_size=cache)
+
+  def sj_spec(d, d_params, sampler):
+    dec = SpeculativeDecoder(cfg, d, gamma=g, sampler=sampler, eos_ids=())
+    return lambda p: dec.generate(params, d_params, [p], n, cache_size=cache)
+
+  times = {
+      "specjax autoregressive, greedy": _timed(sj_ar(Greedy()), prompts),
+      "specjax autoregressive, T=1": _timed(sj_ar(Sampling(1.0)), prompts),
+      f"specjax speculative, shipped draft, greedy (γ={g})": _timed(
+          sj_spec(drafter, dp, Greedy()), prompts),
+      f"specjax speculative, shipped draft, T=1 (γ={g})": _timed(
+          sj_spec(drafter, dp, Sampling(1.0)), prompts),
+      f"specjax speculative, prompt lookup, greedy (γ={g})": _timed(
+          sj_spec(PromptLookupDrafter(cfg.vocab_size), (), Greedy()), prompts),
+  }
+
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  path = smollm2_gguf_path()
+  hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                            dtype=torch.float32).eval()
+  with tempfile.TemporaryDirectory() as export_dir:
+    drafts.export_hf(export_dir, dcfg, dparams, vocab_map, cfg.vocab_size, tokenizer=tok)
+    assistant = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+  assistant.generation_config.num_assistant_tokens = g
+  assistant.generation_config.num_assistant_tokens_schedule = "constant"
+  assistant.generation_config.assistant_confidence_threshold = 0.0
+
+  def hf_gen(**kw):
+    def run(p):
+      ids = torch.tensor([p])
+      with torch.inference_mode():
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, pad_token_id=0, **kw)
+    return run
+
+  torch.manual_seed(0)
+  times.update({
+      "HF generate, greedy": _timed(hf_gen(do_sample=False), prompts),
+      "HF generate, T=1": _timed(hf_gen(do_sample=True, temperature=1.0, top_k=0), prompts),
+      f"HF assisted generation, shipped draft, greedy (γ={g})": _timed(
+          hf_gen(do_sample=False, assistant_model=assistant), prompts),
+      f"HF prompt lookup, greedy (γ={g})": _timed(
+          hf_gen(do_sample=False, prompt_lookup_num_tokens=g), prompts),
+  })
+
+  total = n * len(prompts)
+  tps = {k: total / v for k, v in times.items()}
+  base = tps["HF generate, greedy"]
+  rows = [f"| {k} | {v:.1f} | {v / base:.2f}x |" for k, v in tps.items()]
+  spec = tps[f"specjax speculative, shipped draft, greedy (γ={g})"]
+  goals = [
+      f"- specjax speculative / HF assisted generation (same draft, greedy): "
+      f"**{spec / tps[f'HF assisted generation, shipped draft, greedy (γ={g})']:.2f}x** (goal ≥ 2x)",
+      f"- specjax speculative / specjax autoregressive (greedy): "
+      f"**{spec / tps['specjax autoregressive, greedy']:.2f}x** (goal ≥ 2x)",
+      f"- specjax autoregressive / HF generate (greedy): "
+      f"**{tps['specjax autoregressive, greedy'] / base:.2f}x**",
+  ]
+  write_markdown(OUT.value, [
+      "# Peer benchmark: specjax vs HF transformers (SmolLM2-135M-Instruct, f32, batch 1, CPU)",
+      "",
+      f"Command: `python -m benchmarks.peer --gamma {g} --new_tokens {n} "
+      f"--num_prompts {len(prompts)}` ({provenance()}, torch {torch.__version__}).",
+      "",
+      f"{len(prompts)} chat prompts x {n} new tokens each (EOS ignored), one warm-up call per "
+      "method, then all prompts timed.",
+      "",
+      "| method | tokens/s | vs HF greedy |",
+      "|---|---|---|",
+      *rows,
+      "",
+      *goals,
+  ])
+
+
+if __name__ == "__main__":
+  app.run(main)
