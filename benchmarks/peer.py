@@ -27,7 +27,7 @@ from absl import app, flags
 import specjax
 from benchmarks.common import provenance, write_markdown
 from specjax import drafts
-from specjax.drafters import ModelDrafter, PromptLookupDrafter
+from specjax.drafters import PromptLookupDrafter
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer, smollm2_gguf_path
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
@@ -60,9 +60,7 @@ def main(_):
   cfg, params = load_model()
   tok = load_model_tokenizer()
   prompts = [chat_prompt(tok, t) for t in TEXTS[:NUM_PROMPTS.value]]
-  dcfg, dparams, vocab_map = drafts.load_default_draft(tok, cfg.vocab_size)
-  drafter = ModelDrafter(dcfg, cfg.vocab_size if vocab_map is not None else None)
-  dp = drafter.make_params(dparams, vocab_map)
+  drafter, dp = drafts.default_drafter(tok, cfg.vocab_size)
   cache = max(len(p) for p in prompts) + n + g + 8
 
   def sj_ar(sampler):
@@ -91,7 +89,10 @@ def main(_):
   hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                             dtype=torch.float32).eval()
   with tempfile.TemporaryDirectory() as export_dir:
-    drafts.export_hf(export_dir, dcfg, dparams, vocab_map, cfg.vocab_size, tokenizer=tok)
+    dcfg, dparams, vocab_map, in_map = drafts.load_default_draft(tok, cfg.vocab_size,
+                                                                 with_input_map=True)
+    drafts.export_hf(export_dir, dcfg, dparams, vocab_map, cfg.vocab_size, input_map=in_map,
+                     tokenizer=tok)
     assistant = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
   assistant.generation_config.num_assistant_tokens = g
   assistant.generation_config.num_assistant_tokens_schedule = "constant"

@@ -46,8 +46,17 @@ class ModelDrafter:
     return self.target_vocab_size or self.cfg.vocab_size
 
   def make_params(self, params: Params, vocab_map: Optional[np.ndarray] = None,
+                  input_map: Optional[np.ndarray] = None,
                   unknown_row: int = 0) -> dict[str, Any]:
-    """Packs draft weights (and the reduced-vocabulary maps) as ``draft_params``."""
+    """Packs draft weights (and the reduced-vocabulary maps) as ``draft_params``.
+
+    Args:
+      params: the draft model's weights.
+      vocab_map: [V_d] target id of each draft row (reduced vocabulary only).
+      input_map: [V] draft row read for each target id; default: its own row
+        for ids in the map and ``unknown_row`` for the rest.
+      unknown_row: see ``input_map``.
+    """
     if vocab_map is None:
       if self.target_vocab_size is not None:
         raise ValueError("a reduced-vocabulary drafter needs a vocab_map")
@@ -58,8 +67,14 @@ class ModelDrafter:
                        "a target_vocab_size")
     if vocab_map.min() < 0 or vocab_map.max() >= self.target_vocab_size:
       raise ValueError("vocab_map has ids outside the target vocabulary")
-    inverse = np.full((self.target_vocab_size,), unknown_row, np.int32)
-    inverse[vocab_map] = np.arange(len(vocab_map), dtype=np.int32)
+    if input_map is None:
+      inverse = np.full((self.target_vocab_size,), unknown_row, np.int32)
+      inverse[vocab_map] = np.arange(len(vocab_map), dtype=np.int32)
+    else:
+      inverse = np.asarray(input_map, np.int32)
+      if inverse.shape != (self.target_vocab_size,) or inverse.min() < 0 or (
+          inverse.max() >= self.cfg.vocab_size):
+        raise ValueError(f"input_map must map {self.target_vocab_size} target ids to draft rows")
     return {"model": params, "vocab_map": jnp.asarray(vocab_map),
             "inverse_map": jnp.asarray(inverse)}
 

@@ -1,0 +1,214 @@
+"""Train a draft model for the embedded target by self-distillation.
+
+Stages (``--stage``):
+  data   the target answers offline prompts (code, summarise/rewrite, QA, math,
+         chat; see specjax.distill.data); responses and the target's top-k
+         log-probs are cached under ``$SPECJAX_CACHE/distill/<key>/``.
+  train  token-level distillation (forward KL, reverse KL or TV) of a small
+         Llama draft with a reduced vocabulary; resumable orbax checkpoints;
+         logs loss and held-out α at T=0 and T=1.
+  all    data, then train.
+
+Example (the default draft shipped in specjax/assets/):
+  python -m experiments.train_draft --stage=all --workdir=/tmp/draft_run
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("stage", "all", ["data", "train", "all"], "What to run.")
+flags.DEFINE_string("workdir", "/tmp/specjax_draft", "Checkpoints, logs and the final draft.")
+flags.DEFINE_string("cache_dir", None, "Corpus cache (default $SPECJAX_CACHE or ~/.cache/specjax).")
+# data
+flags.DEFINE_integer("gen_batch", 32, "Prompts per generation batch.")
+flags.DEFINE_integer("max_new_tokens", 128, "Response budget per prompt.")
+flags.DEFINE_integer("max_prompt_tokens", 160, "Longer prompts are dropped.")
+flags.DEFINE_integer("topk", 32, "Target log-probs kept per position.")
+flags.DEFINE_integer("heldout_batches", 2, "Held-out generation batches (greedy, T=1, ...).")
+flags.DEFINE_integer("heldout_mix_batches", 2, "Extra held-out batches (greedy, T=1) of the "
+                     "passage categories (code, summarise, qa), which the length-sorted batches "
+                     "above under-sample.")
+flags.DEFINE_integer("train_batches", 40, "Train generation batches (greedy, T=1 alternating).")
+flags.DEFINE_float("gen_minutes", 1e9, "Stop generating new train shards after this long.")
+flags.DEFINE_integer("data_seed", 0, "Seed of the prompt set and of sampled responses.")
+
+# train
+flags.DEFINE_enum("loss", "fkl", ["fkl", "rkl", "tv"], "Distillation divergence (DistillSpec).")
+flags.DEFINE_integer("steps", 600, "Optimizer steps.")
+flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
+flags.DEFINE_integer("seq_len", 288, "Prompt + response tokens per sequence.")
+flags.DEFINE_float("lr", 1e-3, "Peak learning rate (AdamW, warmup + cosine decay).")
+flags.DEFINE_integer("warmup_steps", 20, "Linear warmup steps.")
+flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
+flags.DEFINE_float("clip_norm", 1.0, "Global gradient-norm clip.")
+flags.DEFINE_integer("seed", 0, "Training seed (data order, on-policy sampling).")
+flags.DEFINE_integer("eval_every", 50, "Held-out α every n steps.")
+flags.DEFINE_integer("checkpoint_every", 25, "Orbax checkpoint every n steps.")
+flags.DEFINE_integer("on_policy_every", 0, "Every n-th step trains on draft samples scored by "
+                     "the target (0 = off).")
+flags.DEFINE_integer("draft_vocab", 8192, "Draft vocabulary size (0 = full target vocabulary).")
+flags.DEFINE_list("draft_layers", ["0"], "Target layers that initialise the draft's layers.")
+flags.DEFINE_float("max_minutes", 1e9, "Stop (checkpointed, resumable) after this long.")
+
+
+def corpus_dir() -> str:
+  from specjax.loaders.embedded import cache_dir
+  from specjax.distill import teacher
+  from specjax.loaders import load_model
+  base = FLAGS.cache_dir or cache_dir()
+  cfg, _ = load_model_config_only()
+  key = teacher.corpus_key(cfg, dict(
+      data_seed=FLAGS.data_seed, gen_batch=FLAGS.gen_batch, max_new=FLAGS.max_new_tokens,
+      max_prompt=FLAGS.max_prompt_tokens, topk=FLAGS.topk, version=1))
+  del load_model
+  return os.path.join(base, "distill", key)
+
+
+def load_model_config_only():
+  from specjax.loaders import load_model
+  return load_model()
+
+
+def prompt_batches(tok, prompts, batch: int, max_tokens: int):
+  """Chat-formatted prompts in batches of similar length (less padding in prefill)."""
+  from specjax.loaders import chat_prompt
+  items = []
+  for p in prompts:
+    ids = chat_prompt(tok, p.text)
+    if len(ids) <= max_tokens:
+      items.append((ids, dict(category=p.category, source=p.source)))
+  out = []
+  group = 8 * batch  # sort within groups: lengths even out, category mix is kept
+  for g in range(0, len(items), group):
+    chunk = sorted(items[g:g + group], key=lambda x: len(x[0]))
+    for b in range(0, len(chunk) - batch + 1, batch):
+      sel = chunk[b:b + batch]
+      out.append(([s[0] for s in sel], [s[1] for s in sel]))
+  return out
+
+
+def run_data_stage() -> str:
+  import tqdm
+  from specjax.distill import data, teacher
+  from specjax.loaders import load_model, load_model_tokenizer
+  from specjax.sampling import Greedy, Sampling
+
+  cfg, params = load_model()
+  tok = load_model_tokenizer()
+  directory = corpus_dir()
+  prompts = data.build_prompts(seed=FLAGS.data_seed)
+  train_p, held_p = data.split_by_source(prompts)
+  logging.info("train prompts: %s", data.describe(train_p))
+  logging.info("held-out prompts: %s", data.describe(held_p))
+  samplers = (Greedy(), Sampling(temperature=1.0))
+  start = time.time()
+  for split, ps, n in (("heldout", held_p, FLAGS.heldout_batches),
+                       ("train", train_p, FLAGS.train_batches)):
+    batches = prompt_batches(tok, data.interleave_categories(ps), FLAGS.gen_batch,
+                             FLAGS.max_prompt_tokens)[:n]
+    bar = tqdm.tqdm(total=len(batches), desc=f"target generations ({split})")
+    teacher.build_corpus(directory, params, cfg, split, batches, samplers,
+                         FLAGS.max_new_tokens, FLAGS.topk, FLAGS.data_seed * 1000,
+                         progress=lambda i, n: bar.update(1),
+                         deadline=None if split == "heldout" else start + 60 * FLAGS.gen_minutes)
+    bar.close()
+    if split == "heldout" and FLAGS.heldout_mix_batches:
+      passage = [p for p in ps if p.category in ("code", "summarise", "qa")]
+      mix = prompt_batches(tok, data.interleave_categories(passage), FLAGS.gen_batch,
+                           FLAGS.max_prompt_tokens)[:FLAGS.heldout_mix_batches]
+      teacher.build_corpus(directory, params, cfg, "heldout", [None] * n + mix, samplers,
+                           FLAGS.max_new_tokens, FLAGS.topk, FLAGS.data_seed * 1000)
+  with open(os.path.join(directory, "spec.json"), "w") as f:
+    json.dump(dict(topk=FLAGS.topk, max_new_tokens=FLAGS.max_new_tokens,
+                   gen_batch=FLAGS.gen_batch, data_seed=FLAGS.data_seed), f)
+  logging.info("corpus in %s (%.0f s)", directory, time.time() - start)
+  return directory
+
+
+def run_train_stage(directory: str, workdir: str) -> None:
+  import numpy as np
+  from specjax import drafts
+  from specjax.distill import teacher, train, vocab
+  from specjax.loaders import load_model, load_model_tokenizer
+
+  with open(os.path.join(directory, "spec.json")) as f:
+    k = json.load(f)["topk"]
+  cfg, params = load_model()
+  tok = load_model_tokenizer()
+  train_recs = teacher.load_corpus(directory, "train")
+  held = teacher.load_corpus(directory, "heldout")
+  n_tok = sum(len(r["response"]) for r in train_recs)
+  logging.info("corpus: %d train responses (%d tokens), %d held-out", len(train_recs), n_tok,
+               len(held))
+  os.makedirs(workdir, exist_ok=True)
+  setup_file = os.path.join(workdir, "setup.json")
+  layers = tuple(int(x) for x in FLAGS.draft_layers)
+  setup = dict(corpus=directory, draft_vocab=FLAGS.draft_vocab, draft_layers=list(layers),
+               train_responses=len(train_recs), train_tokens=n_tok)
+  if os.path.exists(setup_file):  # resuming: the corpus and the draft must be the same
+    with open(setup_file) as f:
+      old = json.load(f)
+    if old != setup:
+      raise ValueError(f"{workdir} holds a run with another setup: {old} vs {setup}; "
+                       "use a fresh --workdir")
+  else:
+    with open(setup_file, "w") as f:
+      json.dump(setup, f, indent=2)
+  vocab_map = in_map = None
+  if FLAGS.draft_vocab:
+    # Rank by use in responses (expected counts) and in prompts: the draft reads
+    # the prompt too, and a prompt token outside its vocabulary loses meaning.
+    counts = vocab.token_counts(train_recs, cfg.vocab_size)
+    for r in train_recs:
+      np.add.at(counts, r["prompt"], 1.0)
+    specials = [i for i in tok.all_special_ids if i < cfg.vocab_size][:8]
+    vocab_map = vocab.select_vocab(counts, FLAGS.draft_vocab, always=specials)
+    in_map = vocab.nearest_input_map(vocab_map, np.asarray(params["embed"]))
+  spec = vocab.DraftSpec(vocab_size=FLAGS.draft_vocab or None, layers=layers)
+  dcfg, dparams = vocab.init_from_target(cfg, params, spec, vocab_map)
+  draft = train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size, vocab_map=vocab_map,
+                      input_map=in_map)
+  tc = train.TrainConfig(
+      loss=FLAGS.loss, steps=FLAGS.steps, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len,
+      lr=FLAGS.lr, warmup_steps=FLAGS.warmup_steps, weight_decay=FLAGS.weight_decay,
+      clip_norm=FLAGS.clip_norm, seed=FLAGS.seed, eval_every=FLAGS.eval_every,
+      checkpoint_every=FLAGS.checkpoint_every, on_policy_every=FLAGS.on_policy_every)
+  logging.info("draft %s, %.2fM params; %s", dcfg, dcfg.num_params / 1e6, tc)
+  start = time.time()
+  trained, _ = train.train(draft, dparams, train_recs, held, tc, workdir, k=k,
+                           target=(cfg, params) if tc.on_policy_every else None,
+                           deadline=start + 60 * FLAGS.max_minutes,
+                           log=lambda m: logging.info("metrics %s", json.dumps(m)))
+  metrics = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  last = metrics[-1]
+  if last.get("step") != tc.steps:
+    logging.info("stopped at step %s of %d; rerun the same command to resume", last.get("step"),
+                 tc.steps)
+    return
+  info = dict(setup, train_config=dataclasses.asdict(tc), final=last, topk=k,
+              seconds_this_invocation=round(time.time() - start),
+              command="python -m experiments.train_draft " + " ".join(sys.argv[1:]))
+  out = os.path.join(workdir, "draft")
+  drafts.save_draft(out, dcfg, trained, vocab_map, input_map=in_map,
+                    target_vocab_size=cfg.vocab_size,
+                    tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info)
+  logging.info("draft written to %s: %s", out, json.dumps(last))
+
+
+def main(argv):
+  del argv
+  directory = run_data_stage() if FLAGS.stage in ("data", "all") else corpus_dir()
+  if FLAGS.stage in ("train", "all"):
+    run_train_stage(directory, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,1 @@
+"""Training drafts by self-distillation from the target (data, losses, training loop, α)."""

@@ -1,0 +1,213 @@
+"""Offline prompt sets for self-distillation: code, summarise/rewrite, QA, math, chat.
+
+Everything is built from material on this machine: docstrings and source of
+the Python standard library (via ``inspect``) and templated tasks. Every prompt
+carries a ``source`` (a stdlib module, a math template, a chat topic) and the
+train / held-out split is made by source, so no passage, template or topic of
+the held-out set is seen in training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import random
+from typing import Iterator, Sequence
+
+CATEGORIES = ("code", "summarise", "qa", "math", "chat")
+
+STDLIB_MODULES = (
+    "argparse", "base64", "bisect", "calendar", "cmd", "codecs", "colorsys", "configparser",
+    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "enum",
+    "filecmp", "fnmatch", "fractions", "ftplib", "functools", "getopt", "gettext", "glob",
+    "gzip", "heapq", "hmac", "html", "http.client", "imaplib", "inspect", "ipaddress", "json",
+    "logging", "mailbox", "mimetypes", "numbers", "operator", "optparse", "os", "pathlib",
+    "pickle", "pkgutil", "platform", "plistlib", "pprint", "queue", "quopri", "random", "re",
+    "secrets", "selectors", "shlex", "shutil", "smtplib", "socketserver", "statistics",
+    "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize",
+    "trace", "traceback", "types", "typing", "urllib.parse", "uuid", "warnings", "wave",
+    "weakref", "zipfile", "zipapp", "abc", "ast", "asyncio.queues", "collections", "email.utils",
+    "graphlib", "locale", "netrc", "poplib", "sched", "stat", "tabnanny",
+)
+
+CHAT_TOPICS = (
+    "gardening", "learning a new language", "saving money", "running a marathon", "baking bread",
+    "time management", "public speaking", "photography", "climate change", "the solar system",
+    "healthy breakfast ideas", "remote work", "job interviews", "chess", "camping", "meditation",
+    "writing a novel", "learning to code", "volcanoes", "the ocean", "recycling", "video games",
+    "team sports", "birdwatching", "the history of the internet", "electric cars", "coffee",
+    "friendship", "moving to a new city", "studying for exams", "playing the guitar", "dogs",
+    "cats", "travelling on a budget", "renewable energy", "the moon", "honey bees", "rainforests",
+    "sleep", "drinking enough water", "board games", "museums", "smartphones", "libraries",
+    "volunteering", "first aid", "bicycles", "mountains", "deserts", "cooking pasta",
+    "the Roman Empire", "dinosaurs", "artificial intelligence", "robots", "the weather",
+    "starting a small business", "painting", "yoga", "trains", "the human heart",
+)
+
+CHAT_TEMPLATES = (
+    "Give me three tips about {t}.", "Write a short poem about {t}.",
+    "What are the pros and cons of {t}?", "Explain {t} to a ten-year-old.",
+    "Tell me an interesting fact about {t}.", "Write a short story that involves {t}.",
+    "I want to get started with {t}. Where should I begin?", "Why do people care about {t}?",
+)
+
+_NAMES = ("Tom", "Anna", "Liam", "Maya", "Sara", "Omar", "Ken", "Lucy", "Ravi", "Eva")
+_ITEMS = ("apples", "books", "marbles", "stickers", "pencils", "cookies", "coins", "cards")
+MATH_TEMPLATES = (
+    "{n} has {a} {i} and buys {b} more. How many {i} does {n} have now?",
+    "{n} had {a} {i} and gave {b} of them to a friend. How many {i} are left?",
+    "A box holds {a} {i}. How many {i} are in {b} boxes?",
+    "{n} shares {c} {i} equally among {b} friends. How many {i} does each friend get?",
+    "A train travels at {a} km per hour for {b} hours. How far does it go?",
+    "A shirt costs ${a}. It is on sale for {p}% off. What is the sale price?",
+    "{n} reads {a} pages a day. How many pages does {n} read in {b} days?",
+    "What is {a} + {b} * {d}? Show your steps.",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    "{n} saves ${a} every week. How many weeks until {n} has ${c}?",
+    "The temperature was {a} degrees and dropped by {b} degrees. What is it now?",
+    "A class has {a} students; {p}% of them walk to school. How many walk?",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """One user message.
+
+  Attributes:
+    category: one of CATEGORIES.
+    source: the split key (``stdlib:json``, ``math:3``, ``chat:gardening``).
+    text: the user message (wrapped in the chat template by the caller).
+  """
+
+  category: str
+  source: str
+  text: str
+
+
+def _first_paragraphs(doc: str, max_chars: int) -> str:
+  out = ""
+  for para in doc.strip().split("\n\n"):
+    if len(out) + len(para) > max_chars and out:
+      break
+    out = f"{out}\n\n{para}" if out else para
+  return out[:max_chars].strip()
+
+
+def stdlib_items(modules: Sequence[str] = STDLIB_MODULES) -> Iterator[tuple[str, str, str, str]]:
+  """Yields (module, qualified name, docstring, source) for public stdlib functions/classes."""
+  for mod_name in modules:
+    try:
+      mod = importlib.import_module(mod_name)
+    except Exception:  # pylint: disable=broad-except  # missing optional modules
+      continue
+    if inspect.getdoc(mod):
+      yield mod_name, mod_name, inspect.getdoc(mod), ""
+    for name, obj in sorted(vars(mod).items()):
+      if name.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+        continue
+      if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        continue
+      doc = inspect.getdoc(obj) or ""
+      try:
+        src = inspect.getsource(obj)
+      except (OSError, TypeError):
+        src = ""
+      yield mod_name, f"{mod_name}.{name}", doc, src
+
+
+def _code_prompts(rng: random.Random, name: str, doc: str, src: str) -> list[str]:
+  out = []
+  lines = src.splitlines()
+  if 4 <= len(lines) <= 24:
+    snippet = "\n".join(lines)
+    out.append(f"Explain what the following Python code does:\n\n```python\n{snippet}\n```")
+    cut = max(2, len(lines) // 2)
+    out.append("Complete the following Python code:\n\n```python\n"
+               + "\n".join(lines[:cut]) + "\n```")
+  if doc:
+    first = doc.strip().split("\n")[0].rstrip(".")
+    if 10 < len(first) < 160:
+      out.append(f"Write a Python function `{name.split('.')[-1]}` that does the following: "
+                 f"{first}.")
+  rng.shuffle(out)
+  return out[:2]
+
+
+def _passage_prompts(rng: random.Random, name: str, doc: str) -> tuple[list[str], list[str]]:
+  passage = _first_paragraphs(doc, 450)
+  if len(passage) < 80:
+    return [], []
+  short = name.split(".")[-1]
+  summ = [f"Summarize the following text in one or two sentences:\n\n{passage}",
+          f"Rewrite the following passage in plain, simple English:\n\n{passage}",
+          f"Give a title and three bullet points for this text:\n\n{passage}"]
+  qa = [f"Read the passage and answer the question.\n\nPassage: {passage}\n\n"
+        f"Question: What is `{short}` used for?",
+        f"{passage}\n\nBased on the text above, when would a programmer use `{short}`?",
+        f"Passage:\n{passage}\n\nQuestion: What is the most important detail in this passage?"]
+  return [rng.choice(summ)], [rng.choice(qa)]
+
+
+def _math_prompt(rng: random.Random, template_id: int) -> str:
+  a, b, d = rng.randint(2, 60), rng.randint(2, 12), rng.randint(2, 9)
+  return MATH_TEMPLATES[template_id].format(
+      n=rng.choice(_NAMES), i=rng.choice(_ITEMS), a=a, b=b, c=a * b, d=d,
+      p=rng.choice((10, 20, 25, 40, 50)))
+
+
+def build_prompts(seed: int = 0, max_stdlib_items: int = 4000, math_per_template: int = 40,
+                  chat_per_topic: int = 4) -> list[Prompt]:
+  """All prompts of every category, deterministically shuffled by ``seed``."""
+  rng = random.Random(seed)
+  prompts: list[Prompt] = []
+  for k, (mod, name, doc, src) in enumerate(stdlib_items()):
+    if k >= max_stdlib_items:
+      break
+    source = f"stdlib:{mod}"
+    prompts += [Prompt("code", source, t) for t in _code_prompts(rng, name, doc, src)]
+    summ, qa = _passage_prompts(rng, name, doc)
+    prompts += [Prompt("summarise", source, t) for t in summ]
+    prompts += [Prompt("qa", source, t) for t in qa]
+  for tid in range(len(MATH_TEMPLATES)):
+    prompts += [Prompt("math", f"math:{tid}", _math_prompt(rng, tid))
+                for _ in range(math_per_template)]
+  for topic in CHAT_TOPICS:
+    templates = rng.sample(CHAT_TEMPLATES, chat_per_topic)
+    prompts += [Prompt("chat", f"chat:{topic}", t.format(t=topic)) for t in templates]
+  rng.shuffle(prompts)
+  return prompts
+
+
+def is_heldout(source: str, heldout_fraction: float = 0.1) -> bool:
+  """Stable split by source: sha256 of the source name, not Python's salted hash."""
+  h = int.from_bytes(hashlib.sha256(source.encode()).digest()[:8], "little")
+  return (h % 10_000) < heldout_fraction * 10_000
+
+
+def split_by_source(prompts: Sequence[Prompt], heldout_fraction: float = 0.1
+                    ) -> tuple[list[Prompt], list[Prompt]]:
+  """(train, held-out); every source lands wholly on one side."""
+  train = [p for p in prompts if not is_heldout(p.source, heldout_fraction)]
+  held = [p for p in prompts if is_heldout(p.source, heldout_fraction)]
+  return train, held
+
+
+def interleave_categories(prompts: Sequence[Prompt]) -> list[Prompt]:
+  """Round-robin over categories, so any prefix of the list is balanced."""
+  by_cat = {c: [p for p in prompts if p.category == c] for c in CATEGORIES}
+  out = []
+  for i in range(max(map(len, by_cat.values()), default=0)):
+    out += [by_cat[c][i] for c in CATEGORIES if i < len(by_cat[c])]
+  return out
+
+
+def describe(prompts: Sequence[Prompt]) -> str:
+  counts = {c: sum(p.category == c for p in prompts) for c in CATEGORIES}
+  return ", ".join(f"{c} {n}" for c, n in counts.items()) + f" ({len(prompts)} total, " \
+      f"{len({p.source for p in prompts})} sources)"
+
+
+__all__ = ["CATEGORIES", "Prompt", "build_prompts", "describe", "interleave_categories",
+           "is_heldout", "split_by_source", "stdlib_items"]

@@ -1,0 +1,198 @@
+"""Self-distillation data: the target answers prompts and we keep its top-k distributions.
+
+Decoding reuses ``specjax.generate`` (chunked prefill, ``DecodeState``) with a
+step that also records, for every generated position, the target's k most
+likely tokens and their log-probabilities at temperature 1. Storing top-k
+instead of [V] distributions keeps a 100k-token corpus at a few MB; the losses
+treat the remaining mass as one "other" bucket (see ``losses.py``).
+
+Responses are cached on disk in shards (``$SPECJAX_CACHE/distill/<key>/``), so
+an interrupted generation run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from typing import Callable, Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.generate import DecodeState, init_decode_state, is_eos, last_tokens
+from specjax.model import Params, forward
+from specjax.prompts import pack_prompts
+from specjax.sampling import Greedy, Sampler
+
+
+@flax.struct.dataclass(kw_only=True)
+class TeacherState:
+  """DecodeState plus the recorded top-k per generated position.
+
+  Attributes:
+    decode: the plain decoding state.
+    topk_ids: [B, N, k] int32 target ids of the k most likely next tokens.
+    topk_logp: [B, N, k] float32 their log-probabilities at temperature 1.
+    prompt_lens: [B] where generation started.
+  """
+
+  decode: DecodeState
+  topk_ids: jax.Array
+  topk_logp: jax.Array
+  prompt_lens: jax.Array
+
+
+def _teacher_step(params, cfg, sampler, eos_ids, logits_fn, st: TeacherState) -> TeacherState:
+  state = st.decode
+  b = state.tokens.shape[0]
+  active = ~state.done
+  pos = state.seq_lens - 1
+  logits, cache = logits_fn(params, cfg, last_tokens(state.tokens, state.seq_lens),
+                            pos[:, None], state.cache, active.astype(jnp.int32))
+  logits = logits[:, 0]
+  k = st.topk_ids.shape[-1]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  top_logp, top_ids = jax.lax.top_k(logp, k)
+  step = state.seq_lens - st.prompt_lens  # index of the token being generated
+  n = st.topk_ids.shape[1]
+  write = jnp.where(active, step, n)
+  rows = jnp.arange(b)
+  topk_ids = st.topk_ids.at[rows, write].set(top_ids.astype(jnp.int32), mode="drop")
+  topk_logp = st.topk_logp.at[rows, write].set(top_logp, mode="drop")
+  rng, key = jax.random.split(state.rng)
+  nxt, _ = sampler.sample(key, logits)
+  write_at = jnp.where(active, state.seq_lens, state.tokens.shape[1])
+  tokens = state.tokens.at[rows, write_at].set(nxt, mode="drop")
+  seq_lens = state.seq_lens + active
+  done = state.done | (active & is_eos(nxt, eos_ids)) | (seq_lens >= state.max_lens)
+  decode = state.replace(tokens=tokens, seq_lens=seq_lens, done=done, cache=cache, rng=rng,
+                         steps=state.steps + 1)
+  return st.replace(decode=decode, topk_ids=topk_ids, topk_logp=topk_logp)
+
+
+def target_logits_fn(params, cfg, tokens, positions, cache, num_valid):
+  out = forward(params, cfg, tokens, positions, cache, num_valid=num_valid)
+  return out.logits, out.cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "eos_ids", "k", "max_new",
+                                             "logits_fn"))
+def _generate_topk(params, cfg, tokens, prompt_lens, rng, sampler, eos_ids, k, max_new,
+                   logits_fn):
+  b = tokens.shape[0]
+  state = init_decode_state(params, cfg, tokens, prompt_lens,
+                            jnp.full((b,), max_new, jnp.int32), rng)
+  st = TeacherState(decode=state, topk_ids=jnp.zeros((b, max_new, k), jnp.int32),
+                    topk_logp=jnp.full((b, max_new, k), -jnp.inf, jnp.float32),
+                    prompt_lens=prompt_lens)
+  step = functools.partial(_teacher_step, params, cfg, sampler, eos_ids, logits_fn)
+  st = jax.lax.while_loop(lambda s: ~jnp.all(s.decode.done), step, st)
+  return st.decode.tokens, st.decode.seq_lens, st.topk_ids, st.topk_logp
+
+
+def generate_with_topk(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+                       max_new_tokens: int, sampler: Sampler = Greedy(), *, k: int = 32,
+                       seed: int = 0, eos_ids: Optional[Sequence[int]] = None,
+                       cache_size: Optional[int] = None) -> list[dict[str, np.ndarray]]:
+  """Generates responses and records the target's top-k log-probs at each new position.
+
+  Returns one record per prompt: ``prompt`` [P], ``response`` [R] (EOS
+  included when produced), ``topk_ids`` / ``topk_logp`` [R, k] (the target's
+  distribution that produced ``response[i]``).
+  """
+  tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, vocab_size=cfg.vocab_size)
+  eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+  out_tokens, seq_lens, ids, logp = _generate_topk(
+      params, cfg, jnp.asarray(tokens), jnp.asarray(lens), jax.random.PRNGKey(seed), sampler,
+      eos, k, max_new_tokens, target_logits_fn)
+  out_tokens, seq_lens, ids, logp = map(np.asarray, (out_tokens, seq_lens, ids, logp))
+  records = []
+  for i, p in enumerate(prompts):
+    r = int(seq_lens[i] - lens[i])
+    records.append(dict(prompt=np.asarray(p, np.int32),
+                        response=out_tokens[i, lens[i]:seq_lens[i]].astype(np.int32),
+                        topk_ids=ids[i, :r], topk_logp=logp[i, :r].astype(np.float32)))
+  return records
+
+
+# ---------------------------------------------------------------- on-disk corpus
+
+
+def corpus_key(cfg: ModelConfig, spec: dict) -> str:
+  """Cache key of a corpus: the target's shape (not repr(cfg), which grows new fields) + spec."""
+  target = {f: getattr(cfg, f) for f in ("name", "vocab_size", "dim", "num_layers", "num_heads",
+                                         "num_kv_heads", "ffn_dim", "rope_theta")}
+  blob = json.dumps({"target": target, **spec}, sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def save_shard(path: str, records: Sequence[dict], meta: Sequence[dict]) -> None:
+  """One shard: ragged records flattened with offsets (np.savez, atomic rename)."""
+  arrays = {}
+  for field in ("prompt", "response", "topk_ids", "topk_logp"):
+    arrays[field] = np.concatenate([r[field] for r in records], axis=0)
+    arrays[field + "_len"] = np.array([len(r[field]) for r in records], np.int64)
+  arrays["meta"] = np.array(json.dumps(list(meta)))
+  tmp = path + ".tmp.npz"
+  np.savez(tmp, **arrays)
+  os.replace(tmp, path)
+
+
+def load_shard(path: str) -> list[dict]:
+  with np.load(path) as z:
+    meta = json.loads(str(z["meta"]))
+    out = [dict(m) for m in meta]
+    for field in ("prompt", "response", "topk_ids", "topk_logp"):
+      offs = np.concatenate([[0], np.cumsum(z[field + "_len"])])
+      data = z[field]
+      for i, rec in enumerate(out):
+        rec[field] = data[offs[i]:offs[i + 1]]
+  return out
+
+
+def load_corpus(directory: str, split: str) -> list[dict]:
+  """All records of ``split`` ('train' or 'heldout') in shard order."""
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no distillation corpus at {directory}; run "
+                            "`python -m experiments.train_draft --stage=data` first")
+  names = sorted(f for f in os.listdir(directory) if f.startswith(split + "-")
+                 and f.endswith(".npz") and ".tmp" not in f)
+  recs = []
+  for n in names:
+    recs += load_shard(os.path.join(directory, n))
+  return recs
+
+
+def build_corpus(directory: str, params: Params, cfg: ModelConfig, split: str,
+                 batches: Sequence[tuple[list[list[int]], list[dict]]], samplers: Sequence[Sampler],
+                 max_new_tokens: int, k: int, seed: int,
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 deadline: Optional[float] = None) -> int:
+  """Generates the missing shards ``{split}-{i:05d}.npz``; returns how many exist.
+
+  Batch i uses ``samplers[i % len(samplers)]`` and seed ``seed + i``, so a
+  resumed run writes exactly the shards an uninterrupted one would.
+  """
+  import time
+  os.makedirs(directory, exist_ok=True)
+  done = 0
+  for i, batch in enumerate(batches):
+    path = os.path.join(directory, f"{split}-{i:05d}.npz")
+    if not os.path.exists(path):
+      if deadline is not None and time.time() > deadline:
+        break
+      prompts, meta = batch
+      sampler = samplers[i % len(samplers)]
+      recs = generate_with_topk(params, cfg, prompts, max_new_tokens, sampler, k=k,
+                                seed=seed + i)
+      mode = "greedy" if isinstance(sampler, Greedy) else f"T={sampler.temperature}"
+      save_shard(path, recs, [dict(m, mode=mode) for m in meta])
+    done += 1
+    if progress:
+      progress(i, len(batches))
+  return done

@@ -1,0 +1,358 @@
+"""Token-level distillation of a draft from the target's stored top-k distributions.
+
+One training example is a prompt + target response (target token ids); the
+draft reads it teacher-forced and at every response position its distribution
+is pulled towards the target's with the chosen divergence (``losses.py``).
+The loop is deterministic for a seed: the batch of step s depends only on
+(seed, s), so a run resumed from step s reproduces the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax import kv_cache as kvc
+from specjax.config import ModelConfig
+from specjax.distill import checkpoint as ckpt
+from specjax.distill import losses
+from specjax.distill.vocab import input_map
+from specjax.model import Params, forward, lm_head
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Optimisation hyper-parameters (static)."""
+
+  loss: str = "fkl"
+  steps: int = 300
+  batch_size: int = 8
+  seq_len: int = 288
+  lr: float = 5e-4
+  warmup_steps: int = 20
+  end_lr_fraction: float = 0.1
+  weight_decay: float = 0.01
+  clip_norm: float = 1.0
+  seed: int = 0
+  eval_every: int = 50
+  checkpoint_every: int = 25
+  on_policy_every: int = 0  # every n-th step trains on draft samples scored by the target
+
+  def __post_init__(self):
+    if self.loss not in losses.LOSSES:
+      raise ValueError(f"loss must be one of {losses.LOSSES}, got {self.loss!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+  """A draft model with its (optional) reduced vocabulary.
+
+  Attributes:
+    cfg: the draft's ModelConfig (vocab_size = Vd).
+    target_vocab_size: V of the target.
+    vocab_map: [Vd] int32 target ids of the draft rows, or None (full vocabulary).
+    input_map: [V] int32 draft row read for each target id (default: the
+      fallback-row map derived from vocab_map).
+  """
+
+  cfg: ModelConfig
+  target_vocab_size: int
+  vocab_map: Optional[np.ndarray] = None
+  input_map: Optional[np.ndarray] = None
+
+  def maps(self) -> tuple[jax.Array, jax.Array]:
+    """(vocab_map [Vd], input_map [V]); the identity for a full-vocabulary draft."""
+    if self.vocab_map is None:
+      ident = jnp.arange(self.target_vocab_size, dtype=jnp.int32)
+      return ident, ident
+    vm = jnp.asarray(self.vocab_map, jnp.int32)
+    if self.input_map is not None:
+      return vm, jnp.asarray(self.input_map, jnp.int32)
+    return vm, input_map(vm, self.target_vocab_size)
+
+
+# ------------------------------------------------------------------ batches
+
+
+def make_batch(records: Sequence[dict], seq_len: int, k: int) -> dict[str, np.ndarray]:
+  """Pads records into fixed shapes.
+
+  Response token i of a record with prompt length P is predicted at sequence
+  position P - 1 + i (e.g. P = 3: tokens [p0 p1 p2 r0 r1], r0 predicted at 2).
+
+  Returns:
+    tokens [B, L] target ids; pred_pos [B, R] positions whose next-token
+    distribution is trained; topk_ids / topk_logp [B, R, k]; weight [B, R].
+  """
+  b, r_max = len(records), seq_len
+  out = dict(tokens=np.zeros((b, seq_len), np.int32), pred_pos=np.zeros((b, r_max), np.int32),
+             topk_ids=np.zeros((b, r_max, k), np.int32),
+             topk_logp=np.full((b, r_max, k), -np.inf, np.float32),
+             weight=np.zeros((b, r_max), np.float32))
+  for i, rec in enumerate(records):
+    p = rec["prompt"][-(seq_len - 1):]
+    r = rec["response"][:seq_len - len(p)]
+    n = len(r)
+    out["tokens"][i, :len(p)] = p
+    out["tokens"][i, len(p):len(p) + n] = r
+    out["pred_pos"][i, :n] = len(p) - 1 + np.arange(n)
+    out["topk_ids"][i, :n] = rec["topk_ids"][:n, :k]
+    out["topk_logp"][i, :n] = rec["topk_logp"][:n, :k]
+    out["weight"][i, :n] = 1.0
+  # trim R to the longest response, rounded to 32 (fewer LM-head rows, few shapes)
+  r_used = max(1, int(out["weight"].sum(1).max()))
+  r_used = min(r_max, -(-r_used // 32) * 32)
+  for key in ("pred_pos", "topk_ids", "topk_logp", "weight"):
+    out[key] = out[key][:, :r_used]
+  return out
+
+
+def batch_indices(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
+  """Indices of step ``step``: consecutive slices of per-epoch permutations of range(n)."""
+  idx = []
+  start = step * batch_size
+  for g in range(start, start + batch_size):
+    epoch, j = divmod(g, n)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    idx.append(perm[j])
+  return np.asarray(idx)
+
+
+# ------------------------------------------------------------------ model pieces
+
+
+def draft_logp_at(params: Params, cfg: ModelConfig, in_map: jax.Array, tokens: jax.Array,
+                  pred_pos: jax.Array) -> jax.Array:
+  """[B, R, Vd] the draft's log-probs at ``pred_pos`` given target-id ``tokens`` [B, L]."""
+  b, l = tokens.shape
+  pos = jnp.broadcast_to(jnp.arange(l), (b, l))
+  out = forward(params, cfg, in_map[tokens], pos, kvc.init_cache(cfg, b, l),
+                compute_logits=False)
+  hidden = jnp.take_along_axis(out.hidden, pred_pos[:, :, None], axis=1)
+  return jax.nn.log_softmax(lm_head(cfg, params, hidden), axis=-1)
+
+
+def _coarsened(draft_logp, topk_ids, topk_logp, vocab_map, in_map):
+  b, r, vd = draft_logp.shape
+  k = topk_ids.shape[-1]
+  d_ids = in_map[topk_ids]
+  present = (vocab_map[d_ids] == topk_ids) & jnp.isfinite(topk_logp)
+  p, q = losses.coarsen(d_ids.reshape(b * r, k), topk_logp.reshape(b * r, k),
+                        present.reshape(b * r, k), draft_logp.reshape(b * r, vd))
+  return p, q, d_ids, present
+
+
+def loss_fn(params, cfg, kind, vocab_map, in_map, batch):
+  logp = draft_logp_at(params, cfg, in_map, batch["tokens"], batch["pred_pos"])
+  p, q, _, _ = _coarsened(logp, batch["topk_ids"], batch["topk_logp"], vocab_map, in_map)
+  d = losses.divergence(kind, p, q).reshape(batch["weight"].shape)
+  w = batch["weight"]
+  return jnp.sum(d * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def alpha_stats(params, cfg, vocab_map, in_map, batch) -> dict[str, jax.Array]:
+  """Per-position β sums from stored target top-k (teacher-forced).
+
+  T=0: p and q are one-hots of the argmaxes, β = [argmax q == argmax p]
+  (exact: the target's argmax is its top-1). T=1: β ≥ Σ_{top-k} min(p, q)
+  (lower bound) and β ≤ that + min(p_rest, q_rest) (upper bound).
+  """
+  logp = draft_logp_at(params, cfg, in_map, batch["tokens"], batch["pred_pos"])
+  w = batch["weight"]
+  draft_top = vocab_map[jnp.argmax(logp, axis=-1)]
+  beta0 = (draft_top == batch["topk_ids"][..., 0]).astype(jnp.float32)
+  p, q, _, _ = _coarsened(logp, batch["topk_ids"], batch["topk_logp"], vocab_map, in_map)
+  pk, qk = jnp.exp(p), jnp.exp(q)
+  lower = losses.beta(pk[:, :-1], qk[:, :-1]).reshape(w.shape)
+  upper = lower + jnp.minimum(pk[:, -1], qk[:, -1]).reshape(w.shape)
+  return dict(n=jnp.sum(w), beta0=jnp.sum(beta0 * w), beta1_lo=jnp.sum(lower * w),
+              beta1_hi=jnp.sum(upper * w))
+
+
+def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len: int,
+                  k: int, batch_size: int = 16) -> dict[str, float]:
+  """α on held-out generations: T=0 on greedy responses, T=1 on sampled ones."""
+  vm, im = draft.maps()
+  out = {}
+  for mode, key in (("greedy", "T0"), ("sampled", "T1")):
+    recs = [r for r in records if (r.get("mode", "greedy") == "greedy") == (mode == "greedy")]
+    if not recs:
+      recs = list(records)
+    tot = dict(n=0.0, beta0=0.0, beta1_lo=0.0, beta1_hi=0.0)
+    for i in range(0, len(recs), batch_size):
+      s = alpha_stats(params, draft.cfg, vm, im, make_batch(recs[i:i + batch_size], seq_len, k))
+      for name in tot:
+        tot[name] += float(s[name])
+    n = max(tot["n"], 1.0)
+    if key == "T0":
+      out["alpha_T0"] = tot["beta0"] / n
+    else:
+      out["alpha_T1"] = tot["beta1_lo"] / n
+      out["alpha_T1_upper"] = tot["beta1_hi"] / n
+    out[f"positions_{key}"] = int(tot["n"])
+  return out
+
+
+# ------------------------------------------------------------------ optimisation
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=tc.lr, warmup_steps=tc.warmup_steps,
+      decay_steps=max(tc.steps, tc.warmup_steps + 1), end_value=tc.lr * tc.end_lr_fraction)
+  return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                     optax.adamw(schedule, weight_decay=tc.weight_decay))
+
+
+def init_state(params: Params, tc: TrainConfig) -> dict:
+  return dict(params=params, opt_state=make_optimizer(tc).init(params),
+              step=jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tc"), donate_argnums=(0,))
+def train_step(state, cfg, tc, vocab_map, in_map, batch):
+  loss, grads = jax.value_and_grad(loss_fn)(state["params"], cfg, tc.loss, vocab_map, in_map,
+                                            batch)
+  updates, opt_state = make_optimizer(tc).update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  return dict(params=params, opt_state=opt_state, step=state["step"] + 1), loss
+
+
+# ------------------------------------------------------------------ on-policy data
+
+
+def on_policy_records(draft_params: Params, draft: Draft, target_params: Params,
+                      target_cfg: ModelConfig, prompts: Sequence[np.ndarray], max_new: int,
+                      k: int, seed: int) -> list[dict]:
+  """Draft samples (T=1) continuations; the target scores them teacher-forced.
+
+  The draft runs in its own id space (prompts mapped through ``input_map``;
+  sampling over Vd equals sampling its lifted distribution), then samples are
+  mapped back to target ids.
+  """
+  from specjax.distill.teacher import generate_with_topk
+  from specjax.sampling import Sampling
+
+  vm, im = map(np.asarray, draft.maps())
+  eos = tuple(int(im[e]) for e in target_cfg.eos_token_ids if vm[im[e]] == e)
+  recs = generate_with_topk(draft_params, draft.cfg, [im[p] for p in prompts], max_new,
+                            Sampling(1.0), k=1, seed=seed, eos_ids=eos)
+  seqs = [(np.asarray(p), vm[r["response"]]) for p, r in zip(prompts, recs)]
+  return score_with_target(target_params, target_cfg, seqs, k)
+
+
+def score_with_target(params: Params, cfg: ModelConfig, seqs: Sequence[tuple[np.ndarray, np.ndarray]],
+                      k: int) -> list[dict]:
+  """Records (prompt, response, the target's top-k at each response position)."""
+  l = max(len(p) + len(r) for p, r in seqs)
+  l = -(-l // 32) * 32
+  tokens = np.zeros((len(seqs), l), np.int32)
+  for i, (p, r) in enumerate(seqs):
+    tokens[i, :len(p) + len(r)] = np.concatenate([p, r])
+  logp_top, ids_top = _score(params, cfg, jnp.asarray(tokens), k)
+  logp_top, ids_top = np.asarray(logp_top), np.asarray(ids_top)
+  out = []
+  for i, (p, r) in enumerate(seqs):
+    sl = slice(len(p) - 1, len(p) - 1 + len(r))
+    out.append(dict(prompt=np.asarray(p, np.int32), response=np.asarray(r, np.int32),
+                    topk_ids=ids_top[i, sl], topk_logp=logp_top[i, sl], mode="on-policy"))
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def _score(params, cfg, tokens, k):
+  b, l = tokens.shape
+  out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
+                kvc.init_cache(cfg, b, l))
+  return jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), k)
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def train(draft: Draft, params: Params, train_records: Sequence[dict],
+          heldout_records: Sequence[dict], tc: TrainConfig, workdir: str, *, k: int,
+          target: Optional[tuple[ModelConfig, Params]] = None,
+          stop_after: Optional[int] = None, deadline: Optional[float] = None,
+          log: Callable[[dict], None] = print, progress: bool = True) -> tuple[Params, list[dict]]:
+  """Runs (or resumes) training; checkpoints to ``workdir/checkpoints``.
+
+  Args:
+    draft, params: the draft to train and its initial parameters.
+    train_records, heldout_records: corpus records (see teacher.py).
+    tc: hyper-parameters.
+    workdir: resumes from its latest checkpoint when there is one.
+    k: target top-k used by the losses.
+    target: (cfg, params) of the target, needed only for on-policy steps.
+    stop_after: stop (after checkpointing) at this step (for tests of resumption).
+    deadline: wall-clock time (time.time()) after which to checkpoint and stop.
+    log: receives one metrics dict per log event (also appended to metrics.jsonl).
+
+  Returns:
+    (final params, metric history of this invocation).
+  """
+  import tqdm
+
+  if tc.on_policy_every and target is None:
+    raise ValueError("on-policy steps need the target: pass target=(cfg, params)")
+  os.makedirs(workdir, exist_ok=True)
+  mngr = ckpt.manager(os.path.join(workdir, "checkpoints"))
+  state = init_state(jax.tree.map(jnp.copy, params), tc)  # the step donates its state
+  if mngr.latest_step() is not None:
+    state = ckpt.restore(mngr, state)
+  start = int(state["step"])
+  vm, im = draft.maps()
+  history = []
+  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+
+  def emit(m):
+    history.append(m)
+    metrics_file.write(json.dumps(m) + "\n")
+    metrics_file.flush()
+    log(m)
+
+  if start == 0 and heldout_records:
+    emit(dict(step=0, **heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k)))
+  end = tc.steps if stop_after is None else min(tc.steps, stop_after)
+  bar = tqdm.tqdm(range(start, end), initial=start, total=tc.steps, desc="distill",
+                  disable=not progress)
+  t0, losses_acc = time.time(), []
+  for step in bar:
+    if tc.on_policy_every and step % tc.on_policy_every == tc.on_policy_every - 1:
+      idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed + 1)
+      prompts = [train_records[i]["prompt"] for i in idx]
+      recs = on_policy_records(state["params"], draft, target[1], target[0], prompts,
+                               max_new=max(1, tc.seq_len - max(map(len, prompts))), k=k,
+                               seed=tc.seed * 100_003 + step)
+    else:
+      idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed)
+      recs = [train_records[i] for i in idx]
+    batch = {key: jnp.asarray(v) for key, v in make_batch(recs, tc.seq_len, k).items()}
+    state, loss = train_step(state, draft.cfg, tc, vm, im, batch)
+    losses_acc.append(float(loss))
+    bar.set_postfix(loss=f"{losses_acc[-1]:.4f}")
+    s = step + 1
+    out_of_time = deadline is not None and time.time() > deadline
+    if s % tc.checkpoint_every == 0 or s == end or out_of_time:
+      ckpt.save(mngr, s, state)
+    if s % tc.eval_every == 0 or s == tc.steps:
+      m = dict(step=s, loss=float(np.mean(losses_acc)), seconds=round(time.time() - t0, 1))
+      if heldout_records:
+        m.update(heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k))
+      emit(m)
+      losses_acc = []
+    if out_of_time:
+      break
+  bar.close()
+  metrics_file.close()
+  return state["params"], history

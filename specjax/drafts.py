@@ -1,0 +1,185 @@
+"""Shipped draft models: storage format, the default SmolLM2 draft, and HF export.
+
+A draft directory holds ``draft.json`` (format tag, HF-style config, the
+target vocabulary size and a sha256 fingerprint of the target tokenizer's
+token list) and ``weights.safetensors`` (HF tensor names in float16, plus
+``vocab_map`` [Vd] int32 when the draft has a reduced vocabulary; see
+``specjax.distill.vocab`` for the convention). Loading checks the
+fingerprint, so a draft is never paired with a target whose token ids mean
+something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.loaders.hf import CheckpointError, config_from_hf_dict, config_to_hf_dict
+from specjax.loaders.hf_layout import params_from_hf, params_to_hf
+from specjax.model import Params
+
+FORMAT = "specjax-draft-v1"
+DEFAULT_DRAFT_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2_draft")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+  """sha256 of the token strings in id order (same ids <=> same fingerprint)."""
+  tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+  return hashlib.sha256("\n".join(map(str, tokens)).encode("utf-8")).hexdigest()
+
+
+def save_draft(path: str, cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray], *,
+               target_vocab_size: int, input_map: Optional[np.ndarray] = None, tokenizer_sha256: str, info: Optional[dict] = None,
+               dtype=np.float16) -> None:
+  """Writes a draft directory (weights cast to ``dtype``; compute stays float32)."""
+  from safetensors.numpy import save_file
+
+  os.makedirs(path, exist_ok=True)
+  tensors = {k: v.astype(dtype) for k, v in params_to_hf(cfg, params).items()}
+  if vocab_map is not None:
+    vm = np.asarray(vocab_map, np.int32)
+    if len(vm) != cfg.vocab_size or vm.min() < 0 or vm.max() >= target_vocab_size:
+      raise ValueError("vocab_map must have one target id in [0, V) per draft row")
+    tensors["vocab_map"] = vm
+    if input_map is not None:  # draft rows fit int16 for Vd < 32768: half the bytes
+      im = np.asarray(input_map)
+      tensors["input_map"] = im.astype(np.int16 if cfg.vocab_size < 2**15 else np.int32)
+  save_file(tensors, os.path.join(path, "weights.safetensors"))
+  meta = dict(format=FORMAT, config=config_to_hf_dict(cfg), target_vocab_size=target_vocab_size,
+              tokenizer_sha256=tokenizer_sha256, reduced_vocab=vocab_map is not None,
+              info=info or {})
+  with open(os.path.join(path, "draft.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+
+
+def read_draft_metadata(path: str) -> dict[str, Any]:
+  meta_file = os.path.join(path, "draft.json")
+  if not os.path.exists(meta_file):
+    raise CheckpointError(f"{path!r} is not a draft directory (no draft.json)")
+  try:
+    with open(meta_file) as f:
+      meta = json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"corrupt draft.json in {path!r}: {e}") from None
+  if meta.get("format") != FORMAT:
+    raise CheckpointError(f"{path!r} has draft format {meta.get('format')!r}, expected {FORMAT!r}")
+  return meta
+
+
+def load_draft(path: str, *, target_vocab_size: Optional[int] = None,
+               tokenizer_sha256: Optional[str] = None, dtype=jnp.float32,
+               with_input_map: bool = False):
+  """Loads (cfg, params, vocab_map or None), refusing a draft made for another target.
+
+  With ``with_input_map=True`` returns a fourth element, the [V] int32 map
+  target id -> draft row the draft was trained with (nearest in-map token for
+  ids outside the map), or None when the draft has none (then use
+  ``specjax.distill.vocab.input_map``, which sends such ids to row 0).
+
+  Raises:
+    ValueError: the draft was made for a different vocabulary size or tokenizer.
+    CheckpointError (a ValueError): missing or corrupt files.
+  """
+  from safetensors import safe_open
+
+  meta = read_draft_metadata(path)
+  if target_vocab_size is not None and meta["target_vocab_size"] != target_vocab_size:
+    raise ValueError(f"draft {path!r} was made for a target vocabulary of "
+                     f"{meta['target_vocab_size']} tokens, but the target has {target_vocab_size}")
+  if tokenizer_sha256 is not None and meta["tokenizer_sha256"] != tokenizer_sha256:
+    raise ValueError(f"draft {path!r} was made for another tokenizer (fingerprint "
+                     f"{meta['tokenizer_sha256'][:12]}…, the target's is {tokenizer_sha256[:12]}…): "
+                     "its token ids would mean different strings")
+  cfg = config_from_hf_dict(meta["config"])
+  weights = os.path.join(path, "weights.safetensors")
+  if not os.path.exists(weights):
+    raise CheckpointError(f"draft {path!r} has no weights.safetensors")
+  try:
+    with safe_open(weights, framework="numpy") as f:
+      tensors = {k: f.get_tensor(k) for k in f.keys()}
+  except Exception as e:  # safetensors raises its own error types
+    raise CheckpointError(f"corrupt draft weights {weights}: {e}") from None
+  vocab_map = tensors.pop("vocab_map", None)
+  in_map = tensors.pop("input_map", None)
+  in_map = None if in_map is None else in_map.astype(np.int32)
+  if meta.get("reduced_vocab") and vocab_map is None:
+    raise CheckpointError(f"draft {path!r} declares a reduced vocabulary but has no vocab_map")
+  try:
+    params = params_from_hf(cfg, tensors.__getitem__, dtype)
+  except KeyError as e:
+    raise CheckpointError(f"{path}: {e.args[0]}") from None
+  if with_input_map:
+    return cfg, params, vocab_map, in_map
+  return cfg, params, vocab_map
+
+
+def load_default_draft(tokenizer=None, target_vocab_size: Optional[int] = None,
+                       with_input_map: bool = False):
+  """The shipped draft for SmolLM2-135M-Instruct: (cfg, params, vocab_map).
+
+  Args:
+    tokenizer: the target's tokenizer; default: the embedded target's.
+    target_vocab_size: the target's vocabulary size; default: the tokenizer's.
+  """
+  if tokenizer is None:
+    from specjax.loaders import load_model_tokenizer
+    tokenizer = load_model_tokenizer()
+  return load_draft(DEFAULT_DRAFT_DIR, target_vocab_size=target_vocab_size or len(tokenizer),
+                    tokenizer_sha256=tokenizer_fingerprint(tokenizer),
+                    with_input_map=with_input_map)
+
+
+def expand_to_full_vocab(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray],
+                         target_vocab_size: int, input_map: Optional[np.ndarray] = None
+                         ) -> tuple[ModelConfig, Params]:
+  """A full-vocabulary, untied model with the same predictions on the draft's vocabulary.
+
+  Input embeddings: row t = the draft row that specjax reads for t (ids
+  outside the map read the fallback row), so the exported model sees exactly
+  what the reduced draft sees. Output: column t = the draft row of t, and zero
+  for ids outside the map, so their logit is exactly 0 instead of -inf. Such a
+  token can only be proposed when every in-map logit is below 0 (greedy) or
+  with probability e^0 / Z (sampling); the target rejects what it would not
+  produce, so verification stays lossless either way.
+  """
+  if vocab_map is None:
+    return cfg, params
+  from specjax.distill import vocab
+  vm = np.asarray(vocab_map)
+  im = np.asarray(vocab.input_map(vm, target_vocab_size) if input_map is None else input_map)
+  embed = np.asarray(params["embed"], np.float32)
+  head = np.zeros((cfg.dim, target_vocab_size), np.float32)
+  head[:, vm] = embed.T
+  full = dict(params, embed=jnp.asarray(embed[im]), lm_head=jnp.asarray(head))
+  return dataclasses.replace(cfg, vocab_size=target_vocab_size, tie_embeddings=False), full
+
+
+def export_hf(out_dir: str, cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray],
+              target_vocab_size: int, tokenizer=None, input_map: Optional[np.ndarray] = None
+              ) -> None:
+  """Writes a standard HF Llama directory (config.json, model.safetensors, tokenizer)."""
+  from specjax.loaders import save_hf
+  full_cfg, full_params = expand_to_full_vocab(cfg, params, vocab_map, target_vocab_size,
+                                               input_map)
+  save_hf(out_dir, full_cfg, full_params)
+  if tokenizer is not None:
+    tokenizer.save_pretrained(out_dir)
+
+
+def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None):
+  """The shipped draft ready for ``SpeculativeDecoder``: (ModelDrafter, draft_params)."""
+  from specjax.drafters import ModelDrafter
+  cfg, params, vocab_map, in_map = load_default_draft(tokenizer, target_vocab_size,
+                                                      with_input_map=True)
+  if vocab_map is None:
+    drafter = ModelDrafter(cfg)
+    return drafter, drafter.make_params(params)
+  drafter = ModelDrafter(cfg, target_vocab_size=len(in_map))
+  return drafter, drafter.make_params(params, vocab_map, input_map=in_map)

@@ -1,0 +1,278 @@
+"""Draft distillation: losses, α, orbax checkpoints and resumption, export, draft loading."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import drafts
+from specjax.distill import checkpoint as ckpt
+from specjax.distill import losses, teacher, train, vocab
+from specjax.loaders import CheckpointError, load_hf
+from specjax.model import forward, init_params
+from specjax.kv_cache import init_cache
+from specjax.sampling import Greedy, Sampling
+from specjax.testing import tiny_model
+
+K = 8
+TC = train.TrainConfig(steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2,
+                       eval_every=3, checkpoint_every=3)
+
+
+def _np_divergence(kind, p, q):
+  if kind == "fkl":
+    return np.sum(np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0), -1)
+  if kind == "rkl":
+    return np.sum(np.where(q > 0, q * (np.log(q) - np.log(p)), 0.0), -1)
+  return 0.5 * np.sum(np.abs(p - q), -1)
+
+
+@pytest.mark.parametrize("kind", losses.LOSSES)
+def test_divergence_matches_numpy_and_is_zero_iff_equal(kind):
+  rng = np.random.default_rng(0)
+  p = rng.dirichlet(np.ones(7), size=5)
+  q = rng.dirichlet(np.ones(7), size=5)
+  got = np.asarray(losses.divergence(kind, jnp.log(p), jnp.log(q)))
+  np.testing.assert_allclose(got, _np_divergence(kind, p, q), rtol=1e-5, atol=1e-6)
+  assert np.all(got > 1e-4)
+  np.testing.assert_allclose(losses.divergence(kind, jnp.log(p), jnp.log(p)), 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", losses.LOSSES)
+def test_divergence_handles_zero_probabilities(kind):
+  p = np.array([0.5, 0.5, 0.0])
+  q = np.array([0.25, 0.5, 0.25])
+  got = losses.divergence(kind, jnp.log(p), jnp.log(q))
+  if kind == "rkl":  # q puts mass where p has none
+    assert np.isinf(got)
+  else:
+    np.testing.assert_allclose(got, _np_divergence(kind, p, q), rtol=1e-6)
+  grad = jax.grad(lambda lq: losses.divergence("fkl", jnp.log(p), lq))(jnp.log(q))
+  assert np.all(np.isfinite(grad))
+
+
+def test_coarsen_with_all_tokens_kept_is_the_dense_divergence():
+  rng = np.random.default_rng(1)
+  p, q = rng.dirichlet(np.ones(6), size=3), rng.dirichlet(np.ones(6), size=3)
+  ids = np.tile(np.arange(6), (3, 1))
+  pc, qc = losses.coarsen(ids, jnp.log(p), np.ones((3, 6), bool), jnp.log(q))
+  assert np.all(np.exp(np.asarray(qc))[:, -1] < 1e-6)
+  for kind in losses.LOSSES:
+    np.testing.assert_allclose(losses.divergence(kind, pc, qc),
+                               _np_divergence(kind, p, q), rtol=1e-4, atol=1e-6)
+
+
+def test_coarsen_moves_unkept_tokens_to_other_bucket():
+  p = np.array([[0.6, 0.3, 0.1]])
+  q = np.array([[0.2, 0.3, 0.5]])
+  # keep tokens 0 and 2 only; token 2 is "not in the draft vocabulary"
+  pc, qc = losses.coarsen(np.array([[0, 2]]), jnp.log(p[:, [0, 2]]), np.array([[True, False]]),
+                          jnp.log(q))
+  np.testing.assert_allclose(np.exp(pc), [[0.6, 0.0, 0.4]], atol=1e-6)
+  np.testing.assert_allclose(np.exp(qc), [[0.2, 0.0, 0.8]], atol=1e-6)
+
+
+def test_select_vocab_and_maps():
+  counts = np.array([9.0, 1.0, 5.0, 5.0, 0.0, 7.0])
+  assert vocab.select_vocab(counts, 4, always=(4,)).tolist() == [0, 4, 5, 2]
+  vm = vocab.select_vocab(counts, 4)
+  assert vm.tolist() == [0, 5, 2, 3]  # fallback first, then by count, ties by id
+  im = np.asarray(vocab.input_map(vm, 6))
+  assert im.tolist() == [0, 0, 2, 3, 0, 1]
+  lifted = np.asarray(vocab.lift_logits(jnp.array([1.0, 2.0, 3.0, 4.0]), vm, 6))
+  assert lifted.tolist() == [1.0, -np.inf, 3.0, 4.0, -np.inf, 2.0]
+
+
+def test_nearest_input_map_reads_the_most_similar_kept_token():
+  embed = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.8], [-1.0, 0.0]])
+  vm = np.array([0, 2])
+  assert vocab.nearest_input_map(vm, embed).tolist() == [0, 0, 1, 1, 1]
+
+
+# ------------------------------------------------------------------ toy end to end
+
+
+@pytest.fixture(scope="module")
+def toy():
+  """A tiny target, its corpus (greedy + T=1 responses) and a reduced-vocab draft spec."""
+  cfg, params = tiny_model(seed=3, vocab_size=64, num_layers=1)
+  # Shrink the layer: the next token then depends mostly on the current one,
+  # a function a one-layer draft can learn from a few hundred positions.
+  params = dict(params, layers=jax.tree.map(lambda w: w * 0.2, params["layers"]))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 64, int(rng.integers(3, 10))).tolist() for _ in range(48)]
+  recs = []
+  for j, sampler in enumerate((Greedy(), Sampling(1.0))):
+    out = teacher.generate_with_topk(params, cfg, prompts, 16, sampler, k=K, seed=j, eos_ids=())
+    recs += [dict(r, mode="greedy" if j == 0 else "T=1") for r in out]
+  held = [r for i, r in enumerate(recs) if i % 6 == 0]
+  train_recs = [r for i, r in enumerate(recs) if i % 6 != 0]
+  vm = vocab.select_vocab(vocab.token_counts(train_recs, cfg.vocab_size), 48)
+  return cfg, params, train_recs, held, vm
+
+
+def _draft(toy, seed=0):
+  cfg, _, _, _, vm = toy
+  dcfg = dataclasses.replace(cfg, vocab_size=len(vm), num_layers=1, tie_embeddings=True)
+  d = train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  return d, init_params(dcfg, jax.random.PRNGKey(seed), scale=0.1)
+
+
+def test_teacher_topk_matches_teacher_forced_forward(toy):
+  cfg, params, recs, _, _ = toy
+  r = recs[0]
+  seq = np.concatenate([r["prompt"], r["response"]])[None]
+  out = forward(params, cfg, jnp.asarray(seq), jnp.arange(seq.shape[1])[None],
+                init_cache(cfg, 1, seq.shape[1]))
+  logp = jax.nn.log_softmax(out.logits[0], -1)[len(r["prompt"]) - 1:-1]
+  top, ids = jax.lax.top_k(logp, K)
+  np.testing.assert_array_equal(ids, r["topk_ids"])
+  np.testing.assert_allclose(top, r["topk_logp"], atol=1e-5)
+  assert np.all(r["response"] == r["topk_ids"][:, 0])  # greedy records follow the argmax
+
+
+@pytest.mark.parametrize("kind", losses.LOSSES)
+def test_tiny_training_lowers_loss_and_raises_alpha(toy, tmp_path, kind):
+  _, _, recs, held, _ = toy
+  draft, params = _draft(toy)
+  tc = dataclasses.replace(TC, loss=kind, lr=1e-2, steps=60, batch_size=8,
+                           eval_every=60, checkpoint_every=60)
+  batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], tc.seq_len, K).items()}
+  vm, im = draft.maps()
+  before = float(train.loss_fn(params, draft.cfg, kind, vm, im, batch))
+  trained, hist = train.train(draft, params, recs, held, tc, str(tmp_path), k=K, log=lambda m: 0,
+                              progress=False)
+  after = float(train.loss_fn(trained, draft.cfg, kind, vm, im, batch))
+  print(kind, before, after, hist[0], hist[-1])
+  assert after < 0.8 * before
+  assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"] + 0.1
+  assert hist[-1]["alpha_T1"] > hist[0]["alpha_T1"] + 0.1
+  assert hist[-1]["alpha_T1"] <= hist[-1]["alpha_T1_upper"] <= 1.0
+
+
+def test_heldout_alpha_t1_bounds_contain_exact_beta(toy):
+  cfg, tparams, _, held, _ = toy
+  draft, params = _draft(toy)
+  got = train.heldout_alpha(params, draft, held, 32, K)
+  vm, im = draft.maps()
+  betas = []
+  for r in held:
+    if r["mode"] == "greedy":
+      continue
+    seq = jnp.asarray(np.concatenate([r["prompt"], r["response"]]))[None]
+    n, pos = seq.shape[1], jnp.arange(seq.shape[1])[None]
+    p = jax.nn.softmax(forward(tparams, cfg, seq, pos, init_cache(cfg, 1, n)).logits[0], -1)
+    dl = forward(params, draft.cfg, im[seq], pos, init_cache(draft.cfg, 1, n)).logits[0]
+    q = jax.nn.softmax(vocab.lift_logits(dl, vm, cfg.vocab_size), -1)
+    betas.append(np.asarray(losses.beta(p, q))[len(r["prompt"]) - 1:-1])
+  exact = float(np.mean(np.concatenate(betas)))
+  assert got["alpha_T1"] - 1e-5 <= exact <= got["alpha_T1_upper"] + 1e-5
+
+
+def test_on_policy_step_runs(toy, tmp_path):
+  cfg, tparams, recs, _, _ = toy
+  draft, params = _draft(toy)
+  tc = dataclasses.replace(TC, steps=2, on_policy_every=2, eval_every=2, checkpoint_every=2)
+  out, _ = train.train(draft, params, recs, [], tc, str(tmp_path), k=K, target=(cfg, tparams),
+                       log=lambda m: 0, progress=False)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+  scored = train.on_policy_records(params, draft, tparams, cfg, [recs[0]["prompt"]], 5, K, 0)
+  assert scored[0]["topk_ids"].shape == (len(scored[0]["response"]), K)
+  assert np.all(np.isin(scored[0]["response"], draft.vocab_map))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_checkpoint_roundtrip_is_bit_exact(toy, tmp_path):
+  draft, params = _draft(toy)
+  state = train.init_state(params, TC)
+  state["step"] = jnp.asarray(7, jnp.int32)
+  mngr = ckpt.manager(str(tmp_path))
+  ckpt.save(mngr, 7, state)
+  restored = ckpt.restore(ckpt.manager(str(tmp_path)), train.init_state(params, TC))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_interrupted_run_resumes_at_saved_step(toy, tmp_path):
+  _, _, recs, held, _ = toy
+  draft, params = _draft(toy)
+  full, _ = train.train(draft, params, recs, held, TC, str(tmp_path / "a"), k=K,
+                        log=lambda m: 0, progress=False)
+  train.train(draft, params, recs, held, TC, str(tmp_path / "b"), k=K, stop_after=3,
+              log=lambda m: 0, progress=False)
+  assert ckpt.manager(str(tmp_path / "b" / "checkpoints")).latest_step() == 3
+  resumed, hist = train.train(draft, params, recs, held, TC, str(tmp_path / "b"), k=K,
+                              log=lambda m: 0, progress=False)
+  assert [m["step"] for m in hist] == [6]  # started at 3: no step-0 eval, one eval at 6
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_missing_or_corrupt_checkpoint_is_a_clear_error(toy, tmp_path):
+  draft, params = _draft(toy)
+  state = train.init_state(params, TC)
+  mngr = ckpt.manager(str(tmp_path))
+  with pytest.raises(CheckpointError, match="no checkpoint in"):
+    ckpt.restore(mngr, state)
+  ckpt.save(mngr, 3, state)
+  with pytest.raises(CheckpointError, match="no checkpoint for step 5.*available steps: \\[3\\]"):
+    ckpt.restore(mngr, state, step=5)
+  for root, _, files in os.walk(tmp_path / "3"):
+    for f in files:
+      with open(os.path.join(root, f), "wb") as fh:
+        fh.write(b"\x00garbage")
+  with pytest.raises(CheckpointError, match="corrupt"):
+    ckpt.restore(ckpt.manager(str(tmp_path)), state)
+
+
+# ------------------------------------------------------------------ storage and export
+
+
+def test_draft_save_load_roundtrip_and_refusal(toy, tmp_path):
+  cfg, _, _, _, vm = toy
+  draft, params = _draft(toy)
+  im = np.arange(cfg.vocab_size, dtype=np.int32) % len(vm)
+  drafts.save_draft(str(tmp_path), draft.cfg, params, vm, target_vocab_size=cfg.vocab_size,
+                    tokenizer_sha256="a" * 64, input_map=im)
+  assert np.array_equal(drafts.load_draft(str(tmp_path), with_input_map=True)[3], im)
+  dcfg, p2, vm2 = drafts.load_draft(str(tmp_path), target_vocab_size=cfg.vocab_size,
+                                    tokenizer_sha256="a" * 64)
+  assert dcfg == draft.cfg and np.array_equal(vm2, vm)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p2)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)  # float16 storage
+  with pytest.raises(ValueError, match="another tokenizer"):
+    drafts.load_draft(str(tmp_path), tokenizer_sha256="b" * 64)
+  with pytest.raises(ValueError, match="vocabulary of 64 tokens"):
+    drafts.load_draft(str(tmp_path), target_vocab_size=49152)
+  with pytest.raises(CheckpointError, match="not a draft directory"):
+    drafts.load_draft(str(tmp_path / "nope"))
+
+
+def test_exported_hf_directory_matches_transformers_and_load_hf(toy, tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  cfg, _, _, _, vm = toy
+  draft, params = _draft(toy)
+  drafts.export_hf(str(tmp_path), draft.cfg, params, vm, cfg.vocab_size)
+  hcfg, hparams = load_hf(str(tmp_path))
+  assert hcfg.vocab_size == cfg.vocab_size
+  seq = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
+  pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  ours = np.asarray(forward(hparams, hcfg, jnp.asarray(seq), pos, init_cache(hcfg, 2, 12)).logits)
+  hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(seq)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, atol=1e-4)
+  # on the draft's vocabulary the export predicts exactly what the reduced draft does
+  vmj, im = draft.maps()
+  reduced = forward(params, draft.cfg, im[jnp.asarray(seq)], pos,
+                    init_cache(draft.cfg, 2, 12)).logits
+  np.testing.assert_allclose(ours[..., vm], reduced, atol=1e-5)
+  outside = np.setdiff1d(np.arange(cfg.vocab_size), vm)
+  assert np.all(ours[..., outside] == 0.0)
