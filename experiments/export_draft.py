@@ -26,7 +26,6 @@ flags.DEFINE_bool("check", False, "Verify the export with transformers (slow, lo
 
 def main(argv):
   del argv
-  import numpy as np
   from specjax import drafts
   from specjax.loaders import chat_prompt, load_hf, load_model_tokenizer
 

@@ -1,0 +1,107 @@
+"""The configuration of one ``python -m experiments.run`` invocation (a frozen dataclass).
+
+absl flags are parsed into an ``ExperimentConfig`` in ``run.py``; everything
+below reads the dataclass only, so tests build configs directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+EXPERIMENTS = ("gamma_sweep", "temperature_sweep", "drafts_alpha")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """What to run and at which sizes.
+
+  Attributes:
+    experiments: subset of EXPERIMENTS, run in that order.
+    target: "smollm2" (embedded), "tiny" (random tiny model, for tests), a
+      .gguf path or an HF directory.
+    draft: "default" | "early_exit:K" | "bigram" | "unigram" | "prompt_lookup"
+      | "tiny" | path of a specjax draft directory, a .gguf file or HF dir.
+    prompts: a .jsonl prompt file, or None for the built-in held-out set.
+    num_prompts: prompts taken from the built-in set.
+    gammas: draft lengths of the γ sweep (at T=0 and T=1).
+    temperatures: temperatures of the temperature sweep (0 = greedy).
+    max_new_tokens: tokens generated per prompt.
+    batch_size: prompts per call; batches never mix categories, so every
+      category gets its own measured time.
+    seed: PRNG seed (batch i uses seed + i, for plain and speculative decoding).
+    out: output directory.
+    temperature_gamma: γ of the temperature sweep; 0 = the γ with the best
+      measured speedup (mean of T=0 and T=1) in the γ sweep.
+    alpha_gamma: γ used to measure α of the Table-3 drafts.
+    early_exit_layers: K of the early-exit row of Table 3 (0 = num_layers // 5).
+    alpha_drafts: the other drafts whose α is measured beside --draft
+      ("early_exit" means early_exit:K with K = early_exit_layers).
+    cost_steps: speculative steps timed phase by phase (after one warm step)
+      to measure the draft cost ratio c and the verify cost.
+    stop_at_eos: stop rows at EOS. Off by default: every row then generates
+      exactly max_new_tokens with both methods, so speedups are plain time ratios.
+  """
+
+  experiments: tuple[str, ...] = EXPERIMENTS
+  target: str = "smollm2"
+  draft: str = "default"
+  prompts: Optional[str] = None
+  num_prompts: int = 5
+  gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10)
+  temperatures: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+  max_new_tokens: int = 64
+  batch_size: int = 1
+  seed: int = 0
+  out: str = "out"
+  temperature_gamma: int = 0
+  alpha_gamma: int = 4
+  early_exit_layers: int = 0
+  alpha_drafts: tuple[str, ...] = ("unigram", "bigram", "early_exit", "prompt_lookup")
+  cost_steps: int = 4
+  stop_at_eos: bool = False
+
+  def __post_init__(self):
+    unknown = [e for e in self.experiments if e not in EXPERIMENTS]
+    if unknown or not self.experiments:
+      raise ValueError(f"unknown experiments {unknown}; choose from {EXPERIMENTS} or 'all'")
+    if not self.gammas or any(int(g) != g or g < 1 for g in self.gammas):
+      raise ValueError(f"gammas must be integers >= 1, got {self.gammas}")
+    if not self.temperatures or any(t < 0 for t in self.temperatures):
+      raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
+    for name in ("num_prompts", "max_new_tokens", "batch_size", "alpha_gamma", "cost_steps"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.max_new_tokens < 2:
+      raise ValueError("max_new_tokens must be >= 2 (the step time is measured from it)")
+    if self.temperature_gamma < 0 or self.early_exit_layers < 0:
+      raise ValueError("temperature_gamma and early_exit_layers must be >= 0")
+
+  @property
+  def all_gammas(self) -> tuple[int, ...]:
+    """Every γ any experiment may use (sizes the shared KV cache)."""
+    return tuple(sorted(set(self.gammas) | {self.alpha_gamma, self.temperature_gamma or 1}))
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def parse_experiments(value: str) -> tuple[str, ...]:
+  names = [v.strip() for v in value.split(",") if v.strip()]
+  if names == ["all"]:
+    return EXPERIMENTS
+  return tuple(names)
+
+
+def parse_ints(value: str, name: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(v) for v in value.split(",") if v.strip())
+  except ValueError:
+    raise ValueError(f"--{name} must be a comma-separated list of integers, got {value!r}") from None
+
+
+def parse_floats(value: str, name: str) -> tuple[float, ...]:
+  try:
+    return tuple(float(v) for v in value.split(",") if v.strip())
+  except ValueError:
+    raise ValueError(f"--{name} must be a comma-separated list of numbers, got {value!r}") from None

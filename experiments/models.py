@@ -1,0 +1,164 @@
+"""Targets and drafts by name: what ``--target`` and ``--draft`` resolve to."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+from absl import logging
+
+from specjax import drafters
+from specjax.config import ModelConfig
+from specjax.model import Params
+
+TINY = "tiny"
+
+
+@dataclasses.dataclass
+class Target:
+  """The model being accelerated.
+
+  Attributes:
+    name: the --target value.
+    cfg, params: the model.
+    encode: prompt text -> token ids (chat template for real models).
+    tokenizer: the tokenizer, or None for the tiny random model.
+  """
+
+  name: str
+  cfg: ModelConfig
+  params: Params
+  encode: Callable[[str], list[int]]
+  tokenizer: Any = None
+
+
+@dataclasses.dataclass
+class Draft:
+  """A drafter with its parameters.
+
+  Attributes:
+    name: label in tables ("default", "bigram", "early_exit:6", ...).
+    drafter, params: what SpeculativeDecoder and its methods take.
+    note: provenance (e.g. why a fallback was used).
+  """
+
+  name: str
+  drafter: Any
+  params: Any
+  note: str = ""
+
+
+def load_target(source: str) -> Target:
+  if source == TINY:
+    from specjax.testing import tiny_model
+    cfg, params = tiny_model(seed=0)
+    # Bytes folded into the tiny vocabulary: deterministic and prompt-dependent.
+    encode = lambda text: [b % cfg.vocab_size for b in text.encode("utf-8")][:48] or [1]
+    return Target(TINY, cfg, params, encode)
+  from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
+  cfg, params = load_model(source)
+  tok = load_model_tokenizer(source)
+  return Target(source, cfg, params, lambda text: chat_prompt(tok, text), tok)
+
+
+def default_early_exit_layers(cfg: ModelConfig) -> int:
+  return max(1, cfg.num_layers // 5)
+
+
+def load_draft(spec: str, target: Target,
+               ngram_corpus: Callable[[], Sequence[Sequence[int]]]) -> Draft:
+  """Resolves a --draft value; ``ngram_corpus`` is called only for n-gram drafts."""
+  cfg = target.cfg
+  if spec == "default":
+    return _default_draft(target)
+  if spec.startswith("early_exit"):
+    k = int(spec.split(":", 1)[1]) if ":" in spec else default_early_exit_layers(cfg)
+    drafter, params = drafters.early_exit_drafter(cfg, target.params, k)
+    return Draft(f"early_exit:{k}", drafter, params, f"first {k} of {cfg.num_layers} layers")
+  if spec in ("unigram", "bigram"):
+    corpus = ngram_corpus()
+    order = 1 if spec == "unigram" else 2
+    params = drafters.fit_ngram(corpus, cfg.vocab_size)
+    n = sum(len(s) for s in corpus)
+    return Draft(spec, drafters.NgramDrafter(cfg.vocab_size, order=order), params,
+                 f"fitted on {n} target-generated tokens")
+  if spec == "prompt_lookup":
+    return Draft(spec, drafters.PromptLookupDrafter(cfg.vocab_size, max_ngram=3), ())
+  if spec == TINY:
+    return _random_tiny_draft(cfg)
+  if os.path.exists(spec):
+    return _draft_from_path(spec, target)
+  raise ValueError(f"unknown --draft {spec!r}: use default, early_exit:K, bigram, unigram, "
+                   "prompt_lookup, tiny, or the path of a draft directory, .gguf file or HF dir")
+
+
+def _model_draft(name: str, dcfg: ModelConfig, dparams: Params, vocab_map: Optional[np.ndarray],
+                 target_vocab: int, note: str, input_map: Optional[np.ndarray] = None) -> Draft:
+  if vocab_map is not None:
+    drafter = drafters.ModelDrafter(dcfg, target_vocab_size=target_vocab)
+    return Draft(name, drafter, drafter.make_params(dparams, vocab_map, input_map), note)
+  if dcfg.vocab_size != target_vocab:
+    raise ValueError(f"draft {name!r} has a vocabulary of {dcfg.vocab_size} tokens but the "
+                     f"target has {target_vocab}")
+  drafter = drafters.ModelDrafter(dcfg)
+  return Draft(name, drafter, drafter.make_params(dparams), note)
+
+
+def _random_tiny_draft(cfg: ModelConfig) -> Draft:
+  from specjax.testing import tiny_model
+  dcfg, dparams = tiny_model(seed=1, vocab_size=cfg.vocab_size, num_layers=1, dim=16,
+                             num_heads=2, num_kv_heads=1, ffn_dim=32)
+  return _model_draft(TINY, dcfg, dparams, None, cfg.vocab_size, "random tiny model")
+
+
+def _default_draft(target: Target) -> Draft:
+  """The shipped distilled draft; falls back (loudly) when it is not available."""
+  if target.name == TINY:
+    return _random_tiny_draft(target.cfg)
+  try:
+    from specjax.drafts import default_drafter
+    drafter, dp = default_drafter(target.tokenizer, target.cfg.vocab_size)
+  except (ImportError, OSError, ValueError) as e:
+    k = default_early_exit_layers(target.cfg)
+    logging.warning("default draft unavailable (%s); falling back to early_exit:%d", e, k)
+    d = load_draft(f"early_exit:{k}", target, lambda: [])
+    return dataclasses.replace(d, note=f"FALLBACK, default draft unavailable: {e}")
+  dcfg = drafter.cfg
+  return Draft("default", drafter, dp, f"distilled draft ({dcfg.num_layers} layers, "
+                                       f"d={dcfg.dim}, vocab {dcfg.vocab_size})")
+
+
+def _draft_from_path(path: str, target: Target) -> Draft:
+  name = os.path.basename(os.path.normpath(path))
+  if os.path.exists(os.path.join(path, "draft.json")):
+    from specjax.drafts import load_draft as load_specjax_draft
+    dcfg, dparams, vocab_map, in_map = load_specjax_draft(
+        path, target_vocab_size=target.cfg.vocab_size, with_input_map=True)
+    return _model_draft(name, dcfg, dparams, vocab_map, target.cfg.vocab_size, path, in_map)
+  from specjax.loaders import load_model
+  dcfg, dparams = load_model(path)
+  return _model_draft(name, dcfg, dparams, None, target.cfg.vocab_size, path)
+
+
+def cached_corpus(vocab_size: int, max_records: int = 2000) -> list[np.ndarray]:
+  """Target responses of the distillation corpus (train split) if one is cached on disk."""
+  from specjax.loaders.embedded import cache_dir
+  from specjax.distill import teacher
+  shards = sorted(glob.glob(os.path.join(cache_dir(), "distill", "*", "train-*.npz")))
+  seqs = []
+  for shard in shards:
+    if ".tmp" in shard:
+      continue
+    try:
+      recs = teacher.load_shard(shard)
+    except Exception:  # pylint: disable=broad-except  # a shard being written
+      continue
+    seqs += [r["response"] for r in recs if len(r["response"])]
+    if len(seqs) >= max_records:
+      break
+  if seqs and max(int(s.max()) for s in seqs) >= vocab_size:
+    return []
+  return seqs[:max_records]

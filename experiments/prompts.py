@@ -1,0 +1,161 @@
+"""Prompt sets: the built-in held-out set, ``--prompts FILE.jsonl`` validation, batching.
+
+A prompt file has one JSON object per line, ``{"prompt": "...", "category": "..."}``;
+``category`` is optional (default "uncategorised"), blank lines are skipped.
+Every error names the file and the 1-based line number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Optional, Sequence
+
+DEFAULT_CATEGORY = "uncategorised"
+
+# Used only when specjax.distill.data is unavailable; one per category.
+FALLBACK_PROMPTS = (
+    ("code", "Write a Python function that returns the n-th Fibonacci number."),
+    ("summarise", "Summarize in one sentence: The library lends books, films and music, and "
+                  "offers free courses on computing and languages to everyone in town."),
+    ("qa", "What is the capital of France, and what river flows through it?"),
+    ("math", "Tom has 12 apples and buys 7 more. How many apples does Tom have now?"),
+    ("chat", "Give me three tips about gardening."),
+)
+
+
+class PromptFileError(ValueError):
+  """A --prompts file that cannot be used; the message names the line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptItem:
+  text: str
+  category: str = DEFAULT_CATEGORY
+  source: str = ""
+
+
+def load_prompt_file(path: str) -> list[PromptItem]:
+  """Reads and validates a .jsonl prompt file.
+
+  Raises:
+    PromptFileError: missing file, malformed JSON, a line that is not an
+      object, a missing or non-string "prompt", an empty prompt, a bad
+      category, or no prompts at all.
+  """
+  if not os.path.isfile(path):
+    raise PromptFileError(f"prompts file {path!r} does not exist")
+  items = []
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      where = f"{path}, line {lineno}"
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise PromptFileError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(obj, dict):
+        raise PromptFileError(f"{where}: expected a JSON object like "
+                              f'{{"prompt": ..., "category": ...}}, got {type(obj).__name__}')
+      if "prompt" not in obj:
+        raise PromptFileError(f'{where}: missing required key "prompt" (keys: {sorted(obj)})')
+      text = obj["prompt"]
+      if not isinstance(text, str):
+        raise PromptFileError(f'{where}: "prompt" must be a string, got {type(text).__name__}')
+      if not text.strip():
+        raise PromptFileError(f"{where}: empty prompt")
+      category = obj.get("category", DEFAULT_CATEGORY)
+      if not isinstance(category, str) or not category.strip():
+        raise PromptFileError(f'{where}: "category" must be a non-empty string')
+      items.append(PromptItem(text=text, category=category.strip(), source=f"{path}:{lineno}"))
+  if not items:
+    raise PromptFileError(f"prompts file {path!r} has no prompts")
+  return items
+
+
+def default_prompts(num: int) -> list[PromptItem]:
+  """The first ``num`` held-out distillation prompts, round-robin over categories.
+
+  Held out by source from the draft's training prompts (``specjax.distill.data``).
+  """
+  try:
+    from specjax.distill import data
+  except ImportError:
+    return [PromptItem(t, c, "builtin") for c, t in FALLBACK_PROMPTS][:num]
+  _, held = data.split_by_source(data.build_prompts(seed=0))
+  held = data.interleave_categories(held)[:num]
+  return [PromptItem(p.text, p.category, p.source) for p in held]
+
+
+def training_prompts(num: int) -> list[str]:
+  """Prompts from the draft's training side (never in the default evaluation set)."""
+  try:
+    from specjax.distill import data
+  except ImportError:
+    return [t for _, t in FALLBACK_PROMPTS][:num]
+  train, _ = data.split_by_source(data.build_prompts(seed=0))
+  return [p.text for p in data.interleave_categories(train)[:num]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """Prompts of one category decoded together.
+
+  Attributes:
+    category: the category of every row ("mixed" for an untimed batch).
+    index: position of each real row in the prompt list.
+    ids: token ids per row; rows past ``len(index)`` repeat the first prompt
+      so every batch has the same shape (one compile) and are left out of
+      every statistic.
+    row_categories: the category of each real row.
+  """
+
+  category: str
+  index: tuple[int, ...]
+  ids: tuple[tuple[int, ...], ...]
+  row_categories: tuple[str, ...] = ()
+
+  @property
+  def num_real(self) -> int:
+    return len(self.index)
+
+
+def make_batches(items: Sequence[PromptItem], encode: Callable[[str], list[int]],
+                 batch_size: int) -> list[Batch]:
+  """Category-pure batches of exactly ``batch_size`` rows (padded by repetition)."""
+  ids = [tuple(encode(p.text)) for p in items]
+  categories = list(dict.fromkeys(p.category for p in items))
+  batches = []
+  for cat in categories:
+    rows = [i for i, p in enumerate(items) if p.category == cat]
+    for k in range(0, len(rows), batch_size):
+      chunk = rows[k:k + batch_size]
+      padded = [ids[i] for i in chunk] + [ids[chunk[0]]] * (batch_size - len(chunk))
+      batches.append(Batch(category=cat, index=tuple(chunk), ids=tuple(padded),
+                           row_categories=(cat,) * len(chunk)))
+  return batches
+
+
+def merge_batches(batches: Sequence[Batch], max_rows: int = 16) -> list[Batch]:
+  """Mixed-category batches of up to ``max_rows`` real rows, for untimed α measurements
+  (fewer sequential steps than category-pure batches; per-row counters keep categories)."""
+  rows = [(i, ids, c) for b in batches
+          for i, ids, c in zip(b.index, b.ids, b.row_categories)]
+  size = min(max_rows, len(rows))
+  out = []
+  for k in range(0, len(rows), size):
+    chunk = rows[k:k + size]
+    ids = [r[1] for r in chunk] + [chunk[0][1]] * (size - len(chunk))
+    out.append(Batch(category="mixed", index=tuple(r[0] for r in chunk), ids=tuple(ids),
+                     row_categories=tuple(r[2] for r in chunk)))
+  return out
+
+
+def categories(batches: Sequence[Batch]) -> list[str]:
+  return list(dict.fromkeys(b.category for b in batches))
+
+
+def load_items(path: Optional[str], num: int) -> list[PromptItem]:
+  return load_prompt_file(path) if path else default_prompts(num)

@@ -1,0 +1,115 @@
+"""Table rows: acceptance statistics, measured and predicted speedups for one setting.
+
+Conventions (those of ``specjax.speculative.metrics``):
+  * α = E[β], β = Σₓ min(p, q), over draft positions up to and including the
+    first rejection of each step;
+  * acceptance rate = accepted drafts / drafted (γ per step);
+  * tokens per call = emitted tokens / target calls, counting the corrected
+    or bonus token; emitted = accepted + calls − tokens cut at the budget;
+  * measured speedup = plain-decoding seconds / speculative seconds on the
+    same batches, both warm;
+  * predicted = ``walltime_improvement(α, γ, c)`` (paper Thm 3.8) and
+    calibrated = ``calibrated_walltime_improvement`` with the measured verify
+    cost, where c = draft seconds per draft token / t₁ (``Bench.draft_cost``)
+    and verify cost T(γ+1)/T(1) = the rest of the measured fused step,
+    step/t₁ − γc (target forward over γ+1 tokens, acceptance, bookkeeping).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from specjax import theory
+
+from experiments.measure import Baseline, SpecRun
+from experiments.prompts import Batch
+
+ALL = "all"
+
+
+def batch_indices(batches: Sequence[Batch], category: str) -> list[int]:
+  """Batches holding rows of ``category`` (timed batches are category-pure)."""
+  return [i for i, b in enumerate(batches) if category == ALL or category in b.row_categories]
+
+
+def row_mask(batch: Batch, category: str) -> np.ndarray:
+  return np.array([category in (ALL, c) for c in batch.row_categories], bool)
+
+
+def sum_counters(run: SpecRun, batches: Sequence[Batch], category: str) -> dict[str, np.ndarray]:
+  return {k: sum(run.counters[i][k][row_mask(b, category)].sum(axis=0)
+                 for i, b in enumerate(batches)) for k in run.counters[0]}
+
+
+def _div(a, b) -> float:
+  return float(a) / float(b) if b else float("nan")
+
+
+def _finite(x: Optional[float]) -> Optional[float]:
+  return None if x is None or not np.isfinite(x) else float(x)
+
+
+def costs(run: SpecRun, base: Baseline) -> tuple[Optional[float], Optional[float]]:
+  """(c, verify cost T(γ+1)/T(1)) of a timed run, relative to the target step t₁."""
+  if run.costs is None or run.step_seconds is None or not base.step_seconds > 0:
+    return None, None
+  t1 = base.step_seconds
+  c = run.costs["draft"] / (run.costs["gamma"] * t1)
+  verify = run.step_seconds / t1 - run.gamma * c
+  return c, (verify if verify > 0 else None)
+
+
+def make_row(experiment: str, run: SpecRun, base: Optional[Baseline], batches: Sequence[Batch],
+             category: str = ALL) -> dict[str, Any]:
+  """One table row; ``base`` None (or an untimed run) leaves timing columns empty."""
+  sel = batch_indices(batches, category)
+  c = sum_counters(run, batches, category)
+  alpha = _div(c["beta_sum"], c["beta_count"])
+  g = run.gamma
+  row = dict(
+      experiment=experiment, draft=run.draft, gamma=g, temperature=run.temperature,
+      category=category, prompts=int(sum(row_mask(batches[i], category).sum() for i in sel)),
+      alpha=_finite(alpha), acceptance_rate=_finite(_div(c["accepted"], c["drafted"])),
+      tokens_per_call=_finite(_div(c["emitted"], c["target_calls"])),
+      expected_tokens_per_call=(_finite(theory.expected_tokens_per_step(min(alpha, 1.0), g))
+                                if np.isfinite(alpha) else None),
+      target_calls=int(c["target_calls"]), drafted=int(c["drafted"]),
+      accepted=int(c["accepted"]), emitted=int(c["emitted"]),
+      generated_tokens=int(sum(len(t) for i in sel
+                               for t, m in zip(run.generated[i], row_mask(batches[i], category))
+                               if m)),
+      steps=int(sum(run.steps[i] for i in sel)),
+      accept_len_hist=[int(x) for x in c["accept_len_hist"]],
+      spec_seconds=None, ar_seconds=None, speedup=None, step_seconds=None, c=None,
+      verify_cost=None, predicted_speedup=None, calibrated_speedup=None, greedy_match=None)
+  if base is None or run.seconds is None:
+    return row
+  spec_s = sum(run.seconds[i] for i in sel)
+  ar_s = sum(base.seconds[i] for i in sel)
+  row.update(spec_seconds=spec_s, ar_seconds=ar_s, speedup=ar_s / spec_s,
+             ar_generated_tokens=int(sum(len(t) for i in sel for t in base.generated[i])),
+             step_seconds=base.step_seconds)
+  cc, verify = costs(run, base)
+  if cc is not None and row["alpha"] is not None:
+    a = min(row["alpha"], 1.0)
+    row.update(c=cc, verify_cost=verify, spec_step_seconds=run.step_seconds,
+               predicted_speedup=theory.walltime_improvement(a, g, cc))
+    if verify is not None:
+      row["calibrated_speedup"] = theory.calibrated_walltime_improvement(
+          a, g, cc, theory.VerifyCostCurve({1: 1.0, g + 1: verify}))
+  if run.temperature == 0:
+    same = [run.generated[i][r] == base.generated[i][r]
+            for i in sel for r in range(batches[i].num_real)]
+    row["greedy_match"] = _div(sum(same), len(same))
+  return row
+
+
+def verify_cost_curve(rows: Sequence[dict], temperature: float) -> dict[int, float]:
+  """Measured T -> T(T)/T(1) points at one temperature (T = γ + 1), from all-category rows."""
+  pts = {1: 1.0}
+  for r in rows:
+    if r["category"] == ALL and r["temperature"] == temperature and r["verify_cost"]:
+      pts[r["gamma"] + 1] = r["verify_cost"]
+  return dict(sorted(pts.items()))

@@ -1,0 +1,79 @@
+"""Reproduce the speedup-vs-γ and speedup-vs-temperature tables of Leviathan et al. (2023).
+
+  python -m experiments.run                       # everything, embedded target + default draft
+  python -m experiments.run --experiment=gamma_sweep --gammas=1,4 --max_new_tokens=32
+  python -m experiments.run --target=tiny --draft=tiny --out=/tmp/smoke   # seconds, for tests
+
+Writes results.json, results.csv, tables.md and PNG figures to --out.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from absl import app, flags, logging
+
+from experiments import config as config_lib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("experiment", "all", "gamma_sweep, temperature_sweep, drafts_alpha, all "
+                    "(or a comma-separated list).")
+flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
+flags.DEFINE_string("draft", "default", "default | early_exit:K | bigram | unigram | "
+                    "prompt_lookup | tiny | path of a draft directory, .gguf or HF dir.")
+flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category": ...} per '
+                    "line (default: built-in held-out prompts over code, summarise, qa, math, "
+                    "chat).")
+flags.DEFINE_integer("num_prompts", 5, "Prompts taken from the built-in set (round-robin over "
+                     "the categories).")
+flags.DEFINE_string("gammas", "1,2,3,4,5,6,7,8,10", "Draft lengths of the γ sweep.")
+flags.DEFINE_string("temperatures", "0,0.25,0.5,0.75,1.0", "Temperatures of the sweep.")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
+flags.DEFINE_integer("batch_size", 1, "Prompts per call (batches never mix categories); 1 as "
+                     "in the paper.")
+flags.DEFINE_integer("seed", 0, "PRNG seed.")
+flags.DEFINE_string("out", "out", "Output directory.")
+flags.DEFINE_integer("temperature_gamma", 0, "γ of the temperature sweep (0: best of the γ "
+                     "sweep).")
+flags.DEFINE_integer("alpha_gamma", 4, "γ at which the drafts' α is measured.")
+flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in drafts_alpha "
+                     "(0: num_layers // 5).")
+flags.DEFINE_string("alpha_drafts", "unigram,bigram,early_exit,prompt_lookup",
+                    "Drafts whose α is measured beside --draft in drafts_alpha.")
+flags.DEFINE_integer("cost_steps", 4, "Steps timed phase by phase for c and the verify cost.")
+flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
+
+
+def config_from_flags() -> config_lib.ExperimentConfig:
+  return config_lib.ExperimentConfig(
+      experiments=config_lib.parse_experiments(FLAGS.experiment), target=FLAGS.target,
+      draft=FLAGS.draft, prompts=FLAGS.prompts, num_prompts=FLAGS.num_prompts,
+      gammas=config_lib.parse_ints(FLAGS.gammas, "gammas"),
+      temperatures=config_lib.parse_floats(FLAGS.temperatures, "temperatures"),
+      max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size, seed=FLAGS.seed,
+      out=FLAGS.out, temperature_gamma=FLAGS.temperature_gamma, alpha_gamma=FLAGS.alpha_gamma,
+      early_exit_layers=FLAGS.early_exit_layers,
+      alpha_drafts=tuple(s.strip() for s in FLAGS.alpha_drafts.split(",") if s.strip()),
+      cost_steps=FLAGS.cost_steps,
+      stop_at_eos=FLAGS.stop_at_eos)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    cfg = config_from_flags()
+  except ValueError as e:
+    raise app.UsageError(str(e))
+  from experiments import experiment
+  from experiments.prompts import PromptFileError
+  try:
+    experiment.run(cfg, command="python -m experiments.run " + shlex.join(sys.argv[1:]))
+  except PromptFileError as e:
+    logging.error("%s", e)
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)
