@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.loaders.hf import CheckpointError, config_from_hf_dict, config_to_hf_dict
+from specjax.loaders.hf import (CheckpointError, config_from_hf_dict, config_to_hf_dict,
+                                read_json_object)
 from specjax.loaders.hf_layout import params_from_hf, params_to_hf
 from specjax.model import Params
 
@@ -63,11 +64,7 @@ def read_draft_metadata(path: str) -> dict[str, Any]:
   meta_file = os.path.join(path, "draft.json")
   if not os.path.exists(meta_file):
     raise CheckpointError(f"{path!r} is not a draft directory (no draft.json)")
-  try:
-    with open(meta_file) as f:
-      meta = json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"corrupt draft.json in {path!r}: {e}") from None
+  meta = read_json_object(meta_file, f"draft.json in {path!r}")
   if meta.get("format") != FORMAT:
     raise CheckpointError(f"{path!r} has draft format {meta.get('format')!r}, expected {FORMAT!r}")
   return meta

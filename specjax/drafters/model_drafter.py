@@ -78,9 +78,14 @@ class ModelDrafter:
     return {"model": params, "vocab_map": jnp.asarray(vocab_map),
             "inverse_map": jnp.asarray(inverse)}
 
+  @staticmethod
+  def _draft_ids(dp, tokens):
+    """Target ids -> draft embedding rows (identity without a reduced vocabulary)."""
+    return tokens if "inverse_map" not in dp else dp["inverse_map"][tokens]
+
   def _forward(self, dp, tokens, positions, cache, num_valid=None):
-    ids = tokens if "inverse_map" not in dp else dp["inverse_map"][tokens]
-    out = forward(dp["model"], self.cfg, ids, positions, cache, num_valid=num_valid)
+    out = forward(dp["model"], self.cfg, self._draft_ids(dp, tokens), positions, cache,
+                  num_valid=num_valid)
     logits = out.logits
     if "vocab_map" in dp:
       full = jnp.full(logits.shape[:-1] + (self.target_vocab_size,), -jnp.inf, logits.dtype)
@@ -89,8 +94,8 @@ class ModelDrafter:
 
   def init(self, draft_params, tokens, prompt_lens) -> kvc.KVCache:
     b, s = tokens.shape
-    ids = tokens if "inverse_map" not in draft_params else draft_params["inverse_map"][tokens]
-    return prefill(draft_params["model"], self.cfg, ids, prompt_lens - 1,
+    return prefill(draft_params["model"], self.cfg, self._draft_ids(draft_params, tokens),
+                   prompt_lens - 1,
                    kvc.init_cache(self.cfg, b, s))
 
   def propose(self, draft_params, state: kvc.KVCache, tokens, seq_lens, key, sampler: Sampler,

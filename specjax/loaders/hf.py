@@ -139,19 +139,25 @@ def _open_tensors(path: str):
   return get
 
 
+def read_json_object(file: str, what: str) -> dict[str, Any]:
+  """Reads a JSON object, raising CheckpointError naming ``what`` if it is corrupt."""
+  try:
+    with open(file) as f:
+      obj = json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"corrupt {what}: {e}") from None
+  if not isinstance(obj, dict):
+    raise CheckpointError(f"corrupt {what}: not a JSON object")
+  return obj
+
+
 def load_hf_config(path: str) -> ModelConfig:
   cfg_file = os.path.join(path, "config.json")
   if not os.path.isdir(path):
     raise CheckpointError(f"model directory {path!r} does not exist")
   if not os.path.exists(cfg_file):
     raise CheckpointError(f"{path!r} has no config.json")
-  try:
-    with open(cfg_file) as f:
-      c = json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"corrupt config.json in {path!r}: {e}") from None
-  if not isinstance(c, dict):
-    raise CheckpointError(f"corrupt config.json in {path!r}: not a JSON object")
+  c = read_json_object(cfg_file, f"config.json in {path!r}")
   try:
     return config_from_hf_dict(c)
   except KeyError as e:
