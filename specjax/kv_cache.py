@@ -20,9 +20,12 @@ class KVCache:
   """Per-layer keys and values.
 
   Attributes:
-    k: L-tuple of [B, S, K, H] keys (RoPE already applied). One array per
+    k: L-tuple of [B, K, S, H] keys (RoPE already applied). One array per
       layer, so each layer's write is an in-place scatter with no slicing.
-    v: L-tuple of [B, S, K, H] values.
+      Heads before slots: attention is then a batched [T*G, H] x [S, H]^T
+      product per (row, kv head) with no transposed copy of the cache, which
+      measured 2x faster than [B, S, K, H] on XLA:CPU (decode and verify).
+    v: L-tuple of [B, K, S, H] values.
     lengths: [B] int32, number of committed slots per row.
   """
 
@@ -33,7 +36,7 @@ class KVCache:
   @property
   def size(self) -> int:
     """S, the number of slots per row."""
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
   @property
   def batch_size(self) -> int:
@@ -50,19 +53,21 @@ class KVCache:
 def init_cache(cfg: ModelConfig, batch_size: int, size: int,
                dtype: jnp.dtype = jnp.float32) -> KVCache:
   """An empty cache of ``size`` slots per row."""
-  shape = (batch_size, size, cfg.num_kv_heads, cfg.head_dim)
+  shape = (batch_size, cfg.num_kv_heads, size, cfg.head_dim)
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
   return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                  lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
 def write_layer(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes ``new`` [B, T, K, H] into ``cache_layer`` [B, S, K, H] at slots start[b] + t.
+  """Writes ``new`` [B, T, K, H] into ``cache_layer`` [B, K, S, H] at slots start[b] + t.
 
   Writes past the end of the cache are dropped (the callers validate capacity
   up front, so only scratch writes of finished rows can fall off the end).
   """
-  b, t = new.shape[:2]
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  slots = start[:, None] + jnp.arange(t)[None, :]
-  return cache_layer.at[rows, slots].set(new.astype(cache_layer.dtype), mode="drop")
+  b, t, kh = new.shape[:3]
+  rows = jnp.arange(b)[:, None, None]
+  heads = jnp.arange(kh)[None, :, None]
+  slots = (start[:, None] + jnp.arange(t)[None, :])[:, None, :]
+  update = jnp.swapaxes(new, 1, 2).astype(cache_layer.dtype)  # [B, K, T, H]
+  return cache_layer.at[rows, heads, slots].set(update, mode="drop")

@@ -74,16 +74,22 @@ def _visibility(cache_lengths: jax.Array, new_mask: jax.Array, size: int) -> jax
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-  """Grouped-query attention: q [B,T,N,H], k/v [B,S,K,H], visible [B,T,S] -> [B,T,N,H]."""
+  """Grouped-query attention: q [B,T,N,H], k/v [B,K,S,H], visible [B,T,S] -> [B,T,N,H].
+
+  The T new tokens and the G = N/K query heads sharing a kv head are merged
+  into one M = T*G axis, so each (row, kv head) is a single [M, H] x [S, H]^T
+  product against the cache as stored.
+  """
   b, t, n, h = q.shape
-  kh = k.shape[2]
-  q = q.reshape(b, t, kh, n // kh, h)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores * (1.0 / np.sqrt(h))
-  scores = jnp.where(visible[:, None, None], scores, -1e30)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-  return out.reshape(b, t, n, h)
+  kh = k.shape[1]
+  g = n // kh
+  q = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
+  scores = jnp.einsum("bkmh,bksh->bkms", q, k, preferred_element_type=jnp.float32)
+  scores = scores.reshape(b, kh, t, g, -1) * (1.0 / np.sqrt(h))
+  scores = jnp.where(visible[:, None, :, None], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kh, t * g, -1)
+  out = jnp.einsum("bkms,bksh->bkmh", probs, v).reshape(b, kh, t, g, h)
+  return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
 def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
