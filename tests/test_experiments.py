@@ -170,3 +170,36 @@ def test_config_rejects_bad_values():
     ExperimentConfig(gammas=(0,))
   with pytest.raises(ValueError, match="unknown experiments"):
     ExperimentConfig(experiments=("nope",))
+
+
+# ------------------------------------------------------------------ --stop_at_eos
+
+
+def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
+  """With --stop_at_eos, rows end at EOS in both methods; counts and equality still hold."""
+  import dataclasses
+  import specjax
+  from experiments import experiment, models
+  from specjax.sampling import Greedy
+
+  target = models.load_target("tiny")
+  # EOS := the 4th token plain greedy writes for the first prompt, so rows do stop early.
+  ids = target.encode(prompts.load_items(None, 1)[0].text)
+  first = specjax.generate(target.params, target.cfg, [ids], 8, Greedy(), eos_ids=()).generated(0)
+  eos = int(first[3])
+  cfg = dataclasses.replace(target.cfg, eos_token_ids=(eos,))
+  monkeypatch.setattr(experiment, "load_target",
+                      lambda source: dataclasses.replace(target, cfg=cfg))
+  config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=3, gammas=(2,),
+                            temperatures=(0.0,), max_new_tokens=NEW, batch_size=1,
+                            experiments=("gamma_sweep",), cost_steps=2, stop_at_eos=True,
+                            out=str(tmp_path))
+  results = experiment.run(config, command="stop_at_eos test")
+  rows = [r for r in results["rows"] if r["temperature"] == 0.0]
+  assert rows and all(r["greedy_match"] == 1.0 for r in rows)
+  overall = [r for r in rows if r["category"] == "all"]
+  assert overall[0]["generated_tokens"] < overall[0]["prompts"] * NEW  # someone stopped
+  for r in rows:
+    assert r["emitted"] == r["generated_tokens"] == r["ar_generated_tokens"]
+    assert r["accepted"] <= r["emitted"] <= r["accepted"] + r["target_calls"]
+  assert "stopping at EOS" in open(os.path.join(str(tmp_path), "tables.md")).read()
