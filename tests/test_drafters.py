@@ -1,11 +1,13 @@
 """Every drafter keeps greedy speculative decoding identical to plain greedy decoding."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specjax
 from specjax.drafters import NgramDrafter, PromptLookupDrafter, early_exit_drafter, fit_ngram
+from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.testing import DRAFTER_KINDS as KINDS, make_drafter, tiny_model
 
@@ -53,7 +55,30 @@ def test_bigram_fit_normalises_and_prefers_seen_successors():
 def test_early_exit_shares_the_target_arrays():
   cfg, params = tiny_model(num_layers=3)
   drafter, dp = early_exit_drafter(cfg, params, 2)
-  assert drafter.cfg.num_layers == 2 and dp["model"]["embed"] is params["embed"]
-  assert dp["model"]["layers"][1] is params["layers"][1]
+  assert drafter.cfg.num_layers == 2 and dp["embed"] is params["embed"]
+  assert dp["layers"][1] is params["layers"][1]
+  assert drafter.init(dp, None, None) == ()  # no cache of its own: it reads the target's
   with pytest.raises(ValueError):
     early_exit_drafter(cfg, params, 4)
+
+
+def test_early_exit_on_the_target_cache_equals_the_truncated_model_with_its_own_cache():
+  """Sharing the target's KV is exact: same drafts and q as a separate k-layer model."""
+  from specjax.drafters import ModelDrafter
+  from specjax.generate import prefill
+  from specjax.kv_cache import init_cache
+
+  cfg, params = tiny_model(num_layers=3)
+  shared, dp = early_exit_drafter(cfg, params, 2)
+  own = ModelDrafter(shared.cfg)
+  own_dp = own.make_params(dp)
+  tokens = jnp.array([[5, 9, 3, 7, 1, 0, 0, 0], [2, 4, 0, 0, 0, 0, 0, 0]])
+  seq_lens = jnp.array([5, 2])
+  target_cache = prefill(params, cfg, tokens, seq_lens - 1, init_cache(cfg, 2, 8))
+  key = jax.random.PRNGKey(3)
+  for sampler in (Greedy(), Sampling(temperature=1.0)):
+    d1, q1, _ = shared.propose(dp, target_cache, tokens, seq_lens, key, sampler, 3)
+    d2, q2, _ = own.propose(own_dp, own.init(own_dp, tokens, seq_lens), tokens, seq_lens, key,
+                            sampler, 3)
+    np.testing.assert_array_equal(np.asarray(d1), np.asarray(d2))
+    np.testing.assert_allclose(np.asarray(q1), np.asarray(q2), atol=1e-5)

@@ -12,6 +12,11 @@ Contract, for rows whose committed sequence is ``tokens[b, :seq_lens[b]]``:
     be a sample of qᵢ given the committed sequence and the earlier drafts;
   * ``rollback`` is told the new committed lengths and must forget anything
     it derived from rejected drafts.
+
+A drafter whose class sets ``shares_target_cache = True`` (early exit) gets
+the target's KV cache, holding the committed length − 1, as ``state`` in
+``propose``; it may write only slots at or past that length (verification
+overwrites them) and keeps no state of its own.
 """
 
 from __future__ import annotations

@@ -69,7 +69,11 @@ class SpeculativeDecoder:
 
   def propose(self, draft_params: Any, state: SpecState, key: jax.Array):
     """Draft γ tokens: (drafts [B, γ], q [B, γ, V], new draft state)."""
-    return self.drafter.propose(draft_params, state.draft_state, state.tokens, state.seq_lens,
+    # A drafter that shares the target's KV cache (early exit) reads it as its
+    # state; it only writes scratch slots, which verify overwrites.
+    draft_state = (state.target_cache if getattr(self.drafter, "shares_target_cache", False)
+                   else state.draft_state)
+    return self.drafter.propose(draft_params, draft_state, state.tokens, state.seq_lens,
                                 key, self.sampler, self.gamma)
 
   def verify(self, target_params: Params, state: SpecState, drafts: jax.Array):
