@@ -50,7 +50,7 @@ class ExperimentConfig:
   num_prompts: int = 5
   gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10)
   temperatures: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-  max_new_tokens: int = 64
+  max_new_tokens: int = 48
   batch_size: int = 1
   seed: int = 0
   out: str = "out"

@@ -29,7 +29,7 @@ flags.DEFINE_integer("num_prompts", 5, "Prompts taken from the built-in set (rou
                      "the categories).")
 flags.DEFINE_string("gammas", "1,2,3,4,5,6,7,8,10", "Draft lengths of the γ sweep.")
 flags.DEFINE_string("temperatures", "0,0.25,0.5,0.75,1.0", "Temperatures of the sweep.")
-flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
+flags.DEFINE_integer("max_new_tokens", 48, "Tokens generated per prompt.")
 flags.DEFINE_integer("batch_size", 1, "Prompts per call (batches never mix categories); 1 as "
                      "in the paper.")
 flags.DEFINE_integer("seed", 0, "PRNG seed.")
