@@ -20,8 +20,10 @@ class ExperimentConfig:
     experiments: subset of EXPERIMENTS, run in that order.
     target: "smollm2" (embedded), "tiny" (random tiny model, for tests), a
       .gguf path or an HF directory.
-    draft: "default" | "early_exit:K" | "bigram" | "unigram" | "prompt_lookup"
-      | "tiny" | path of a specjax draft directory, a .gguf file or HF dir.
+    draft: "default" (the shipped distilled token draft) | "eagle" (the shipped
+      EAGLE feature drafter) | "early_exit:K" | "bigram" | "unigram" |
+      "prompt_lookup" | "tiny" | path of a specjax draft directory (token or
+      EAGLE), a .gguf file or HF dir.
     prompts: a .jsonl prompt file, or None for the built-in held-out set.
     num_prompts: prompts taken from the built-in set.
     gammas: draft lengths of the γ sweep (at T=0 and T=1).
@@ -57,7 +59,8 @@ class ExperimentConfig:
   temperature_gamma: int = 0
   alpha_gamma: int = 4
   early_exit_layers: int = 0
-  alpha_drafts: tuple[str, ...] = ("unigram", "bigram", "early_exit", "prompt_lookup")
+  alpha_drafts: tuple[str, ...] = ("unigram", "bigram", "early_exit", "prompt_lookup", "default",
+                                   "eagle")
   cost_steps: int = 4
   stop_at_eos: bool = False
 

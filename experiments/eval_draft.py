@@ -9,6 +9,11 @@ T=1 generations. T=0 is exact from the stored top-1; for T=1 the stored
 top-k gives bounds and ``--exact_records`` responses are re-scored with the
 full target distribution. c: median draft / target decode-step time
 (B=1, one token, 256 cached tokens), measured interleaved on this machine.
+An EAGLE directory (``--draft_kind=eagle``) is evaluated the same way, with
+the target's features of the held-out set (cached beside the corpus): its
+teacher-forced α is that of the first draft of each step, which reads true
+features; later drafts read predicted ones (see experiments.run for α in
+real speculative decoding).
 """
 
 from __future__ import annotations
@@ -56,72 +61,123 @@ def exact_alpha_t1(tparams, tcfg, dparams, draft, records) -> float:
   return float(np.mean(np.concatenate(betas)))
 
 
-def step_times(tcfg, tparams, dcfg, dparams, vocab_map, reps: int) -> dict[str, float]:
+def _token_stepper(tcfg, c, p, vm):
+  """One decode step (B=1, 256 cached tokens) of a token model, as a timed callable."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from specjax.distill.vocab import lift_logits
   from specjax.kv_cache import init_cache
   from specjax.model import forward
 
-  def stepper(c, p, vm):
-    @jax.jit
-    def f(p, tok, cache):
-      out = forward(p, c, tok, cache.lengths[:, None], cache, num_valid=jnp.zeros((1,), jnp.int32))
-      lg = out.logits[:, 0]
-      if vm is not None:
-        lg = lift_logits(lg, vm, tcfg.vocab_size)
-      return jnp.argmax(lg, -1)
-    cache = init_cache(c, 1, 512).with_lengths(jnp.array([256]))
-    tok = jnp.array([[5]])
-    f(p, tok, cache).block_until_ready()
+  @jax.jit
+  def f(p, tok, cache):
+    out = forward(p, c, tok, cache.lengths[:, None], cache, num_valid=jnp.zeros((1,), jnp.int32))
+    lg = out.logits[:, 0]
+    if vm is not None:
+      lg = lift_logits(lg, vm, tcfg.vocab_size)
+    return jnp.argmax(lg, -1)
+  cache = init_cache(c, 1, 512).with_lengths(jnp.array([256]))
+  return lambda: f(p, jnp.array([[5]]), cache)
 
-    def run():
-      t = time.perf_counter()
-      f(p, tok, cache).block_until_ready()
-      return time.perf_counter() - t
-    return run
 
-  runs = {"target": stepper(tcfg, tparams, None),
-          "draft": stepper(dcfg, dparams, None if vocab_map is None else jnp.asarray(vocab_map))}
+def _eagle_stepper(drafter, dp):
+  """One EAGLE draft step (a predicted feature + a token in, a token out), timed like above."""
+  import jax
+  import jax.numpy as jnp
+  from specjax.kv_cache import init_cache
+
+  @jax.jit
+  def f(dp, feat, tok, cache):
+    h, _ = drafter.hidden(dp, feat, tok, cache.lengths[:, None], cache,
+                          num_valid=jnp.zeros((1,), jnp.int32))
+    return h[:, 0], jnp.argmax(drafter.logits(dp, h[:, 0]), -1)
+  cache = init_cache(drafter.cfg, 1, 512).with_lengths(jnp.array([256]))
+  feat = jnp.ones((1, 1, drafter.cfg.dim), jnp.float32)
+  return lambda: f(dp, feat, jnp.array([[5]]), cache)
+
+
+def step_times(target_step, draft_step, reps: int) -> dict[str, float]:
+  """Median step times of two timed callables, interleaved, and their ratio c."""
+  import jax
+  import numpy as np
+
+  runs = {"target": target_step, "draft": draft_step}
   times = {k: [] for k in runs}
+  for run in runs.values():
+    jax.block_until_ready(run())  # compile
   for _ in range(reps):
     for k, run in runs.items():
-      times[k].append(run())
+      t = time.perf_counter()
+      jax.block_until_ready(run())
+      times[k].append(time.perf_counter() - t)
   med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
   return dict(target_ms=med["target"], draft_ms=med["draft"], c=med["draft"] / med["target"])
 
 
-def main(argv):
-  del argv
+def eval_eagle(path: str, meta: dict, tok) -> dict:
+  """Held-out α (teacher-forced: every draft reads the target's true features, i.e. the
+  first draft of a step) and c of an EAGLE draft directory."""
+  import dataclasses
+  import jax.numpy as jnp
   import numpy as np
   from specjax import drafts
-  from specjax.distill import teacher, train
-  from specjax.loaders import load_model, load_model_tokenizer
+  from specjax.distill import eagle, features, losses, teacher, train
+  from specjax.kv_cache import init_cache
+  from specjax.loaders import load_model
+  from specjax.model import forward
+  from specjax.sampling import Sampling
+
+  tcfg, tparams = load_model()
+  drafter, dp = drafts.load_eagle(path, tcfg, tparams,
+                                  tokenizer_sha256=drafts.tokenizer_fingerprint(tok))
+  corpus = FLAGS.corpus or meta["info"]["corpus"]
+  held = teacher.load_corpus(corpus, "heldout")
+  features.corpus_features(corpus, "heldout", held, tparams, tcfg)
+  k = meta["info"].get("topk", 64)
+  vm = None if "vocab_map" not in dp else np.asarray(dp["vocab_map"])
+  weights = {n: dp[n] for n in ("embed_norm", "feature_norm", "fc", "fc_bias", "layers")}
+  frozen = {n: v for n, v in dp.items() if n not in weights and n != "vocab_map"}
+  objective = eagle.EagleObjective(drafter)
+  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=dp["head"].shape[0]),
+                      target_vocab_size=tcfg.vocab_size, vocab_map=vm)
+  alpha = lambda recs: train.heldout_alpha(weights, draft, recs, 288, k, objective=objective,
+                                           frozen=frozen)
+  res = dict(kind="eagle", heldout=alpha(held), by_category={
+      cat: alpha([r for r in held if r["category"] == cat])
+      for cat in sorted({r["category"] for r in held})})
+  sampler, betas = Sampling(temperature=1.0), []
+  sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
+  for r in sampled:  # exact T=1 β with the full target distribution
+    seq = np.concatenate([r["prompt"], r["response"]])
+    n = -(-len(seq) // 64) * 64
+    toks = jnp.zeros((1, n), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+    pos = jnp.arange(n)[None]
+    out = forward(tparams, tcfg, toks, pos, init_cache(tcfg, 1, n))
+    shifted = jnp.concatenate([jnp.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], axis=1)
+    h, _ = drafter.hidden(dp, shifted, toks, pos, init_cache(drafter.cfg, 1, n))
+    p, q = sampler.probs(out.logits[0]), sampler.probs(drafter.logits(dp, h)[0])
+    betas.append(np.asarray(losses.beta(p, q))[len(r["prompt"]) - 1:len(seq) - 1])
+  res["alpha_T1_exact_subset"] = dict(records=len(sampled),
+                                      tokens=int(sum(len(r["response"]) for r in sampled)),
+                                      alpha=float(np.mean(np.concatenate(betas))))
+  res["timing"] = step_times(_token_stepper(tcfg, tcfg, tparams, None),
+                             _eagle_stepper(drafter, dp), FLAGS.timing_reps)
+  return res
+
+
+def main(argv):
+  del argv
+  from specjax import drafts
+  from specjax.loaders import load_model_tokenizer
+  from specjax.loaders.hf import read_json_object
 
   tok = load_model_tokenizer()
   path = FLAGS.eval_draft or drafts.DEFAULT_DRAFT_DIR
-  meta = drafts.read_draft_metadata(path)
-  dcfg, dparams, vm, im = drafts.load_draft(
-      path, target_vocab_size=len(tok), tokenizer_sha256=drafts.tokenizer_fingerprint(tok),
-      with_input_map=True)
-  tcfg, tparams = load_model()
-  draft = train.Draft(cfg=dcfg, target_vocab_size=tcfg.vocab_size, vocab_map=vm, input_map=im)
-  corpus = FLAGS.corpus or meta["info"]["corpus"]
-  held = teacher.load_corpus(corpus, "heldout")
-  k = meta["info"].get("topk", 64)
-  res = dict(draft=path, git=subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                            text=True).stdout.strip())
-  res["heldout"] = train.heldout_alpha(dparams, draft, held, 288, k)
-  res["by_category"] = {}
-  for cat in sorted({r["category"] for r in held}):
-    res["by_category"][cat] = train.heldout_alpha(
-        dparams, draft, [r for r in held if r["category"] == cat], 288, k)
-  sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
-  res["alpha_T1_exact_subset"] = dict(records=len(sampled), tokens=int(sum(len(r["response"])
-                                                                         for r in sampled)),
-                                      alpha=exact_alpha_t1(tparams, tcfg, dparams, draft, sampled))
-  res["timing"] = step_times(tcfg, tparams, dcfg, dparams, vm, FLAGS.timing_reps)
+  meta = read_json_object(os.path.join(path, "draft.json"), f"draft.json in {path!r}")
+  if meta.get("format") == drafts.EAGLE_FORMAT:
+    res = dict(draft=path, git=_git(), **eval_eagle(path, meta, tok))
+  else:
+    res = eval_token_draft(path, tok)
   a0, a1, c = res["heldout"]["alpha_T0"], res["alpha_T1_exact_subset"]["alpha"], res["timing"]["c"]
   res["expected_walltime_improvement"] = {  # Leviathan et al. Thm 3.8
       f"T{t}_gamma{g}": (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
@@ -133,7 +189,42 @@ def main(argv):
     with open(FLAGS.results, "w") as f:
       json.dump(res, f, indent=2)
   print(json.dumps(res, indent=2))
-  del np
+
+
+def _git() -> str:
+  return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def eval_token_draft(path: str, tok) -> dict:
+  import jax.numpy as jnp
+  from specjax import drafts
+  from specjax.distill import teacher, train
+  from specjax.loaders import load_model
+
+  meta = drafts.read_draft_metadata(path)
+  dcfg, dparams, vm, im = drafts.load_draft(
+      path, target_vocab_size=len(tok), tokenizer_sha256=drafts.tokenizer_fingerprint(tok),
+      with_input_map=True)
+  tcfg, tparams = load_model()
+  draft = train.Draft(cfg=dcfg, target_vocab_size=tcfg.vocab_size, vocab_map=vm, input_map=im)
+  corpus = FLAGS.corpus or meta["info"]["corpus"]
+  held = teacher.load_corpus(corpus, "heldout")
+  k = meta["info"].get("topk", 64)
+  res = dict(draft=path, git=_git())
+  res["heldout"] = train.heldout_alpha(dparams, draft, held, 288, k)
+  res["by_category"] = {}
+  for cat in sorted({r["category"] for r in held}):
+    res["by_category"][cat] = train.heldout_alpha(
+        dparams, draft, [r for r in held if r["category"] == cat], 288, k)
+  sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
+  res["alpha_T1_exact_subset"] = dict(records=len(sampled), tokens=int(sum(len(r["response"])
+                                                                         for r in sampled)),
+                                      alpha=exact_alpha_t1(tparams, tcfg, dparams, draft, sampled))
+  res["timing"] = step_times(
+      _token_stepper(tcfg, tcfg, tparams, None),
+      _token_stepper(tcfg, dcfg, dparams, None if vm is None else jnp.asarray(vm)),
+      FLAGS.timing_reps)
+  return res
 
 
 if __name__ == "__main__":

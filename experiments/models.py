@@ -74,6 +74,8 @@ def load_draft(spec: str, target: Target,
   cfg = target.cfg
   if spec == "default":
     return _default_draft(target)
+  if spec == "eagle":
+    return _default_eagle(target)
   if spec.startswith("early_exit"):
     k = int(spec.split(":", 1)[1]) if ":" in spec else default_early_exit_layers(cfg)
     drafter, params = drafters.early_exit_drafter(cfg, target.params, k)
@@ -91,8 +93,9 @@ def load_draft(spec: str, target: Target,
     return _random_tiny_draft(cfg)
   if os.path.exists(spec):
     return _draft_from_path(spec, target)
-  raise ValueError(f"unknown --draft {spec!r}: use default, early_exit:K, bigram, unigram, "
-                   "prompt_lookup, tiny, or the path of a draft directory, .gguf file or HF dir")
+  raise ValueError(f"unknown --draft {spec!r}: use default, eagle, early_exit:K, bigram, "
+                   "unigram, prompt_lookup, tiny, or the path of a draft directory (token or "
+                   "EAGLE), .gguf file or HF dir")
 
 
 def _model_draft(name: str, dcfg: ModelConfig, dparams: Params, vocab_map: Optional[np.ndarray],
@@ -131,9 +134,27 @@ def _default_draft(target: Target) -> Draft:
                                        f"d={dcfg.dim}, vocab {dcfg.vocab_size})")
 
 
+def _default_eagle(target: Target) -> Draft:
+  """The shipped EAGLE drafter (a random one for the tiny target)."""
+  if target.name == TINY:
+    import jax
+    from specjax.drafters.eagle import random_eagle_weights
+    weights = random_eagle_weights(target.cfg, 1, jax.random.PRNGKey(1))
+    drafter, dp = drafters.eagle_drafter(target.cfg, target.params, weights)
+    return Draft("eagle", drafter, dp, "random EAGLE weights")
+  from specjax.drafts import default_eagle_drafter
+  drafter, dp = default_eagle_drafter(target.cfg, target.params, target.tokenizer)
+  return Draft("eagle", drafter, dp, f"EAGLE feature drafter ({drafter.cfg.num_layers} layer, "
+                                     f"{dp['head'].shape[0]}-row head)")
+
+
 def _draft_from_path(path: str, target: Target) -> Draft:
   name = os.path.basename(os.path.normpath(path))
   if os.path.exists(os.path.join(path, "draft.json")):
+    from specjax.drafts import EAGLE_FORMAT, load_eagle, read_json_object
+    if read_json_object(os.path.join(path, "draft.json"), path).get("format") == EAGLE_FORMAT:
+      drafter, dp = load_eagle(path, target.cfg, target.params)
+      return Draft(name, drafter, dp, f"EAGLE drafter {path}")
     from specjax.drafts import load_draft as load_specjax_draft
     dcfg, dparams, vocab_map, in_map = load_specjax_draft(
         path, target_vocab_size=target.cfg.vocab_size, with_input_map=True)

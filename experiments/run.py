@@ -20,8 +20,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("experiment", "all", "gamma_sweep, temperature_sweep, drafts_alpha, all "
                     "(or a comma-separated list).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
-flags.DEFINE_string("draft", "default", "default | early_exit:K | bigram | unigram | "
-                    "prompt_lookup | tiny | path of a draft directory, .gguf or HF dir.")
+flags.DEFINE_string("draft", "default", "default (distilled token draft) | eagle (EAGLE feature "
+                    "drafter) | early_exit:K | bigram | unigram | prompt_lookup | tiny | path of a "
+                    "draft directory (token or EAGLE), .gguf or HF dir.")
 flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category": ...} per '
                     "line (default: built-in held-out prompts over code, summarise, qa, math, "
                     "chat).")
@@ -39,7 +40,7 @@ flags.DEFINE_integer("temperature_gamma", 0, "γ of the temperature sweep (0: be
 flags.DEFINE_integer("alpha_gamma", 4, "γ at which the drafts' α is measured.")
 flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in drafts_alpha "
                      "(0: num_layers // 5).")
-flags.DEFINE_string("alpha_drafts", "unigram,bigram,early_exit,prompt_lookup",
+flags.DEFINE_string("alpha_drafts", "unigram,bigram,early_exit,prompt_lookup,default,eagle",
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
 flags.DEFINE_integer("cost_steps", 4, "Steps timed phase by phase for c and the verify cost.")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")

@@ -5,12 +5,16 @@ Stages (``--stage``):
          chat; see specjax.distill.data); responses and the target's top-k
          log-probs are cached under ``$SPECJAX_CACHE/distill/<key>/``.
   train  token-level distillation (forward KL, reverse KL or TV) of a small
-         Llama draft with a reduced vocabulary; resumable orbax checkpoints;
+         Llama draft with a reduced vocabulary (``--draft_kind=token``), or of
+         an EAGLE feature drafter that reads the target's hidden states
+         (``--draft_kind=eagle``; the target's features over the corpus are
+         computed once and cached beside it); resumable orbax checkpoints;
          logs loss and held-out α at T=0 and T=1.
   all    data, then train.
 
-Example (the default draft shipped in specjax/assets/):
+Examples (the drafts shipped in specjax/assets/; see their model cards):
   python -m experiments.train_draft --stage=all --workdir=/tmp/draft_run
+  python -m experiments.train_draft --stage=train --draft_kind=eagle --workdir=/tmp/eagle_run
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ flags.DEFINE_integer("on_policy_every", 0, "Every n-th step trains on draft samp
 flags.DEFINE_integer("draft_vocab", 8192, "Draft vocabulary size (0 = full target vocabulary).")
 flags.DEFINE_list("draft_layers", ["0"], "Target layers that initialise the draft's layers.")
 flags.DEFINE_float("max_minutes", 1e9, "Stop (checkpointed, resumable) after this long.")
+flags.DEFINE_enum("draft_kind", "token", ["token", "eagle"], "A token draft model, or an EAGLE "
+                  "feature drafter over the target's last hidden state.")
+flags.DEFINE_integer("eagle_layers", 1, "EAGLE: decoder layers (initialised from the target's last).")
+flags.DEFINE_float("feature_weight", 0.1, "EAGLE: weight of the feature regression loss.")
+flags.DEFINE_float("feature_noise", 0.05, "EAGLE: uniform noise on input features (× their RMS).")
 
 
 def corpus_dir() -> str:
@@ -153,6 +162,10 @@ def run_train_stage(directory: str, workdir: str) -> None:
   layers = tuple(int(x) for x in FLAGS.draft_layers)
   setup = dict(corpus=directory, draft_vocab=FLAGS.draft_vocab, draft_layers=list(layers),
                train_responses=len(train_recs), train_tokens=n_tok)
+  eagle_run = FLAGS.draft_kind == "eagle"
+  if eagle_run:
+    setup.update(draft_kind="eagle", draft_layers=FLAGS.eagle_layers,
+                 feature_weight=FLAGS.feature_weight, feature_noise=FLAGS.feature_noise)
   if os.path.exists(setup_file):  # resuming: the corpus and the draft must be the same
     with open(setup_file) as f:
       old = json.load(f)
@@ -164,16 +177,32 @@ def run_train_stage(directory: str, workdir: str) -> None:
       json.dump(setup, f, indent=2)
   vocab_map = in_map = None
   if FLAGS.draft_vocab:
-    # Rank by use in responses (expected counts) and in prompts: the draft reads
-    # the prompt too, and a prompt token outside its vocabulary loses meaning.
+    # Rank by use in responses (expected counts) and, for a token draft, in
+    # prompts: it reads the prompt too, and a prompt token outside its
+    # vocabulary loses meaning. (EAGLE reads every id through the target's
+    # own embedding; only its output side is reduced.)
     counts = vocab.token_counts(train_recs, cfg.vocab_size)
-    for r in train_recs:
-      np.add.at(counts, r["prompt"], 1.0)
+    if not eagle_run:
+      for r in train_recs:
+        np.add.at(counts, r["prompt"], 1.0)
     specials = [i for i in tok.all_special_ids if i < cfg.vocab_size][:8]
     vocab_map = vocab.select_vocab(counts, FLAGS.draft_vocab, always=specials)
-    in_map = vocab.nearest_input_map(vocab_map, np.asarray(params["embed"]))
-  spec = vocab.DraftSpec(vocab_size=FLAGS.draft_vocab or None, layers=layers)
-  dcfg, dparams = vocab.init_from_target(cfg, params, spec, vocab_map)
+    if not eagle_run:
+      in_map = vocab.nearest_input_map(vocab_map, np.asarray(params["embed"]))
+  objective = frozen = None
+  if eagle_run:
+    from specjax.distill import eagle, features
+    from specjax.drafters.eagle import EagleDrafter, eagle_config, init_eagle_weights
+    for split, recs in (("train", train_recs), ("heldout", held)):
+      features.corpus_features(directory, split, recs, params, cfg)
+    drafter = EagleDrafter(eagle_config(cfg, FLAGS.eagle_layers))
+    dparams = init_eagle_weights(cfg, params, FLAGS.eagle_layers)
+    objective = eagle.EagleObjective(drafter, FLAGS.feature_weight, FLAGS.feature_noise)
+    frozen = eagle.frozen_arrays(cfg, params, vocab_map)
+    dcfg = dataclasses.replace(drafter.cfg, vocab_size=FLAGS.draft_vocab or cfg.vocab_size)
+  else:
+    spec = vocab.DraftSpec(vocab_size=FLAGS.draft_vocab or None, layers=layers)
+    dcfg, dparams = vocab.init_from_target(cfg, params, spec, vocab_map)
   draft = train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size, vocab_map=vocab_map,
                       input_map=in_map)
   tc = train.TrainConfig(
@@ -186,7 +215,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
   trained, _ = train.train(draft, dparams, train_recs, held, tc, workdir, k=k,
                            target=(cfg, params) if tc.on_policy_every else None,
                            deadline=start + 60 * FLAGS.max_minutes,
-                           log=lambda m: logging.info("metrics %s", json.dumps(m)))
+                           log=lambda m: logging.info("metrics %s", json.dumps(m)),
+                           objective=objective, frozen=frozen)
   metrics = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   last = metrics[-1]
   if last.get("step") != tc.steps:
@@ -197,9 +227,13 @@ def run_train_stage(directory: str, workdir: str) -> None:
               seconds_this_invocation=round(time.time() - start),
               command="python -m experiments.train_draft " + " ".join(sys.argv[1:]))
   out = os.path.join(workdir, "draft")
-  drafts.save_draft(out, dcfg, trained, vocab_map, input_map=in_map,
-                    target_vocab_size=cfg.vocab_size,
-                    tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info)
+  if eagle_run:
+    drafts.save_eagle(out, cfg, trained, vocab_map,
+                      tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info)
+  else:
+    drafts.save_draft(out, dcfg, trained, vocab_map, input_map=in_map,
+                      target_vocab_size=cfg.vocab_size,
+                      tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info)
   logging.info("draft written to %s: %s", out, json.dumps(last))
 
 

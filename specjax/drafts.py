@@ -180,3 +180,87 @@ def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None):
     return drafter, drafter.make_params(params)
   drafter = ModelDrafter(cfg, target_vocab_size=len(in_map))
   return drafter, drafter.make_params(params, vocab_map, input_map=in_map)
+
+
+# ------------------------------------------------------------------ EAGLE drafts
+
+EAGLE_FORMAT = "specjax-eagle-v1"
+DEFAULT_EAGLE_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2_eagle")
+_EAGLE_KEYS = ("embed_norm", "feature_norm", "fc", "fc_bias")
+_LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+
+
+def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
+               vocab_map: Optional[np.ndarray], *, tokenizer_sha256: str,
+               info: Optional[dict] = None, dtype=np.float16) -> None:
+  """Writes an EAGLE draft directory: only its trained weights (+ ``vocab_map``); the
+  embedding, final norm and head rows are the target's and are taken at load time."""
+  from safetensors.numpy import save_file
+
+  os.makedirs(path, exist_ok=True)
+  tensors = {k: np.asarray(weights[k], dtype) for k in _EAGLE_KEYS}
+  for i, layer in enumerate(weights["layers"]):
+    for k, v in layer.items():
+      tensors[f"layers.{i}.{k}"] = np.asarray(v, dtype)
+  if vocab_map is not None:
+    tensors["vocab_map"] = np.asarray(vocab_map, np.int32)
+  save_file(tensors, os.path.join(path, "weights.safetensors"))
+  meta = dict(format=EAGLE_FORMAT, target_config=config_to_hf_dict(target_cfg),
+              num_layers=len(weights["layers"]), target_vocab_size=target_cfg.vocab_size,
+              tokenizer_sha256=tokenizer_sha256, info=info or {})
+  with open(os.path.join(path, "draft.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+
+
+def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
+               tokenizer_sha256: Optional[str] = None):
+  """(EagleDrafter, draft_params) for ``target``, refusing weights made for another target.
+
+  Raises:
+    ValueError: another tokenizer, vocabulary or model width.
+    CheckpointError (a ValueError): missing or corrupt files.
+  """
+  from safetensors import safe_open
+  from specjax.drafters.eagle import eagle_drafter
+
+  meta_file = os.path.join(path, "draft.json")
+  if not os.path.exists(meta_file):
+    raise CheckpointError(f"{path!r} is not a draft directory (no draft.json)")
+  meta = read_json_object(meta_file, f"draft.json in {path!r}")
+  if meta.get("format") != EAGLE_FORMAT:
+    raise CheckpointError(f"{path!r} has format {meta.get('format')!r}, expected {EAGLE_FORMAT!r}")
+  if meta["target_vocab_size"] != target_cfg.vocab_size:
+    raise ValueError(f"EAGLE draft {path!r} was made for a target vocabulary of "
+                     f"{meta['target_vocab_size']} tokens, but the target has "
+                     f"{target_cfg.vocab_size}")
+  if tokenizer_sha256 is not None and meta["tokenizer_sha256"] != tokenizer_sha256:
+    raise ValueError(f"EAGLE draft {path!r} was made for another tokenizer: its token ids would "
+                     "mean different strings")
+  want = config_from_hf_dict(meta["target_config"])
+  if (want.dim, want.num_heads, want.num_kv_heads, want.ffn_dim) != (
+      target_cfg.dim, target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.ffn_dim):
+    raise ValueError(f"EAGLE draft {path!r} was made for a target of width {want.dim} "
+                     f"({want.num_heads}/{want.num_kv_heads} heads), not {target_cfg.dim}")
+  weights_file = os.path.join(path, "weights.safetensors")
+  try:
+    with safe_open(weights_file, framework="numpy") as f:
+      t = {k: f.get_tensor(k) for k in f.keys()}
+  except Exception as e:  # safetensors raises its own error types (missing file included)
+    raise CheckpointError(f"missing or corrupt EAGLE weights {weights_file}: {e}") from None
+  f32 = lambda name: jnp.asarray(t[name], jnp.float32)
+  try:
+    layers = [{k: f32(f"layers.{i}.{k}") for k in _LAYER_KEYS if f"layers.{i}.{k}" in t}
+              for i in range(meta["num_layers"])]
+    weights = dict({k: f32(k) for k in _EAGLE_KEYS}, layers=layers)
+  except KeyError as e:
+    raise CheckpointError(f"{weights_file} lacks tensor {e.args[0]}") from None
+  return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"))
+
+
+def default_eagle_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):
+  """The shipped EAGLE draft for SmolLM2-135M-Instruct: (EagleDrafter, draft_params)."""
+  if tokenizer is None:
+    from specjax.loaders import load_model_tokenizer
+    tokenizer = load_model_tokenizer()
+  return load_eagle(DEFAULT_EAGLE_DIR, target_cfg, target_params,
+                    tokenizer_sha256=tokenizer_fingerprint(tokenizer))

@@ -28,26 +28,33 @@ PREFILL_CHUNK = 64
 
 
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.Array,
-            cache: kvc.KVCache, chunk: int = PREFILL_CHUNK) -> kvc.KVCache:
+            cache: kvc.KVCache, chunk: int = PREFILL_CHUNK, return_hidden: bool = False):
   """Commits ``tokens[b, :num_tokens[b]]`` to an empty cache, ``chunk`` tokens at a time.
 
   The number of chunks is dynamic (a while loop), so one compiled program
   serves every prompt length and its cost grows with the longest prompt.
+  Returns the cache, or ``(cache, hidden)`` with ``return_hidden=True``:
+  [B, S, D] last hidden states (before the final norm) of the committed
+  positions, what feature drafters (EAGLE) read; other slots are undefined.
   """
   b, s = tokens.shape
   chunk = min(chunk, s)
 
   def body(carry):
-    i, cache = carry
+    i, cache, hidden = carry
     idx = i * chunk + jnp.arange(chunk)
     chunk_tokens = jnp.take(tokens, jnp.clip(idx, 0, s - 1), axis=1)
     valid = jnp.clip(num_tokens - i * chunk, 0, chunk)
     out = forward(params, cfg, chunk_tokens, jnp.broadcast_to(idx, (b, chunk)), cache,
                   num_valid=valid, compute_logits=False)
-    return i + 1, out.cache
+    if return_hidden:
+      hidden = hidden.at[:, idx].set(out.hidden.astype(hidden.dtype), mode="drop")
+    return i + 1, out.cache, hidden
 
-  _, cache = jax.lax.while_loop(lambda c: c[0] * chunk < jnp.max(num_tokens), body, (0, cache))
-  return cache
+  hidden = jnp.zeros((b, s, cfg.dim) if return_hidden else (0,), jnp.float32)
+  _, cache, hidden = jax.lax.while_loop(lambda c: c[0] * chunk < jnp.max(num_tokens), body,
+                                        (0, cache, hidden))
+  return (cache, hidden) if return_hidden else cache
 
 
 def last_tokens(tokens: jax.Array, seq_lens: jax.Array) -> jax.Array:

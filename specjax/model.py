@@ -123,6 +123,35 @@ def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
+def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
+               cache: kvc.KVCache, mask: Optional[jax.Array] = None,
+               num_valid: Optional[jax.Array] = None, return_layers: tuple[int, ...] = ()
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], kvc.KVCache]:
+  """The decoder layers over input embeddings ``x`` [B, T, D] (see ``forward``).
+
+  Returns (hidden [B, T, D] before the final norm, intermediates, new cache).
+  Feature drafters (EAGLE) call this with their own input projection.
+  """
+  b, t = x.shape[:2]
+  if mask is None:
+    mask = causal_mask(b, t)
+  if num_valid is None:
+    num_valid = jnp.full((b,), t, jnp.int32)
+  inv_freq = inverse_frequencies(cfg)
+  visible = _visibility(cache.lengths, mask, cache.size)
+  ks, vs, inter = [], [], []
+  for l, p in enumerate(params["layers"]):
+    x, k_l, v_l = _layer(cfg, p, x, positions, cache.k[l], cache.v[l], cache.lengths,
+                         visible, inv_freq)
+    ks.append(k_l)
+    vs.append(v_l)
+    if l in return_layers:
+      inter.append(x)
+  new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs),
+                          lengths=cache.lengths + num_valid.astype(jnp.int32))
+  return x, tuple(inter), new_cache
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "compute_logits", "return_layers"))
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: kvc.KVCache, mask: Optional[jax.Array] = None,
@@ -146,26 +175,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
   Returns:
     ForwardOutput with logits, last hidden state, intermediates and new cache.
   """
-  b, t = tokens.shape
-  if mask is None:
-    mask = causal_mask(b, t)
-  if num_valid is None:
-    num_valid = jnp.full((b,), t, jnp.int32)
-  inv_freq = inverse_frequencies(cfg)
-  visible = _visibility(cache.lengths, mask, cache.size)
-  x = params["embed"][tokens]
-  ks, vs, inter = [], [], []
-  for l, p in enumerate(params["layers"]):
-    x, k_l, v_l = _layer(cfg, p, x, positions, cache.k[l], cache.v[l], cache.lengths,
-                         visible, inv_freq)
-    ks.append(k_l)
-    vs.append(v_l)
-    if l in return_layers:
-      inter.append(x)
-  new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs),
-                          lengths=cache.lengths + num_valid.astype(jnp.int32))
+  x, inter, new_cache = run_layers(params, cfg, params["embed"][tokens], positions, cache, mask,
+                                   num_valid, return_layers)
   logits = lm_head(cfg, params, x) if compute_logits else None
-  return ForwardOutput(logits=logits, hidden=x, intermediates=tuple(inter), cache=new_cache)
+  return ForwardOutput(logits=logits, hidden=x, intermediates=inter, cache=new_cache)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:

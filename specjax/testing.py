@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.model import Params, init_params
@@ -22,7 +23,7 @@ def tiny_model(seed: int = 0, scale: float = 0.5, **kw) -> tuple[ModelConfig, Pa
   return cfg, init_params(cfg, jax.random.PRNGKey(seed), scale=scale)
 
 
-DRAFTER_KINDS = ("prompt_lookup", "unigram", "bigram", "early_exit")
+DRAFTER_KINDS = ("prompt_lookup", "unigram", "bigram", "early_exit", "eagle")
 
 
 def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[Sequence[int]]):
@@ -37,4 +38,9 @@ def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[S
         corpus, cfg.vocab_size, top_k=4)
   if kind == "early_exit":
     return drafters.early_exit_drafter(cfg, params, 1)
+  if kind == "eagle":  # random weights, half the target vocabulary (q = 0 elsewhere)
+    from specjax.drafters.eagle import random_eagle_weights
+    weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(7))
+    vocab_map = np.arange(0, cfg.vocab_size, 2)
+    return drafters.eagle_drafter(cfg, params, weights, vocab_map)
   raise ValueError(f"unknown drafter kind {kind!r}")

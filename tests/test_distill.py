@@ -142,10 +142,10 @@ def test_tiny_training_lowers_loss_and_raises_alpha(toy, tmp_path, kind):
                            eval_every=60, checkpoint_every=60)
   batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], tc.seq_len, K).items()}
   vm, im = draft.maps()
-  before = float(train.loss_fn(params, draft.cfg, kind, vm, im, batch))
+  before = float(train.loss_fn(params, train.TokenObjective(draft.cfg), kind, vm, im, {}, batch))
   trained, hist = train.train(draft, params, recs, held, tc, str(tmp_path), k=K, log=lambda m: 0,
                               progress=False)
-  after = float(train.loss_fn(trained, draft.cfg, kind, vm, im, batch))
+  after = float(train.loss_fn(trained, train.TokenObjective(draft.cfg), kind, vm, im, {}, batch))
   print(kind, before, after, hist[0], hist[-1])
   assert after < 0.8 * before
   assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"] + 0.1

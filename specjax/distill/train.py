@@ -108,6 +108,11 @@ def make_batch(records: Sequence[dict], seq_len: int, k: int) -> dict[str, np.nd
     out["topk_ids"][i, :n] = rec["topk_ids"][:n, :k]
     out["topk_logp"][i, :n] = rec["topk_logp"][:n, :k]
     out["weight"][i, :n] = 1.0
+    if "features" in rec:  # EAGLE: the target's features, aligned with the tokens
+      if "features" not in out:
+        out["features"] = np.zeros((b, seq_len, rec["features"].shape[-1]), np.float16)
+      cut = len(rec["prompt"]) - len(p)
+      out["features"][i, :len(p) + n] = rec["features"][cut:cut + len(p) + n]
   # trim R to the longest response, rounded to 32 (fewer LM-head rows, few shapes)
   r_used = max(1, int(out["weight"].sum(1).max()))
   r_used = min(r_max, -(-r_used // 32) * 32)
@@ -141,6 +146,23 @@ def draft_logp_at(params: Params, cfg: ModelConfig, in_map: jax.Array, tokens: j
   return jax.nn.log_softmax(lm_head(cfg, params, hidden), axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenObjective:
+  """What a token draft is trained on: its log-probs at the trained positions.
+
+  An objective maps (trainable params, frozen arrays, input map, batch, key)
+  to ([B, R, Vd] log-probs at ``batch["pred_pos"]``, auxiliary loss); the
+  divergence to the target is added by ``loss_fn``. Feature drafters have
+  their own (``specjax.distill.eagle.EagleObjective``).
+  """
+
+  cfg: ModelConfig
+
+  def logp_and_aux(self, params, frozen, in_map, batch, key):
+    del frozen, key
+    return draft_logp_at(params, self.cfg, in_map, batch["tokens"], batch["pred_pos"]), 0.0
+
+
 def _coarsened(draft_logp, topk_ids, topk_logp, vocab_map, in_map):
   b, r, vd = draft_logp.shape
   k = topk_ids.shape[-1]
@@ -151,23 +173,23 @@ def _coarsened(draft_logp, topk_ids, topk_logp, vocab_map, in_map):
   return p, q, d_ids, present
 
 
-def loss_fn(params, cfg, kind, vocab_map, in_map, batch):
-  logp = draft_logp_at(params, cfg, in_map, batch["tokens"], batch["pred_pos"])
+def loss_fn(params, objective, kind, vocab_map, in_map, frozen, batch, key=None):
+  logp, aux = objective.logp_and_aux(params, frozen, in_map, batch, key)
   p, q, _, _ = _coarsened(logp, batch["topk_ids"], batch["topk_logp"], vocab_map, in_map)
   d = losses.divergence(kind, p, q).reshape(batch["weight"].shape)
   w = batch["weight"]
-  return jnp.sum(d * w) / jnp.maximum(jnp.sum(w), 1.0)
+  return jnp.sum(d * w) / jnp.maximum(jnp.sum(w), 1.0) + aux
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def alpha_stats(params, cfg, vocab_map, in_map, batch) -> dict[str, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("objective",))
+def alpha_stats(params, objective, vocab_map, in_map, frozen, batch) -> dict[str, jax.Array]:
   """Per-position β sums from stored target top-k (teacher-forced).
 
   T=0: p and q are one-hots of the argmaxes, β = [argmax q == argmax p]
   (exact: the target's argmax is its top-1). T=1: β ≥ Σ_{top-k} min(p, q)
   (lower bound) and β ≤ that + min(p_rest, q_rest) (upper bound).
   """
-  logp = draft_logp_at(params, cfg, in_map, batch["tokens"], batch["pred_pos"])
+  logp, _ = objective.logp_and_aux(params, frozen, in_map, batch, None)
   w = batch["weight"]
   draft_top = vocab_map[jnp.argmax(logp, axis=-1)]
   beta0 = (draft_top == batch["topk_ids"][..., 0]).astype(jnp.float32)
@@ -180,8 +202,9 @@ def alpha_stats(params, cfg, vocab_map, in_map, batch) -> dict[str, jax.Array]:
 
 
 def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len: int,
-                  k: int, batch_size: int = 16) -> dict[str, float]:
+                  k: int, batch_size: int = 16, objective=None, frozen=None) -> dict[str, float]:
   """α on held-out generations: T=0 on greedy responses, T=1 on sampled ones."""
+  objective = objective or TokenObjective(draft.cfg)
   vm, im = draft.maps()
   out = {}
   for mode, key in (("greedy", "T0"), ("sampled", "T1")):
@@ -190,7 +213,8 @@ def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len
       recs = list(records)
     tot = dict(n=0.0, beta0=0.0, beta1_lo=0.0, beta1_hi=0.0)
     for i in range(0, len(recs), batch_size):
-      s = alpha_stats(params, draft.cfg, vm, im, make_batch(recs[i:i + batch_size], seq_len, k))
+      s = alpha_stats(params, objective, vm, im, frozen or {},
+                      make_batch(recs[i:i + batch_size], seq_len, k))
       for name in tot:
         tot[name] += float(s[name])
     n = max(tot["n"], 1.0)
@@ -219,10 +243,11 @@ def init_state(params: Params, tc: TrainConfig) -> dict:
               step=jnp.zeros((), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tc"), donate_argnums=(0,))
-def train_step(state, cfg, tc, vocab_map, in_map, batch):
-  loss, grads = jax.value_and_grad(loss_fn)(state["params"], cfg, tc.loss, vocab_map, in_map,
-                                            batch)
+@functools.partial(jax.jit, static_argnames=("objective", "tc"), donate_argnums=(0,))
+def train_step(state, objective, tc, vocab_map, in_map, frozen, batch):
+  key = jax.random.fold_in(jax.random.PRNGKey(tc.seed), state["step"])
+  loss, grads = jax.value_and_grad(loss_fn)(state["params"], objective, tc.loss, vocab_map,
+                                            in_map, frozen, batch, key)
   updates, opt_state = make_optimizer(tc).update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   return dict(params=params, opt_state=opt_state, step=state["step"] + 1), loss
@@ -284,7 +309,8 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
           heldout_records: Sequence[dict], tc: TrainConfig, workdir: str, *, k: int,
           target: Optional[tuple[ModelConfig, Params]] = None,
           stop_after: Optional[int] = None, deadline: Optional[float] = None,
-          log: Callable[[dict], None] = print, progress: bool = True) -> tuple[Params, list[dict]]:
+          log: Callable[[dict], None] = print, progress: bool = True,
+          objective=None, frozen: Optional[Params] = None) -> tuple[Params, list[dict]]:
   """Runs (or resumes) training; checkpoints to ``workdir/checkpoints``.
 
   Args:
@@ -297,6 +323,9 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     stop_after: stop (after checkpointing) at this step (for tests of resumption).
     deadline: wall-clock time (time.time()) after which to checkpoint and stop.
     log: receives one metrics dict per log event (also appended to metrics.jsonl).
+    objective: what is trained (default ``TokenObjective(draft.cfg)``).
+    frozen: arrays the objective reads but does not train (e.g. the target's
+      embedding and LM-head rows for EAGLE).
 
   Returns:
     (final params, metric history of this invocation).
@@ -305,6 +334,10 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
 
   if tc.on_policy_every and target is None:
     raise ValueError("on-policy steps need the target: pass target=(cfg, params)")
+  objective = objective or TokenObjective(draft.cfg)
+  if tc.on_policy_every and not isinstance(objective, TokenObjective):
+    raise ValueError("on-policy steps are implemented for token drafts only")
+  frozen = frozen or {}
   os.makedirs(workdir, exist_ok=True)
   mngr = ckpt.manager(os.path.join(workdir, "checkpoints"))
   state = init_state(jax.tree.map(jnp.copy, params), tc)  # the step donates its state
@@ -322,7 +355,8 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     log(m)
 
   if start == 0 and heldout_records:
-    emit(dict(step=0, **heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k)))
+    emit(dict(step=0, **heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k,
+                                      objective=objective, frozen=frozen)))
   end = tc.steps if stop_after is None else min(tc.steps, stop_after)
   bar = tqdm.tqdm(range(start, end), initial=start, total=tc.steps, desc="distill",
                   disable=not progress)
@@ -338,7 +372,7 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
       idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed)
       recs = [train_records[i] for i in idx]
     batch = {key: jnp.asarray(v) for key, v in make_batch(recs, tc.seq_len, k).items()}
-    state, loss = train_step(state, draft.cfg, tc, vm, im, batch)
+    state, loss = train_step(state, objective, tc, vm, im, frozen, batch)
     losses_acc.append(float(loss))
     bar.set_postfix(loss=f"{losses_acc[-1]:.4f}")
     s = step + 1
@@ -348,7 +382,8 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     if s % tc.eval_every == 0 or s == tc.steps:
       m = dict(step=s, loss=float(np.mean(losses_acc)), seconds=round(time.time() - t0, 1))
       if heldout_records:
-        m.update(heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k))
+        m.update(heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k,
+                               objective=objective, frozen=frozen))
       emit(m)
       losses_acc = []
     if out_of_time:

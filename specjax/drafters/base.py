@@ -17,6 +17,12 @@ A drafter whose class sets ``shares_target_cache = True`` (early exit) gets
 the target's KV cache, holding the committed length − 1, as ``state`` in
 ``propose``; it may write only slots at or past that length (verification
 overwrites them) and keeps no state of its own.
+
+A drafter whose class sets ``reads_target_features = True`` (EAGLE) gets
+the target's features (last hidden state before the final norm): ``init``
+receives ``features`` [B, S, D] of the prompt's committed positions, and
+after every verification ``observe(state, hidden, start)`` receives the
+block's [B, γ+1, D] features of positions ``start[b] + t``.
 """
 
 from __future__ import annotations

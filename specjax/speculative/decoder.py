@@ -10,6 +10,8 @@ Step, for a row with committed length s (the target cache holds s − 1):
            forward, giving p₁…p_{γ+1};
   accept:  modified rejection sampling keeps n drafts and draws one more
            token (``acceptance.accept``);
+  observe: a feature drafter (EAGLE) receives the target's hidden states of
+           the verified block;
   commit:  d₁…dₙ and the extra token are appended (trimmed at EOS/budget);
   rollback: both caches are cut back to the new committed length − 1.
 """
@@ -77,13 +79,23 @@ class SpeculativeDecoder:
                                 key, self.sampler, self.gamma)
 
   def verify(self, target_params: Params, state: SpecState, drafts: jax.Array):
-    """One target forward over the last committed token and the drafts: (p [B, γ+1, V], cache)."""
+    """One target forward over the last committed token and the drafts.
+
+    Returns (p [B, γ+1, V], the new target cache, hidden [B, γ+1, D]: the
+    target's features of the block, for feature drafters).
+    """
     b = drafts.shape[0]
     block = jnp.concatenate([last_tokens(state.tokens, state.seq_lens), drafts], axis=1)
     positions = (state.seq_lens - 1)[:, None] + jnp.arange(self.gamma + 1)[None, :]
     out = forward(target_params, self.target_cfg, block, positions, state.target_cache,
                   num_valid=jnp.full((b,), self.gamma + 1, jnp.int32))
-    return self.sampler.probs(out.logits), out.cache
+    return self.sampler.probs(out.logits), out.cache, out.hidden
+
+  def observe(self, state: SpecState, draft_state: Any, hidden: jax.Array) -> Any:
+    """Hands a feature drafter the target's features of the verified block (positions s−1…)."""
+    if not getattr(self.drafter, "reads_target_features", False):
+      return draft_state
+    return self.drafter.observe(draft_state, hidden, state.seq_lens - 1)
 
   def accept(self, key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) -> Acceptance:
     return accept(key, drafts, q, p)
@@ -133,8 +145,9 @@ class SpeculativeDecoder:
     """One full speculative step (pure)."""
     rng, k_draft, k_accept = jax.random.split(state.rng, 3)
     drafts, q, draft_state = self.propose(draft_params, state, k_draft)
-    p, target_cache = self.verify(target_params, state, drafts)
+    p, target_cache, hidden = self.verify(target_params, state, drafts)
     acc = self.accept(k_accept, drafts, q, p)
+    draft_state = self.observe(state, draft_state, hidden)
     return self._finish(state, drafts, acc, target_cache, draft_state, rng)
 
   def _finish(self, state, drafts, acc, target_cache, draft_state, rng) -> SpecState:
@@ -148,12 +161,18 @@ class SpeculativeDecoder:
            prompt_lens: jax.Array, max_new_tokens: jax.Array, rng: jax.Array) -> SpecState:
     """Prefills both models with each prompt minus its last token."""
     b, s = tokens.shape
-    target_cache = prefill(target_params, self.target_cfg, tokens, prompt_lens - 1,
-                           kvc.init_cache(self.target_cfg, b, s))
+    empty = kvc.init_cache(self.target_cfg, b, s)
+    if getattr(self.drafter, "reads_target_features", False):
+      target_cache, hidden = prefill(target_params, self.target_cfg, tokens, prompt_lens - 1,
+                                     empty, return_hidden=True)
+      draft_state = self.drafter.init(draft_params, tokens, prompt_lens, features=hidden)
+    else:
+      target_cache = prefill(target_params, self.target_cfg, tokens, prompt_lens - 1, empty)
+      draft_state = self.drafter.init(draft_params, tokens, prompt_lens)
     max_lens = prompt_lens + max_new_tokens
     return SpecState(tokens=tokens, seq_lens=prompt_lens, max_lens=max_lens,
                      done=prompt_lens >= max_lens, target_cache=target_cache,
-                     draft_state=self.drafter.init(draft_params, tokens, prompt_lens), rng=rng,
+                     draft_state=draft_state, rng=rng,
                      steps=jnp.zeros((), jnp.int32),
                      counters=SpecCounters.zeros(b, self.gamma))
 
@@ -222,10 +241,10 @@ class SpeculativeDecoder:
       rng, k_draft, k_accept = jax.random.split(state.rng, 3)
       drafts, q, draft_state = jax.block_until_ready(propose(draft_params, state, k_draft))
       t1 = time.perf_counter()
-      p, target_cache = jax.block_until_ready(verify(target_params, state, drafts))
+      p, target_cache, hidden = jax.block_until_ready(verify(target_params, state, drafts))
       t2 = time.perf_counter()
       state = jax.block_until_ready(
-          finish(state, drafts, q, p, k_accept, target_cache, draft_state, rng))
+          finish(state, drafts, q, p, k_accept, target_cache, hidden, draft_state, rng))
       t3 = time.perf_counter()
       yield state, {"draft": t1 - t0, "verify": t2 - t1, "other": t3 - t2}
 
@@ -234,7 +253,8 @@ class SpeculativeDecoder:
 def _phase_fns(dec: SpeculativeDecoder):
   """Separately jitted phases of one step (for ``stream``)."""
 
-  def finish(state, drafts, q, p, key, target_cache, draft_state, rng):
+  def finish(state, drafts, q, p, key, target_cache, hidden, draft_state, rng):
+    draft_state = dec.observe(state, draft_state, hidden)
     return dec._finish(state, drafts, dec.accept(key, drafts, q, p), target_cache, draft_state,
                        rng)
 

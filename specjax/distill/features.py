@@ -1,0 +1,94 @@
+"""The target's features (last hidden state before the final norm) over a corpus, cached on disk.
+
+EAGLE-style drafters read the target's features; training them teacher-forced
+needs the feature at every position of every prompt + response. Features are
+computed once per corpus with the frozen target (length-sorted batches, one
+jitted forward per padded length) and stored as float16 next to the corpus:
+``<corpus>/features-<split>.npy`` ([total tokens, D], records concatenated in
+corpus order) with ``features-<split>.json`` (per-record lengths and the
+target it came from), so a stale or foreign file is refused, not misread.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache as kvc
+from specjax.config import ModelConfig
+from specjax.loaders.hf import CheckpointError
+from specjax.model import Params, forward
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _hidden(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+  b, l = tokens.shape
+  out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
+                kvc.init_cache(cfg, b, l), compute_logits=False)
+  return out.hidden.astype(jnp.float16)
+
+
+def target_features(params: Params, cfg: ModelConfig, sequences: Sequence[np.ndarray],
+                    batch_size: int = 8, pad_to: int = 32,
+                    progress: Optional[Callable[[int], None]] = None) -> list[np.ndarray]:
+  """[len(seq), D] float16 features of each token sequence (teacher-forced, causal)."""
+  order = np.argsort([len(s) for s in sequences], kind="stable")
+  out: list[Optional[np.ndarray]] = [None] * len(sequences)
+  for i in range(0, len(order), batch_size):
+    idx = order[i:i + batch_size]
+    l = -(-max(len(sequences[j]) for j in idx) // pad_to) * pad_to
+    tokens = np.zeros((batch_size, l), np.int32)  # fixed B: one program per length
+    for r, j in enumerate(idx):
+      tokens[r, :len(sequences[j])] = sequences[j]
+    hidden = np.asarray(_hidden(params, cfg, jnp.asarray(tokens)))
+    for r, j in enumerate(idx):
+      out[j] = hidden[r, :len(sequences[j])]
+    if progress:
+      progress(len(idx))
+  return out
+
+
+def record_sequence(record: dict) -> np.ndarray:
+  return np.concatenate([record["prompt"], record["response"]]).astype(np.int32)
+
+
+def _target_tag(cfg: ModelConfig) -> dict:
+  return {f: getattr(cfg, f) for f in ("name", "vocab_size", "dim", "num_layers")}
+
+
+def corpus_features(directory: str, split: str, records: Sequence[dict], params: Params,
+                    cfg: ModelConfig, batch_size: int = 8, progress: bool = True) -> None:
+  """Attaches ``record["features"]`` ([prompt + response, D] float16) to every record,
+  computing and caching them on the first call."""
+  lens = [len(r["prompt"]) + len(r["response"]) for r in records]
+  path = os.path.join(directory, f"features-{split}")
+  meta = dict(target=_target_tag(cfg), lengths=lens)
+  if os.path.exists(path + ".json") and os.path.exists(path + ".npy"):
+    with open(path + ".json") as f:
+      stored = json.load(f)
+    if stored != meta:
+      raise CheckpointError(f"{path}.npy was computed for another target or corpus; delete it "
+                            "to recompute")
+    flat = np.load(path + ".npy", mmap_mode="r")
+    if flat.shape != (sum(lens), cfg.dim):
+      raise CheckpointError(f"{path}.npy has shape {flat.shape}, expected {(sum(lens), cfg.dim)}")
+  else:
+    import tqdm
+    bar = tqdm.tqdm(total=len(records), desc=f"target features ({split})", disable=not progress)
+    feats = target_features(params, cfg, [record_sequence(r) for r in records], batch_size,
+                            progress=bar.update)
+    bar.close()
+    flat = np.concatenate(feats, axis=0)
+    np.save(path + ".tmp.npy", flat)
+    os.replace(path + ".tmp.npy", path + ".npy")
+    with open(path + ".json", "w") as f:
+      json.dump(meta, f)
+  offs = np.concatenate([[0], np.cumsum(lens)])
+  for i, r in enumerate(records):
+    r["features"] = flat[offs[i]:offs[i + 1]]

@@ -1,0 +1,201 @@
+"""EAGLE: a feature drafter that reads the target's last hidden states (Li et al. 2024).
+
+The draft autoregresses on the target's *features* (its last hidden state,
+before the final norm) rather than on tokens alone. Its input at position i
+is the pair (f_{i−1}, x_i): the feature that predicted token x_i, and x_i's
+embedding (the target's own, frozen), each RMS-normalised (as in EAGLE-3:
+SmolLM2's features have RMS ≈ 30 against 0.13 for its embeddings, so without
+the norms the token is invisible), projected by ``fc`` [2D → D] and run
+through a few decoder layers. The output ĥ_i predicts the feature f_i; the
+target's final norm and LM head (frozen, optionally restricted to a reduced
+vocabulary) turn it into the distribution of x_{i+1}. f_{−1} is zero.
+
+Drafting γ tokens for a row with committed length s: the pairs c…s−1 whose
+true features arrived with the last verification are fed in one forward
+(``num_valid`` of a static γ+1 window), giving ĥ_{s−1} and d₁; then
+(ĥ_{s−1}, d₁), (ĥ_s, d₂), … are fed one at a time, each draft reading its
+predecessor's *predicted* feature. Verification hands back the true features
+of its block (``observe``), and after acceptance the draft cache keeps only
+the pairs built from true features (lengths = the old s); everything past is
+scratch. Tokens outside a reduced vocabulary get q = 0 (logits lifted with
+−inf), so verification stays exact.
+
+Draft params: ``embed_norm`` [D], ``feature_norm`` [D], ``fc`` [2D, D],
+``fc_bias`` [D], ``layers`` (the draft's own, trained) and ``embed``, ``final_norm``, ``head`` [Vd, D], ``vocab_map`` [Vd]
+(the target's arrays, shared, see ``eagle_params``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache as kvc
+from specjax.config import ModelConfig
+from specjax.model import Params, init_params, rms_norm, run_layers
+from specjax.sampling import Sampler
+
+
+@flax.struct.dataclass(kw_only=True)
+class EagleState:
+  """Per-row drafter state.
+
+  Attributes:
+    cache: the draft layers' KV cache; slots below ``cache.lengths`` hold
+      pairs built from true target features.
+    features: [B, S, D] the target's features by position (f_p at slot p),
+      written by the prefill and by every verification.
+  """
+
+  cache: kvc.KVCache
+  features: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+  """An EAGLE feature drafter for a target of vocabulary ``cfg.vocab_size``.
+
+  Attributes:
+    cfg: the draft's layer stack: the target's widths, its own ``num_layers``,
+      and the target's ``vocab_size``.
+  """
+
+  cfg: ModelConfig
+  # The decoder hands ``init`` the prompt's features and ``observe`` those of
+  # every verified block.
+  reads_target_features: ClassVar[bool] = True
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
+
+  def hidden(self, dp: Params, features: jax.Array, tokens: jax.Array, positions: jax.Array,
+             cache: kvc.KVCache, num_valid: Optional[jax.Array] = None):
+    """Pairs (features [B, T, D], tokens [B, T]) -> (ĥ [B, T, D], new cache)."""
+    eps = self.cfg.norm_eps
+    x = jnp.concatenate([rms_norm(dp["embed"][tokens], dp["embed_norm"], eps),
+                         rms_norm(features.astype(dp["fc"].dtype), dp["feature_norm"], eps)],
+                        axis=-1)
+    x = x @ dp["fc"] + dp["fc_bias"]
+    h, _, cache = run_layers(dp, self.cfg, x, positions, cache, num_valid=num_valid)
+    return h, cache
+
+  def logits(self, dp: Params, h: jax.Array) -> jax.Array:
+    """ĥ [..., D] -> float32 logits over the head's rows, lifted to the target vocabulary
+    (−inf outside ``vocab_map``) when the params carry one."""
+    logits = jnp.einsum("...d,vd->...v", rms_norm(h, dp["final_norm"], self.cfg.norm_eps),
+                        dp["head"], preferred_element_type=jnp.float32)
+    if "vocab_map" in dp:
+      full = jnp.full(logits.shape[:-1] + (self.vocab_size,), -jnp.inf, logits.dtype)
+      logits = full.at[..., dp["vocab_map"]].set(logits)
+    return logits
+
+  def init(self, draft_params, tokens, prompt_lens, features) -> EagleState:
+    """Feeds the prompt's pairs 0…P−2; pair P−1 is pending for the first ``propose``."""
+    b, s = tokens.shape
+    state = EagleState(cache=kvc.init_cache(self.cfg, b, s), features=features)
+    shifted = jnp.concatenate([jnp.zeros_like(features[:, :1]), features[:, :-1]], axis=1)
+    _, cache = self.hidden(draft_params, shifted, tokens, jnp.broadcast_to(jnp.arange(s), (b, s)),
+                           state.cache, num_valid=prompt_lens - 1)
+    return state.replace(cache=cache)
+
+  def observe(self, state: EagleState, hidden: jax.Array, start: jax.Array) -> EagleState:
+    """Stores the target's features ``hidden`` [B, T, D] of positions start[b] + t."""
+    b, t = hidden.shape[:2]
+    pos = start[:, None] + jnp.arange(t)[None, :]
+    feats = state.features.at[jnp.arange(b)[:, None], pos].set(
+        hidden.astype(state.features.dtype), mode="drop")
+    return state.replace(features=feats)
+
+  def propose(self, draft_params, state: EagleState, tokens, seq_lens, key, sampler: Sampler,
+              gamma: int):
+    b, s = tokens.shape
+    c = state.cache.lengths  # pairs c … seq_lens − 1 are pending (1 … γ+1 of them)
+    pos = c[:, None] + jnp.arange(gamma + 1)[None, :]
+    pair_tokens = jnp.take_along_axis(tokens, jnp.clip(pos, 0, s - 1), axis=1)
+    feats = jnp.take_along_axis(state.features, jnp.clip(pos - 1, 0, s - 1)[:, :, None], axis=1)
+    feats = jnp.where((pos >= 1)[:, :, None], feats, 0.0)
+    num_valid = seq_lens - c
+    h, cache = self.hidden(draft_params, feats, pair_tokens, pos, state.cache, num_valid)
+    last = jnp.clip(num_valid - 1, 0, gamma)[:, None, None]
+    h_last = jnp.take_along_axis(h, last, axis=1)[:, 0]
+    keys = jax.random.split(key, gamma)
+    d1, q1 = sampler.sample(keys[0], self.logits(draft_params, h_last))
+
+    def step(carry, k):
+      cache, h_prev, tok, p = carry
+      h, cache = self.hidden(draft_params, h_prev[:, None], tok[:, None], p[:, None], cache)
+      nxt, q = sampler.sample(k, self.logits(draft_params, h[:, 0]))
+      return (cache, h[:, 0], nxt, p + 1), (nxt, q)
+
+    (cache, _, _, _), (rest, qs) = jax.lax.scan(step, (cache, h_last, d1, seq_lens), keys[1:])
+    drafts = jnp.concatenate([d1[:, None], rest.T.reshape(b, gamma - 1)], axis=1)
+    q = jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    # Only pairs < seq_lens were built from true features; the rest is scratch.
+    return drafts, q, state.replace(cache=cache.with_lengths(seq_lens))
+
+  def rollback(self, state: EagleState, seq_lens) -> EagleState:
+    return state  # the cache already stops at the last pair of true features
+
+
+
+
+def eagle_config(target_cfg: ModelConfig, num_layers: int = 1) -> ModelConfig:
+  return dataclasses.replace(target_cfg, num_layers=num_layers,
+                             name=f"{target_cfg.name}-eagle{num_layers}")
+
+
+def init_eagle_weights(target_cfg: ModelConfig, target_params: Params, num_layers: int = 1,
+                       key: Optional[jax.Array] = None) -> Params:
+  """Trainable EAGLE weights: unit norms, a random ``fc`` (variance 1 / 2D), and layers
+  copied from the target's last ``num_layers``."""
+  d = target_cfg.dim
+  key = jax.random.PRNGKey(0) if key is None else key
+  fc = jax.random.normal(key, (2 * d, d), jnp.float32) / np.sqrt(2 * d)
+  layers = [jax.tree.map(lambda a: jnp.array(a, jnp.float32), l)
+            for l in target_params["layers"][-num_layers:]]
+  return {"embed_norm": jnp.ones((d,), jnp.float32), "feature_norm": jnp.ones((d,), jnp.float32),
+          "fc": fc, "fc_bias": jnp.zeros((d,), jnp.float32), "layers": layers}
+
+
+def random_eagle_weights(target_cfg: ModelConfig, num_layers: int, key: jax.Array,
+                         scale: float = 0.5) -> Params:
+  """Random trainable weights (tests)."""
+  k1, k2 = jax.random.split(key)
+  d = target_cfg.dim
+  layers = init_params(eagle_config(target_cfg, num_layers), k1, scale=scale)["layers"]
+  return {"embed_norm": jnp.ones((d,)), "feature_norm": jnp.ones((d,)),
+          "fc": scale * jax.random.normal(k2, (2 * d, d)), "fc_bias": jnp.zeros((d,)),
+          "layers": layers}
+
+
+def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params,
+                 vocab_map: Optional[np.ndarray] = None) -> Params:
+  """Draft params: trained ``weights`` + the target's embedding, final norm and LM-head rows
+  (``vocab_map`` selects a reduced output vocabulary; None = all rows)."""
+  head = (target_params["embed"] if target_cfg.tie_embeddings
+          else jnp.transpose(target_params["lm_head"]))
+  dp = dict(weights, embed=target_params["embed"], final_norm=target_params["final_norm"])
+  if vocab_map is None:
+    dp["head"] = head
+  else:
+    vm = jnp.asarray(vocab_map, jnp.int32)
+    dp["head"], dp["vocab_map"] = head[vm], vm
+  return dp
+
+
+def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Params,
+                  vocab_map: Optional[np.ndarray] = None) -> tuple[EagleDrafter, Params]:
+  """(drafter, draft_params) for trained EAGLE ``weights`` on this target."""
+  num_layers = len(weights["layers"])
+  if weights["fc"].shape != (2 * target_cfg.dim, target_cfg.dim):
+    raise ValueError(f"EAGLE weights of width {weights['fc'].shape[1]} do not fit a target of "
+                     f"width {target_cfg.dim}")
+  return (EagleDrafter(eagle_config(target_cfg, num_layers)),
+          eagle_params(target_cfg, target_params, weights, vocab_map))
+

@@ -1,0 +1,176 @@
+"""EAGLE feature drafter: its state tracks the target's true features, it trains, it ships."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import drafts
+from specjax.distill import eagle, features, teacher, train, vocab
+from specjax.drafters.eagle import (EagleDrafter, eagle_config, eagle_drafter, init_eagle_weights,
+                                    random_eagle_weights)
+from specjax.kv_cache import init_cache
+from specjax.loaders import CheckpointError
+from specjax.model import forward
+from specjax.sampling import Greedy, Sampling
+from specjax.speculative import SpeculativeDecoder
+from specjax.testing import tiny_model
+
+PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9, 10, 7], [3]]
+
+
+def _draft_from_scratch(drafter, dp, target_params, target_cfg, seq, last_feature=None):
+  """ĥ and logits of pair len(seq) − 1 recomputed from scratch: the target's features of
+  the whole sequence (teacher-forced), shifted by one, through the draft; with
+  ``last_feature`` that pair reads it instead of the target's. Padded to a fixed
+  length (causal: padding never reaches earlier positions), so one compile serves all."""
+  n, l = len(seq), 32
+  tokens = jnp.zeros((1, l), jnp.int32).at[0, :n].set(jnp.asarray(seq))
+  pos = jnp.arange(l)[None]
+  feats = forward(target_params, target_cfg, tokens, pos, init_cache(target_cfg, 1, l)).hidden
+  shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
+  if last_feature is not None:
+    shifted = shifted.at[:, n - 1].set(last_feature)
+  h, _ = drafter.hidden(dp, shifted, tokens, pos, init_cache(drafter.cfg, 1, l))
+  return h[:, n - 1], drafter.logits(dp, h[:, n - 1])
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(gamma):
+  """Across real steps (prefill, observe, partial acceptance), the first draft's q equals
+  the draft run from scratch on the target's teacher-forced features; the second draft
+  reads the first one's predicted feature."""
+  cfg, params = tiny_model(seed=0)
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(7))
+  drafter, dp = eagle_drafter(cfg, params, weights, np.arange(0, cfg.vocab_size, 2))
+  sampler = Sampling(temperature=1.0)
+  dec = SpeculativeDecoder(cfg, drafter, gamma=gamma, sampler=sampler, eos_ids=())
+  checked = 0
+  for state, _ in dec.stream(params, dp, PROMPTS, 12, seed=1):
+    if bool(jnp.all(state.done)):
+      break
+    drafts_, q, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
+    for row in range(len(PROMPTS)):
+      if bool(state.done[row]):  # finished rows draft garbage, which nobody reads
+        continue
+      seq = np.asarray(state.tokens[row, :int(state.seq_lens[row])])
+      h, logits = _draft_from_scratch(drafter, dp, params, cfg, seq)
+      np.testing.assert_allclose(np.asarray(q[row, 0]), np.asarray(sampler.probs(logits)[0]),
+                                 atol=2e-5)
+      if gamma > 1:  # pair s = (ĥ_{s−1}, d₁) on top of the true pairs
+        _, logits2 = _draft_from_scratch(drafter, dp, params, cfg,
+                                         np.append(seq, int(drafts_[row, 0])), h)
+        np.testing.assert_allclose(np.asarray(q[row, 1]), np.asarray(sampler.probs(logits2)[0]),
+                                   atol=2e-5)
+      checked += 1
+  assert checked >= 8
+
+
+def test_reduced_vocabulary_gives_zero_q_outside_the_map():
+  cfg, params = tiny_model(seed=0)
+  vm = np.arange(0, cfg.vocab_size, 2)
+  drafter, dp = eagle_drafter(cfg, params, random_eagle_weights(cfg, 1, jax.random.PRNGKey(1)), vm)
+  dec = SpeculativeDecoder(cfg, drafter, gamma=2, sampler=Sampling(1.0), eos_ids=())
+  state, _ = dec.prepare(params, dp, PROMPTS, 4)
+  drafts_, q, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
+  assert np.all(np.asarray(q)[..., 1::2] == 0.0)
+  assert np.all(np.asarray(drafts_) % 2 == 0)
+  np.testing.assert_allclose(np.asarray(q).sum(-1), 1.0, atol=1e-5)
+
+
+def test_weights_of_another_width_are_refused():
+  cfg, params = tiny_model(seed=0)
+  other, _ = tiny_model(seed=0, dim=48, num_heads=4, num_kv_heads=2)
+  with pytest.raises(ValueError, match="width"):
+    eagle_drafter(cfg, params, random_eagle_weights(other, 1, jax.random.PRNGKey(0)))
+
+
+@pytest.fixture(scope="module")
+def toy():
+  """A tiny target and its corpus (greedy + T=1 responses), with features attached."""
+  cfg, params = tiny_model(seed=3, vocab_size=64, num_layers=1)
+  # Shrink the layer (as in test_distill): the next token then depends mostly on the
+  # current one, which a one-layer draft can learn from a few hundred positions.
+  params = dict(params, layers=jax.tree.map(lambda w: w * 0.2, params["layers"]))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 64, int(rng.integers(3, 10))).tolist() for _ in range(48)]
+  recs = []
+  for j, sampler in enumerate((Greedy(), Sampling(1.0))):
+    out = teacher.generate_with_topk(params, cfg, prompts, 16, sampler, k=8, seed=j, eos_ids=())
+    recs += [dict(r, mode="greedy" if j == 0 else "T=1") for r in out]
+  feats = features.target_features(params, cfg, [features.record_sequence(r) for r in recs])
+  for r, f in zip(recs, feats):
+    r["features"] = f
+  held = [r for i, r in enumerate(recs) if i % 6 == 0]
+  train_recs = [r for i, r in enumerate(recs) if i % 6 != 0]
+  return cfg, params, train_recs, held
+
+
+def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path):
+  cfg, params, recs, held = toy
+  vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
+  drafter = EagleDrafter(eagle_config(cfg, 1))
+  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.05)
+  frozen = eagle.frozen_arrays(cfg, params, vm)
+  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
+                      target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  tc = train.TrainConfig(steps=60, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2,
+                         eval_every=60, checkpoint_every=60)
+  weights = init_eagle_weights(cfg, params, 1)
+  batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], tc.seq_len, 8).items()}
+  v, i = draft.maps()
+  loss = lambda w: float(train.loss_fn(w, objective, "fkl", v, i, frozen, batch))
+  before = loss(weights)
+  trained, hist = train.train(draft, weights, recs, held, tc, str(tmp_path), k=8,
+                              log=lambda m: 0, progress=False, objective=objective, frozen=frozen)
+  assert loss(trained) < 0.8 * before
+  assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"] + 0.1
+  assert hist[-1]["alpha_T1"] > hist[0]["alpha_T1"] + 0.1
+  # The trained drafter speculates losslessly and accepts more than the untrained one.
+  accepted = []
+  for w in (weights, trained):
+    d, dp = eagle_drafter(cfg, params, w, vm)
+    dec = SpeculativeDecoder(cfg, d, gamma=3, eos_ids=())
+    out = dec.generate(params, dp, [r["prompt"] for r in held[:8]], 12)
+    accepted.append(out.metrics()["acceptance_rate"])
+  assert accepted[1] > accepted[0]
+
+
+def test_save_and_load_round_trip_and_refusals(tmp_path):
+  cfg, params = tiny_model(seed=0)
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(2))
+  vm = np.arange(0, cfg.vocab_size, 2)
+  path = str(tmp_path / "eagle")
+  drafts.save_eagle(path, cfg, weights, vm, tokenizer_sha256="abc", dtype=np.float32)
+  drafter, dp = drafts.load_eagle(path, cfg, params, tokenizer_sha256="abc")
+  _, ref = eagle_drafter(cfg, params, weights, vm)
+  for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="tokenizer"):
+    drafts.load_eagle(path, cfg, params, tokenizer_sha256="xyz")
+  other, other_params = tiny_model(seed=0, vocab_size=80)
+  with pytest.raises(ValueError, match="vocabulary"):
+    drafts.load_eagle(path, other, other_params)
+  with open(f"{path}/weights.safetensors", "wb") as f:
+    f.write(b"not safetensors")
+  with pytest.raises(CheckpointError, match="corrupt"):
+    drafts.load_eagle(path, cfg, params)
+  with pytest.raises(CheckpointError, match="no draft.json"):
+    drafts.load_eagle(str(tmp_path / "missing"), cfg, params)
+
+
+def test_corpus_features_are_cached_and_refused_for_another_target(tmp_path, toy):
+  cfg, params, recs, _ = toy
+  recs = [dict(r) for r in recs[:5]]
+  features.corpus_features(str(tmp_path), "train", recs, params, cfg, progress=False)
+  first = [np.array(r["features"]) for r in recs]
+  again = [dict(r) for r in recs]
+  features.corpus_features(str(tmp_path), "train", again, params, cfg, progress=False)
+  for a, r in zip(first, again):
+    np.testing.assert_array_equal(a, r["features"])
+  other = dataclasses.replace(cfg, name="other")
+  with pytest.raises(CheckpointError, match="another target"):
+    features.corpus_features(str(tmp_path), "train", [dict(r) for r in recs], params, other,
+                             progress=False)
