@@ -203,3 +203,18 @@ def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
     assert r["emitted"] == r["generated_tokens"] == r["ar_generated_tokens"]
     assert r["accepted"] <= r["emitted"] <= r["accepted"] + r["target_calls"]
   assert "stopping at EOS" in open(os.path.join(str(tmp_path), "tables.md")).read()
+
+
+def test_eagle_drafts_resolve_by_name_and_by_directory(tmp_path):
+  import jax
+  from specjax import drafts
+  from specjax.drafters import EagleDrafter
+  from specjax.drafters.eagle import random_eagle_weights
+  from experiments.models import load_draft, load_target
+
+  target = load_target("tiny")
+  assert isinstance(load_draft("eagle", target, lambda: []).drafter, EagleDrafter)
+  weights = random_eagle_weights(target.cfg, 1, jax.random.PRNGKey(0))
+  drafts.save_eagle(str(tmp_path / "e"), target.cfg, weights, None, tokenizer_sha256="-")
+  d = load_draft(str(tmp_path / "e"), target, lambda: [])
+  assert isinstance(d.drafter, EagleDrafter) and d.name == "e"

@@ -54,3 +54,13 @@ def test_batch4(target, which):
       vocab_size=cfg.vocab_size, dim=32, num_layers=1)
   drafter = ModelDrafter(dcfg)
   _check(target, drafter, drafter.make_params(dparams), prompts, gamma=5, new=48)
+
+
+@pytest.mark.parametrize("which", ["default", "eagle"])
+def test_shipped_drafts_are_lossless_and_get_accepted(target, which):
+  """The shipped distilled token draft and EAGLE drafter, as users load them."""
+  from specjax.drafts import default_drafter, default_eagle_drafter
+  cfg, params, prompts = target
+  drafter, dp = default_drafter() if which == "default" else default_eagle_drafter(cfg, params)
+  out = _check(target, drafter, dp, prompts[:2], gamma=3)
+  assert out.metrics()["acceptance_rate"] > 0.15
