@@ -9,7 +9,8 @@ Batch 1, SmolLM2-135M-Instruct in f32, every output forced to ``new_tokens``
   HF `generate` greedy and sampled (T = 1); HF assisted generation with the
   shipped draft exported as an HF Llama directory (greedy, constant γ);
   HF prompt lookup (greedy, γ tokens); specjax autoregressive greedy and
-  sampled; specjax speculative with the shipped draft (greedy and T = 1) and
+  sampled; specjax speculative with the shipped draft (greedy and T = 1), with
+  the shipped EAGLE drafter (greedy and T = 1; HF has no counterpart) and
   with prompt lookup (greedy). Each is warmed up once, then timed over all
   prompts. Reports tokens/s and ratios.
 """
@@ -61,6 +62,7 @@ def main(_):
   tok = load_model_tokenizer()
   prompts = [chat_prompt(tok, t) for t in TEXTS[:NUM_PROMPTS.value]]
   drafter, dp = drafts.default_drafter(tok, cfg.vocab_size)
+  eagle, eagle_dp = drafts.default_eagle_drafter(cfg, params, tok)
   cache = max(len(p) for p in prompts) + n + g + 8
 
   def sj_ar(sampler):
@@ -77,6 +79,10 @@ def main(_):
           sj_spec(drafter, dp, Greedy()), prompts),
       f"specjax speculative, shipped draft, T=1 (γ={g})": _timed(
           sj_spec(drafter, dp, Sampling(1.0)), prompts),
+      f"specjax speculative, EAGLE drafter, greedy (γ={g})": _timed(
+          sj_spec(eagle, eagle_dp, Greedy()), prompts),
+      f"specjax speculative, EAGLE drafter, T=1 (γ={g})": _timed(
+          sj_spec(eagle, eagle_dp, Sampling(1.0)), prompts),
       f"specjax speculative, prompt lookup, greedy (γ={g})": _timed(
           sj_spec(PromptLookupDrafter(cfg.vocab_size), (), Greedy()), prompts),
   }
@@ -126,6 +132,8 @@ def main(_):
       f"**{spec / tps[f'HF assisted generation, shipped draft, greedy (γ={g})']:.2f}x** (goal ≥ 2x)",
       f"- specjax speculative / specjax autoregressive (greedy): "
       f"**{spec / tps['specjax autoregressive, greedy']:.2f}x** (goal ≥ 2x)",
+      f"- specjax speculative with the EAGLE drafter / specjax autoregressive (greedy): "
+      f"**{tps[f'specjax speculative, EAGLE drafter, greedy (γ={g})'] / tps['specjax autoregressive, greedy']:.2f}x**",
       f"- specjax autoregressive / HF generate (greedy): "
       f"**{tps['specjax autoregressive, greedy'] / base:.2f}x**",
   ]

@@ -94,3 +94,18 @@ def make_sampler(temperature: float = 0.0, top_k: Optional[int] = None,
   if temperature == 0:
     return Greedy()
   return Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def sample_subset(sampler: Sampler, key: jax.Array, logits: jax.Array, ids: jax.Array,
+                  vocab_size: int) -> tuple[jax.Array, jax.Array]:
+  """Samples from logits [..., Vd] over the vocabulary subset ``ids`` [Vd].
+
+  Returns (target ids, q [..., vocab_size] zero outside ``ids``): the same
+  distribution as sampling the logits lifted to the full vocabulary with -inf
+  outside the subset (every warp only rescales or cuts finite logits), at
+  Vd/V of the cost of the random draw. Reduced-vocabulary drafters use it.
+  """
+  tok, q = sampler.sample(key, logits)
+  full = jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., ids].set(q)
+  return ids[tok], full
+

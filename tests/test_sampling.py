@@ -150,3 +150,23 @@ def test_make_sampler_validates_even_at_zero_temperature():
 def test_sampling_rejects_zero_temperature():
   with pytest.raises(ValueError, match="Greedy"):
     Sampling(temperature=0.0)
+
+
+@pytest.mark.parametrize("sampler", [Greedy(), Sampling(0.7), Sampling(1.0, top_k=3),
+                                     Sampling(1.3, top_p=0.8)])
+def test_sampling_a_vocabulary_subset_equals_sampling_its_lifted_logits(sampler):
+  """q of the subset sampler = the warp of the logits lifted with -inf outside the subset,
+  and the drawn tokens follow it."""
+  from specjax.distill.vocab import lift_logits
+  from specjax.sampling import sample_subset
+
+  v, ids = 12, jnp.array([7, 2, 9, 4, 0])
+  logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5)) * 2.0
+  toks, q = sample_subset(sampler, jax.random.PRNGKey(1), logits, ids, v)
+  np.testing.assert_allclose(np.asarray(q), np.asarray(sampler.probs(lift_logits(logits, ids, v))),
+                             atol=1e-6)
+  keys = jax.random.split(jax.random.PRNGKey(2), 4000)
+  draws = np.asarray(jax.vmap(lambda k: sample_subset(sampler, k, logits[:1], ids, v)[0])(keys))
+  freq = np.bincount(draws.ravel(), minlength=v) / draws.size
+  np.testing.assert_allclose(freq, np.asarray(q[0]), atol=0.03)
+  assert set(np.unique(draws)) <= set(np.asarray(ids).tolist())

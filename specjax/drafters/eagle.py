@@ -38,7 +38,7 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.model import Params, init_params, rms_norm, run_layers
-from specjax.sampling import Sampler
+from specjax.sampling import Sampler, sample_subset
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -85,15 +85,25 @@ class EagleDrafter:
     h, _, cache = run_layers(dp, self.cfg, x, positions, cache, num_valid=num_valid)
     return h, cache
 
+  def head_logits(self, dp: Params, h: jax.Array) -> jax.Array:
+    """ĥ [..., D] -> float32 logits over the head's rows."""
+    return jnp.einsum("...d,vd->...v", rms_norm(h, dp["final_norm"], self.cfg.norm_eps),
+                      dp["head"], preferred_element_type=jnp.float32)
+
   def logits(self, dp: Params, h: jax.Array) -> jax.Array:
-    """ĥ [..., D] -> float32 logits over the head's rows, lifted to the target vocabulary
-    (−inf outside ``vocab_map``) when the params carry one."""
-    logits = jnp.einsum("...d,vd->...v", rms_norm(h, dp["final_norm"], self.cfg.norm_eps),
-                        dp["head"], preferred_element_type=jnp.float32)
+    """Logits over the target vocabulary (−inf outside ``vocab_map`` when there is one)."""
+    logits = self.head_logits(dp, h)
     if "vocab_map" in dp:
       full = jnp.full(logits.shape[:-1] + (self.vocab_size,), -jnp.inf, logits.dtype)
       logits = full.at[..., dp["vocab_map"]].set(logits)
     return logits
+
+  def _sample(self, dp: Params, sampler: Sampler, key: jax.Array, h: jax.Array):
+    """(target ids, q over the target vocabulary) drawn from ĥ [B, D]."""
+    logits = self.head_logits(dp, h)
+    if "vocab_map" in dp:
+      return sample_subset(sampler, key, logits, dp["vocab_map"], self.vocab_size)
+    return sampler.sample(key, logits)
 
   def init(self, draft_params, tokens, prompt_lens, features) -> EagleState:
     """Feeds the prompt's pairs 0…P−2; pair P−1 is pending for the first ``propose``."""
@@ -125,12 +135,12 @@ class EagleDrafter:
     last = jnp.clip(num_valid - 1, 0, gamma)[:, None, None]
     h_last = jnp.take_along_axis(h, last, axis=1)[:, 0]
     keys = jax.random.split(key, gamma)
-    d1, q1 = sampler.sample(keys[0], self.logits(draft_params, h_last))
+    d1, q1 = self._sample(draft_params, sampler, keys[0], h_last)
 
     def step(carry, k):
       cache, h_prev, tok, p = carry
       h, cache = self.hidden(draft_params, h_prev[:, None], tok[:, None], p[:, None], cache)
-      nxt, q = sampler.sample(k, self.logits(draft_params, h[:, 0]))
+      nxt, q = self._sample(draft_params, sampler, k, h[:, 0])
       return (cache, h[:, 0], nxt, p + 1), (nxt, q)
 
     (cache, _, _, _), (rest, qs) = jax.lax.scan(step, (cache, h_last, d1, seq_lens), keys[1:])

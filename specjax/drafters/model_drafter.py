@@ -7,8 +7,9 @@ starts with one forward over two tokens (``num_valid`` 1 or 2), which keeps
 the shapes static.
 
 Reduced vocabulary (FR-Spec / EAGLE-3 style): a draft with V_d < V outputs
-logits over V_d ids and carries ``vocab_map`` [V_d] of target ids. Its logits
-are lifted to the target vocabulary with -inf elsewhere before any warping, so
+logits over V_d ids and carries ``vocab_map`` [V_d] of target ids. It samples
+over its V_d rows and lifts q to the target vocabulary with zeros elsewhere
+(``sampling.sample_subset``; the same as warping logits lifted with -inf), so
 tokens outside the map have q = 0 — verification remains exact.
 """
 
@@ -25,7 +26,7 @@ from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.generate import prefill
 from specjax.model import Params, forward
-from specjax.sampling import Sampler
+from specjax.sampling import Sampler, sample_subset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +85,16 @@ class ModelDrafter:
     return tokens if "inverse_map" not in dp else dp["inverse_map"][tokens]
 
   def _forward(self, dp, tokens, positions, cache, num_valid=None):
+    """Logits over the draft's own rows (Vd) and the new cache."""
     out = forward(dp["model"], self.cfg, self._draft_ids(dp, tokens), positions, cache,
                   num_valid=num_valid)
-    logits = out.logits
+    return out.logits, out.cache
+
+  def _sample(self, dp, sampler: Sampler, key, logits):
+    """(target ids, q over the target vocabulary) from draft-row logits."""
     if "vocab_map" in dp:
-      full = jnp.full(logits.shape[:-1] + (self.target_vocab_size,), -jnp.inf, logits.dtype)
-      logits = full.at[..., dp["vocab_map"]].set(logits)
-    return logits, out.cache
+      return sample_subset(sampler, key, logits, dp["vocab_map"], self.target_vocab_size)
+    return sampler.sample(key, logits)
 
   def init(self, draft_params, tokens, prompt_lens) -> kvc.KVCache:
     b, s = tokens.shape
@@ -108,12 +112,12 @@ class ModelDrafter:
     logits, cache = self._forward(draft_params, pair, idx, state, num_valid)
     last_logits = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
     keys = jax.random.split(key, gamma)
-    d1, q1 = sampler.sample(keys[0], last_logits)
+    d1, q1 = self._sample(draft_params, sampler, keys[0], last_logits)
 
     def step(carry, k):
       cache, tok, pos = carry
       logits, cache = self._forward(draft_params, tok[:, None], pos[:, None], cache)
-      nxt, q = sampler.sample(k, logits[:, 0])
+      nxt, q = self._sample(draft_params, sampler, k, logits[:, 0])
       return (cache, nxt, pos + 1), (nxt, q)
 
     (cache, _, _), (rest, qs) = jax.lax.scan(step, (cache, d1, seq_lens), keys[1:])
