@@ -59,8 +59,7 @@ class ExperimentConfig:
   temperature_gamma: int = 0
   alpha_gamma: int = 4
   early_exit_layers: int = 0
-  alpha_drafts: tuple[str, ...] = ("unigram", "bigram", "early_exit", "prompt_lookup", "default",
-                                   "eagle")
+  alpha_drafts: tuple[str, ...] = ("unigram", "bigram", "early_exit", "prompt_lookup")
   cost_steps: int = 4
   stop_at_eos: bool = False
 

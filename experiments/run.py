@@ -40,7 +40,7 @@ flags.DEFINE_integer("temperature_gamma", 0, "γ of the temperature sweep (0: be
 flags.DEFINE_integer("alpha_gamma", 4, "γ at which the drafts' α is measured.")
 flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in drafts_alpha "
                      "(0: num_layers // 5).")
-flags.DEFINE_string("alpha_drafts", "unigram,bigram,early_exit,prompt_lookup,default,eagle",
+flags.DEFINE_string("alpha_drafts", "unigram,bigram,early_exit,prompt_lookup",
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
 flags.DEFINE_integer("cost_steps", 4, "Steps timed phase by phase for c and the verify cost.")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
