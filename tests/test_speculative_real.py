@@ -63,4 +63,4 @@ def test_shipped_drafts_are_lossless_and_get_accepted(target, which):
   cfg, params, prompts = target
   drafter, dp = default_drafter() if which == "default" else default_eagle_drafter(cfg, params)
   out = _check(target, drafter, dp, prompts[:2], gamma=3)
-  assert out.metrics()["acceptance_rate"] > 0.15
+  assert out.metrics()["alpha"] > 0.2  # E[β] up to the first rejection; random drafts get ~0
