@@ -33,31 +33,30 @@ flags.DEFINE_integer("timing_reps", 40, "Interleaved timing repetitions for c.")
 flags.DEFINE_string("results", None, "Write the results as JSON here.")
 
 
-def exact_alpha_t1(tparams, tcfg, dparams, draft, records) -> float:
+def exact_alpha_t1(tparams, tcfg, records, draft_logits) -> float:
+  """Mean β at T=1 over the response positions of ``records``, with the full target
+  distribution. ``draft_logits(tokens [1, n], positions, target_output)`` returns the
+  draft's [n, V] logits over the target vocabulary (−inf outside its own)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from specjax.distill import losses
-  from specjax.distill.vocab import lift_logits
   from specjax.kv_cache import init_cache
   from specjax.model import forward
   from specjax.sampling import Sampling
 
-  vm, im = draft.maps()
   sampler = Sampling(temperature=1.0)
   fwd = jax.jit(forward, static_argnames=("cfg",))
   betas = []
   for r in records:
     seq = np.concatenate([r["prompt"], r["response"]])
     n = -(-len(seq) // 64) * 64
-    toks = np.zeros((1, n), np.int32)
-    toks[0, :len(seq)] = seq
+    toks = jnp.zeros((1, n), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
     pos = jnp.arange(n)[None]
-    p = sampler.probs(fwd(tparams, tcfg, jnp.asarray(toks), pos, init_cache(tcfg, 1, n)).logits[0])
-    dl = fwd(dparams, draft.cfg, im[jnp.asarray(toks)], pos, init_cache(draft.cfg, 1, n)).logits[0]
-    q = sampler.probs(lift_logits(dl, vm, tcfg.vocab_size))
-    sl = slice(len(r["prompt"]) - 1, len(seq) - 1)
-    betas.append(np.asarray(losses.beta(p, q))[sl])
+    out = fwd(tparams, tcfg, toks, pos, init_cache(tcfg, 1, n))
+    p = sampler.probs(out.logits[0])
+    q = sampler.probs(draft_logits(toks, pos, out))
+    betas.append(np.asarray(losses.beta(p, q))[len(r["prompt"]) - 1:len(seq) - 1])
   return float(np.mean(np.concatenate(betas)))
 
 
@@ -121,11 +120,10 @@ def eval_eagle(path: str, meta: dict, tok) -> dict:
   import jax.numpy as jnp
   import numpy as np
   from specjax import drafts
-  from specjax.distill import eagle, features, losses, teacher, train
+  from specjax.distill import eagle, features, teacher, train
+  from specjax.drafters.eagle import split_params
   from specjax.kv_cache import init_cache
   from specjax.loaders import load_model
-  from specjax.model import forward
-  from specjax.sampling import Sampling
 
   tcfg, tparams = load_model()
   drafter, dp = drafts.load_eagle(path, tcfg, tparams,
@@ -135,8 +133,7 @@ def eval_eagle(path: str, meta: dict, tok) -> dict:
   features.corpus_features(corpus, "heldout", held, tparams, tcfg)
   k = meta["info"].get("topk", 64)
   vm = None if "vocab_map" not in dp else np.asarray(dp["vocab_map"])
-  weights = {n: dp[n] for n in ("embed_norm", "feature_norm", "fc", "fc_bias", "layers")}
-  frozen = {n: v for n, v in dp.items() if n not in weights and n != "vocab_map"}
+  weights, frozen = split_params(dp)
   objective = eagle.EagleObjective(drafter)
   draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=dp["head"].shape[0]),
                       target_vocab_size=tcfg.vocab_size, vocab_map=vm)
@@ -145,21 +142,13 @@ def eval_eagle(path: str, meta: dict, tok) -> dict:
   res = dict(kind="eagle", heldout=alpha(held), by_category={
       cat: alpha([r for r in held if r["category"] == cat])
       for cat in sorted({r["category"] for r in held})})
-  sampler, betas = Sampling(temperature=1.0), []
-  sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
-  for r in sampled:  # exact T=1 β with the full target distribution
-    seq = np.concatenate([r["prompt"], r["response"]])
-    n = -(-len(seq) // 64) * 64
-    toks = jnp.zeros((1, n), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
-    pos = jnp.arange(n)[None]
-    out = forward(tparams, tcfg, toks, pos, init_cache(tcfg, 1, n))
+
+  def draft_logits(toks, pos, out):  # every pair reads the target's true features
     shifted = jnp.concatenate([jnp.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], axis=1)
-    h, _ = drafter.hidden(dp, shifted, toks, pos, init_cache(drafter.cfg, 1, n))
-    p, q = sampler.probs(out.logits[0]), sampler.probs(drafter.logits(dp, h)[0])
-    betas.append(np.asarray(losses.beta(p, q))[len(r["prompt"]) - 1:len(seq) - 1])
-  res["alpha_T1_exact_subset"] = dict(records=len(sampled),
-                                      tokens=int(sum(len(r["response"]) for r in sampled)),
-                                      alpha=float(np.mean(np.concatenate(betas))))
+    h, _ = drafter.hidden(dp, shifted, toks, pos, init_cache(drafter.cfg, *toks.shape))
+    return drafter.logits(dp, h)[0]
+
+  res["alpha_T1_exact_subset"] = _exact_subset(tparams, tcfg, held, draft_logits)
   res["timing"] = step_times(_token_stepper(tcfg, tcfg, tparams, None),
                              _eagle_stepper(drafter, dp), FLAGS.timing_reps)
   return res
@@ -169,15 +158,12 @@ def main(argv):
   del argv
   from specjax import drafts
   from specjax.loaders import load_model_tokenizer
-  from specjax.loaders.hf import read_json_object
 
   tok = load_model_tokenizer()
   path = FLAGS.eval_draft or drafts.DEFAULT_DRAFT_DIR
-  meta = read_json_object(os.path.join(path, "draft.json"), f"draft.json in {path!r}")
-  if meta.get("format") == drafts.EAGLE_FORMAT:
-    res = dict(draft=path, git=_git(), **eval_eagle(path, meta, tok))
-  else:
-    res = eval_token_draft(path, tok)
+  meta = drafts.read_draft_metadata(path, (drafts.FORMAT, drafts.EAGLE_FORMAT))
+  evaluate = eval_eagle if meta["format"] == drafts.EAGLE_FORMAT else eval_token_draft
+  res = dict(draft=path, git=_git(), **evaluate(path, meta, tok))
   a0, a1, c = res["heldout"]["alpha_T0"], res["alpha_T1_exact_subset"]["alpha"], res["timing"]["c"]
   res["expected_walltime_improvement"] = {  # Leviathan et al. Thm 3.8
       f"T{t}_gamma{g}": (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
@@ -195,13 +181,23 @@ def _git() -> str:
   return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
-def eval_token_draft(path: str, tok) -> dict:
+def _exact_subset(tparams, tcfg, held, draft_logits) -> dict:
+  sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
+  return dict(records=len(sampled), tokens=int(sum(len(r["response"]) for r in sampled)),
+              alpha=exact_alpha_t1(tparams, tcfg, sampled, draft_logits))
+
+
+def eval_token_draft(path: str, meta: dict, tok) -> dict:
+  """Held-out α (teacher-forced) and c of a token draft directory."""
+  import jax
   import jax.numpy as jnp
   from specjax import drafts
   from specjax.distill import teacher, train
+  from specjax.distill.vocab import lift_logits
+  from specjax.kv_cache import init_cache
   from specjax.loaders import load_model
+  from specjax.model import forward
 
-  meta = drafts.read_draft_metadata(path)
   dcfg, dparams, vm, im = drafts.load_draft(
       path, target_vocab_size=len(tok), tokenizer_sha256=drafts.tokenizer_fingerprint(tok),
       with_input_map=True)
@@ -210,16 +206,19 @@ def eval_token_draft(path: str, tok) -> dict:
   corpus = FLAGS.corpus or meta["info"]["corpus"]
   held = teacher.load_corpus(corpus, "heldout")
   k = meta["info"].get("topk", 64)
-  res = dict(draft=path, git=_git())
-  res["heldout"] = train.heldout_alpha(dparams, draft, held, 288, k)
-  res["by_category"] = {}
-  for cat in sorted({r["category"] for r in held}):
-    res["by_category"][cat] = train.heldout_alpha(
-        dparams, draft, [r for r in held if r["category"] == cat], 288, k)
-  sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
-  res["alpha_T1_exact_subset"] = dict(records=len(sampled), tokens=int(sum(len(r["response"])
-                                                                         for r in sampled)),
-                                      alpha=exact_alpha_t1(tparams, tcfg, dparams, draft, sampled))
+  alpha = lambda recs: train.heldout_alpha(dparams, draft, recs, 288, k)
+  res = dict(heldout=alpha(held), by_category={
+      cat: alpha([r for r in held if r["category"] == cat])
+      for cat in sorted({r["category"] for r in held})})
+  d_vm, d_im = draft.maps()
+  fwd = jax.jit(forward, static_argnames=("cfg",))
+
+  def draft_logits(toks, pos, out):
+    del out
+    dl = fwd(dparams, dcfg, d_im[toks], pos, init_cache(dcfg, *toks.shape)).logits[0]
+    return lift_logits(dl, d_vm, tcfg.vocab_size)
+
+  res["alpha_T1_exact_subset"] = _exact_subset(tparams, tcfg, held, draft_logits)
   res["timing"] = step_times(
       _token_stepper(tcfg, tcfg, tparams, None),
       _token_stepper(tcfg, dcfg, dparams, None if vm is None else jnp.asarray(vm)),

@@ -151,8 +151,8 @@ def _default_eagle(target: Target) -> Draft:
 def _draft_from_path(path: str, target: Target) -> Draft:
   name = os.path.basename(os.path.normpath(path))
   if os.path.exists(os.path.join(path, "draft.json")):
-    from specjax.drafts import EAGLE_FORMAT, load_eagle, read_json_object
-    if read_json_object(os.path.join(path, "draft.json"), path).get("format") == EAGLE_FORMAT:
+    from specjax.drafts import EAGLE_FORMAT, FORMAT, load_eagle, read_draft_metadata
+    if read_draft_metadata(path, (FORMAT, EAGLE_FORMAT))["format"] == EAGLE_FORMAT:
       drafter, dp = load_eagle(path, target.cfg, target.params)
       return Draft(name, drafter, dp, f"EAGLE drafter {path}")
     from specjax.drafts import load_draft as load_specjax_draft

@@ -24,6 +24,7 @@ from specjax.config import ModelConfig
 from specjax.loaders.hf import (CheckpointError, config_from_hf_dict, config_to_hf_dict,
                                 read_json_object)
 from specjax.loaders.hf_layout import params_from_hf, params_to_hf
+from specjax.drafters.eagle import TRAINED_KEYS
 from specjax.model import Params
 
 FORMAT = "specjax-draft-v1"
@@ -60,13 +61,16 @@ def save_draft(path: str, cfg: ModelConfig, params: Params, vocab_map: Optional[
     json.dump(meta, f, indent=2)
 
 
-def read_draft_metadata(path: str) -> dict[str, Any]:
+def read_draft_metadata(path: str, formats: tuple[str, ...] = (FORMAT,)) -> dict[str, Any]:
+  """draft.json of a draft directory whose format is one of ``formats``
+  (token drafts: FORMAT; EAGLE drafts: EAGLE_FORMAT)."""
   meta_file = os.path.join(path, "draft.json")
   if not os.path.exists(meta_file):
     raise CheckpointError(f"{path!r} is not a draft directory (no draft.json)")
   meta = read_json_object(meta_file, f"draft.json in {path!r}")
-  if meta.get("format") != FORMAT:
-    raise CheckpointError(f"{path!r} has draft format {meta.get('format')!r}, expected {FORMAT!r}")
+  if meta.get("format") not in formats:
+    raise CheckpointError(f"{path!r} has draft format {meta.get('format')!r}, expected "
+                          f"{' or '.join(map(repr, formats))}")
   return meta
 
 
@@ -186,7 +190,6 @@ def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None):
 
 EAGLE_FORMAT = "specjax-eagle-v1"
 DEFAULT_EAGLE_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2_eagle")
-_EAGLE_KEYS = ("embed_norm", "feature_norm", "fc", "fc_bias")
 _LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
 
@@ -198,7 +201,7 @@ def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
   from safetensors.numpy import save_file
 
   os.makedirs(path, exist_ok=True)
-  tensors = {k: np.asarray(weights[k], dtype) for k in _EAGLE_KEYS}
+  tensors = {k: np.asarray(weights[k], dtype) for k in TRAINED_KEYS if k != "layers"}
   for i, layer in enumerate(weights["layers"]):
     for k, v in layer.items():
       tensors[f"layers.{i}.{k}"] = np.asarray(v, dtype)
@@ -223,12 +226,7 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
   from safetensors import safe_open
   from specjax.drafters.eagle import eagle_drafter
 
-  meta_file = os.path.join(path, "draft.json")
-  if not os.path.exists(meta_file):
-    raise CheckpointError(f"{path!r} is not a draft directory (no draft.json)")
-  meta = read_json_object(meta_file, f"draft.json in {path!r}")
-  if meta.get("format") != EAGLE_FORMAT:
-    raise CheckpointError(f"{path!r} has format {meta.get('format')!r}, expected {EAGLE_FORMAT!r}")
+  meta = read_draft_metadata(path, (EAGLE_FORMAT,))
   if meta["target_vocab_size"] != target_cfg.vocab_size:
     raise ValueError(f"EAGLE draft {path!r} was made for a target vocabulary of "
                      f"{meta['target_vocab_size']} tokens, but the target has "
@@ -251,7 +249,7 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
   try:
     layers = [{k: f32(f"layers.{i}.{k}") for k in _LAYER_KEYS if f"layers.{i}.{k}" in t}
               for i in range(meta["num_layers"])]
-    weights = dict({k: f32(k) for k in _EAGLE_KEYS}, layers=layers)
+    weights = dict({k: f32(k) for k in TRAINED_KEYS if k != "layers"}, layers=layers)
   except KeyError as e:
     raise CheckpointError(f"{weights_file} lacks tensor {e.args[0]}") from None
   return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"))

@@ -102,8 +102,8 @@ def sample_subset(sampler: Sampler, key: jax.Array, logits: jax.Array, ids: jax.
 
   Returns (target ids, q [..., vocab_size] zero outside ``ids``): the same
   distribution as sampling the logits lifted to the full vocabulary with -inf
-  outside the subset (every warp only rescales or cuts finite logits), at
-  Vd/V of the cost of the random draw. Reduced-vocabulary drafters use it.
+  outside the subset (every warp only rescales or cuts finite logits), with
+  the random draw over Vd instead of V ids. Reduced-vocabulary drafters use it.
   """
   tok, q = sampler.sample(key, logits)
   full = jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., ids].set(q)

@@ -2,6 +2,37 @@
 
 import pytest
 
+TOY_TOPK = 8
+
+
+@pytest.fixture(scope="session")
+def toy_corpus():
+  """A tiny target and its self-distillation corpus: (cfg, params, train records, held-out).
+
+  The target's layer is shrunk so the next token depends mostly on the current
+  one, a function a one-layer draft can learn from a few hundred positions.
+  Records hold greedy and T=1 responses with the target's top-TOY_TOPK; every
+  sixth is held out. Tests that add fields copy the records first.
+  """
+  import jax
+  import numpy as np
+  from specjax.distill import teacher
+  from specjax.sampling import Greedy, Sampling
+  from specjax.testing import tiny_model
+
+  cfg, params = tiny_model(seed=3, vocab_size=64, num_layers=1)
+  params = dict(params, layers=jax.tree.map(lambda w: w * 0.2, params["layers"]))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 64, int(rng.integers(3, 10))).tolist() for _ in range(48)]
+  recs = []
+  for j, sampler in enumerate((Greedy(), Sampling(1.0))):
+    out = teacher.generate_with_topk(params, cfg, prompts, 16, sampler, k=TOY_TOPK, seed=j,
+                                     eos_ids=())
+    recs += [dict(r, mode="greedy" if j == 0 else "T=1") for r in out]
+  held = [r for i, r in enumerate(recs) if i % 6 == 0]
+  train_recs = [r for i, r in enumerate(recs) if i % 6 != 0]
+  return cfg, params, train_recs, held
+
 
 @pytest.fixture(scope="session")
 def smoke(tmp_path_factory):

@@ -10,12 +10,10 @@ import pytest
 
 from specjax import drafts
 from specjax.distill import checkpoint as ckpt
-from specjax.distill import losses, teacher, train, vocab
+from specjax.distill import losses, train, vocab
 from specjax.loaders import CheckpointError, load_hf
 from specjax.model import forward, init_params
 from specjax.kv_cache import init_cache
-from specjax.sampling import Greedy, Sampling
-from specjax.testing import tiny_model
 
 K = 8
 TC = train.TrainConfig(steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2,
@@ -96,20 +94,9 @@ def test_nearest_input_map_reads_the_most_similar_kept_token():
 
 
 @pytest.fixture(scope="module")
-def toy():
-  """A tiny target, its corpus (greedy + T=1 responses) and a reduced-vocab draft spec."""
-  cfg, params = tiny_model(seed=3, vocab_size=64, num_layers=1)
-  # Shrink the layer: the next token then depends mostly on the current one,
-  # a function a one-layer draft can learn from a few hundred positions.
-  params = dict(params, layers=jax.tree.map(lambda w: w * 0.2, params["layers"]))
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, 64, int(rng.integers(3, 10))).tolist() for _ in range(48)]
-  recs = []
-  for j, sampler in enumerate((Greedy(), Sampling(1.0))):
-    out = teacher.generate_with_topk(params, cfg, prompts, 16, sampler, k=K, seed=j, eos_ids=())
-    recs += [dict(r, mode="greedy" if j == 0 else "T=1") for r in out]
-  held = [r for i, r in enumerate(recs) if i % 6 == 0]
-  train_recs = [r for i, r in enumerate(recs) if i % 6 != 0]
+def toy(toy_corpus):
+  """The shared toy target and corpus (conftest) and a reduced-vocab draft spec."""
+  cfg, params, train_recs, held = toy_corpus
   vm = vocab.select_vocab(vocab.token_counts(train_recs, cfg.vocab_size), 48)
   return cfg, params, train_recs, held, vm
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from specjax import drafts
-from specjax.distill import eagle, features, teacher, train, vocab
+from specjax.distill import eagle, features, train, vocab
 from specjax.drafters.eagle import (EagleDrafter, eagle_config, eagle_drafter, init_eagle_weights,
                                     random_eagle_weights)
 from specjax.kv_cache import init_cache
 from specjax.loaders import CheckpointError
 from specjax.model import forward
-from specjax.sampling import Greedy, Sampling
+from specjax.sampling import Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.testing import tiny_model
 
@@ -88,24 +88,15 @@ def test_weights_of_another_width_are_refused():
 
 
 @pytest.fixture(scope="module")
-def toy():
-  """A tiny target and its corpus (greedy + T=1 responses), with features attached."""
-  cfg, params = tiny_model(seed=3, vocab_size=64, num_layers=1)
-  # Shrink the layer (as in test_distill): the next token then depends mostly on the
-  # current one, which a one-layer draft can learn from a few hundred positions.
-  params = dict(params, layers=jax.tree.map(lambda w: w * 0.2, params["layers"]))
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, 64, int(rng.integers(3, 10))).tolist() for _ in range(48)]
-  recs = []
-  for j, sampler in enumerate((Greedy(), Sampling(1.0))):
-    out = teacher.generate_with_topk(params, cfg, prompts, 16, sampler, k=8, seed=j, eos_ids=())
-    recs += [dict(r, mode="greedy" if j == 0 else "T=1") for r in out]
-  feats = features.target_features(params, cfg, [features.record_sequence(r) for r in recs])
-  for r, f in zip(recs, feats):
-    r["features"] = f
-  held = [r for i, r in enumerate(recs) if i % 6 == 0]
-  train_recs = [r for i, r in enumerate(recs) if i % 6 != 0]
-  return cfg, params, train_recs, held
+def toy(toy_corpus):
+  """The shared toy target and corpus (conftest), each record with the target's features."""
+  cfg, params, train_recs, held = toy_corpus
+
+  def with_features(recs):
+    feats = features.target_features(params, cfg, [features.record_sequence(r) for r in recs])
+    return [dict(r, features=f) for r, f in zip(recs, feats)]
+
+  return cfg, params, with_features(train_recs), with_features(held)
 
 
 def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path):

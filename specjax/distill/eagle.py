@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from specjax import kv_cache as kvc
-from specjax.drafters.eagle import EagleDrafter
+from specjax.drafters.eagle import EagleDrafter, eagle_params
 
 
 def _unit_rms(x: jax.Array) -> jax.Array:
@@ -70,7 +70,5 @@ class EagleObjective:
 
 def frozen_arrays(target_cfg, target_params, vocab_map=None) -> dict:
   """The target arrays an EAGLE objective reads: embedding, final norm, head rows."""
-  from specjax.drafters.eagle import eagle_params
   dp = eagle_params(target_cfg, target_params, {}, vocab_map)
-  dp.pop("vocab_map", None)
-  return dp
+  return {k: v for k, v in dp.items() if k != "vocab_map"}

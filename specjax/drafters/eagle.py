@@ -37,6 +37,7 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
+from specjax.distill.vocab import lift_logits
 from specjax.model import Params, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
 
@@ -93,10 +94,7 @@ class EagleDrafter:
   def logits(self, dp: Params, h: jax.Array) -> jax.Array:
     """Logits over the target vocabulary (−inf outside ``vocab_map`` when there is one)."""
     logits = self.head_logits(dp, h)
-    if "vocab_map" in dp:
-      full = jnp.full(logits.shape[:-1] + (self.vocab_size,), -jnp.inf, logits.dtype)
-      logits = full.at[..., dp["vocab_map"]].set(logits)
-    return logits
+    return lift_logits(logits, dp["vocab_map"], self.vocab_size) if "vocab_map" in dp else logits
 
   def _sample(self, dp: Params, sampler: Sampler, key: jax.Array, h: jax.Array):
     """(target ids, q over the target vocabulary) drawn from ĥ [B, D]."""
@@ -153,6 +151,16 @@ class EagleDrafter:
     return state  # the cache already stops at the last pair of true features
 
 
+# The trained entries of the draft params; the rest are the target's arrays.
+TRAINED_KEYS = ("embed_norm", "feature_norm", "fc", "fc_bias", "layers")
+
+
+def split_params(dp: Params) -> tuple[Params, Params]:
+  """Draft params -> (trained weights, the target's arrays the head reads without
+  ``vocab_map``, i.e. over the head's rows: what training and teacher-forced eval use)."""
+  weights = {k: dp[k] for k in TRAINED_KEYS}
+  frozen = {k: v for k, v in dp.items() if k not in TRAINED_KEYS and k != "vocab_map"}
+  return weights, frozen
 
 
 def eagle_config(target_cfg: ModelConfig, num_layers: int = 1) -> ModelConfig:
