@@ -41,6 +41,8 @@ class ExperimentConfig:
       ("early_exit" means early_exit:K with K = early_exit_layers).
     cost_steps: speculative steps timed phase by phase (after one warm step)
       to measure the draft cost ratio c and the verify cost.
+    repeats: timed calls per batch, for plain and speculative decoding alike; the
+      fastest is kept (1 = the default run's single pass; more damps machine noise).
     stop_at_eos: stop rows at EOS. Off by default: every row then generates
       exactly max_new_tokens with both methods, so speedups are plain time ratios.
   """
@@ -61,6 +63,7 @@ class ExperimentConfig:
   early_exit_layers: int = 0
   alpha_drafts: tuple[str, ...] = ("unigram", "bigram", "early_exit", "prompt_lookup")
   cost_steps: int = 4
+  repeats: int = 1
   stop_at_eos: bool = False
 
   def __post_init__(self):
@@ -71,7 +74,8 @@ class ExperimentConfig:
       raise ValueError(f"gammas must be integers >= 1, got {self.gammas}")
     if not self.temperatures or any(t < 0 for t in self.temperatures):
       raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
-    for name in ("num_prompts", "max_new_tokens", "batch_size", "alpha_gamma", "cost_steps"):
+    for name in ("num_prompts", "max_new_tokens", "batch_size", "alpha_gamma", "cost_steps",
+                 "repeats"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.max_new_tokens < 2:

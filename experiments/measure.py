@@ -4,8 +4,9 @@ Protocol, for every (sampler) and every (draft, γ, sampler):
   1. compile: one call with ``max_new_tokens=1`` on the first batch (budgets
      are arrays and every batch has the same shape and cache size, so this is
      the program that is then timed);
-  2. time one call per batch with the full budget; the reported seconds are
-     their sum (prefill included, identically for both methods);
+  2. time one call per batch with the full budget (the fastest of ``repeats``
+     calls); the reported seconds are their sum (prefill included, identically
+     for both methods);
   3. step time of the fused loop, prefill excluded: (time of the first batch −
      time of a warm 1-token call) / (steps − 1); for plain decoding this is
      t₁, the unit of c and of the verify cost;
@@ -104,6 +105,12 @@ class Bench:
   def batches_of(self, run: SpecRun) -> list[Batch]:
     return self.batches if run.seconds is not None else self.untimed_batches
 
+  def _fastest(self, call, repeats: Optional[int] = None):
+    """The output of ``call()`` with the smallest ``.seconds`` over ``repeats`` calls (the
+    calls are deterministic for a fixed seed, so only the timing differs)."""
+    return min((call() for _ in range(repeats or self.config.repeats)),
+               key=lambda out: out.seconds)
+
   # ---------------------------------------------------------------- plain decoding
 
   def _generate(self, batch: Batch, max_new: int, sampler, seed: int):
@@ -118,8 +125,9 @@ class Bench:
     start = time.perf_counter()
     self._generate(first, 1, sampler, seed)
     compile_s = time.perf_counter() - start
-    one_step = self._generate(first, 1, sampler, seed).seconds
-    outs = [self._generate(b, self.config.max_new_tokens, sampler, seed + i)
+    one_step = self._fastest(lambda: self._generate(first, 1, sampler, seed)).seconds
+    budget = self.config.max_new_tokens
+    outs = [self._fastest(lambda: self._generate(b, budget, sampler, seed + i))
             for i, b in enumerate(self.batches)]
     step = _step_seconds(outs[0].seconds, one_step, outs[0].steps)
     base = Baseline(temperature=temperature, seconds=[o.seconds for o in outs],
@@ -149,8 +157,10 @@ class Bench:
       start = time.perf_counter()
       run(batches[0], 1, seed)
       compile_s = time.perf_counter() - start
-      one_step = run(batches[0], 1, seed).seconds
-    outs = [run(b, self.config.max_new_tokens, seed + i) for i, b in enumerate(batches)]
+      one_step = self._fastest(lambda: run(batches[0], 1, seed)).seconds
+    repeats = self.config.repeats if timed else 1
+    outs = [self._fastest(lambda: run(b, self.config.max_new_tokens, seed + i), repeats)
+            for i, b in enumerate(batches)]
     result = SpecRun(
         draft=draft.name, gamma=gamma, temperature=temperature,
         seconds=[o.seconds for o in outs] if timed else None,

@@ -94,6 +94,12 @@ def _paper_table2() -> list[str]:
   return out
 
 
+def _timing_note(repeats: int) -> str:
+  if repeats == 1:
+    return "each batch timed once"
+  return f"each batch timed {repeats} times, the fastest kept"
+
+
 def tables_markdown(results: dict) -> str:
   rows, cfg = results["rows"], results["config"]
   draft = results["draft"]
@@ -113,12 +119,13 @@ def tables_markdown(results: dict) -> str:
       "Conventions: α = E[β] with β = Σₓ min(p, q) over positions up to the first rejection; "
       "accept rate = accepted / drafted; tokens/call = emitted tokens (accepted + corrected or "
       "bonus, cut at the budget) per target call. Measured speedup = warm wall time of "
-      "`specjax.generate` / warm wall time of speculative decoding on the same batches. "
+      "`specjax.generate` / warm wall time of speculative decoding on the same batches "
+      f"({_timing_note(cfg.get('repeats', 1))}). "
       "t₁ = one step of plain decoding (fused loop, prefill excluded); c = draft time per draft "
       f"token / t₁ (phase timings of `stream` at γ = {cfg['alpha_gamma']}); verify T(γ+1)/T(1) = "
       "measured speculative step / t₁ − γc (target forward over γ+1 tokens + acceptance and "
-      "bookkeeping). Predicted (paper) = (1 − α^{γ+1}) / ((1 − α)(γc + 1)); calibrated replaces the 1 in "
-      "the denominator with the measured verify cost.", ""]
+      "bookkeeping). Predicted (paper) = (1 − α^{γ+1}) / ((1 − α)(γc + 1)); calibrated "
+      "replaces the 1 in the denominator with the measured verify cost.", ""]
   sweep = [r for r in rows if r["experiment"] == "gamma_sweep"]
   if sweep:
     lines += ["## Speedup vs γ (Table 2 analogue)", ""]

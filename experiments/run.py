@@ -43,6 +43,8 @@ flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in draft
 flags.DEFINE_string("alpha_drafts", "unigram,bigram,early_exit,prompt_lookup",
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
 flags.DEFINE_integer("cost_steps", 4, "Steps timed phase by phase for c and the verify cost.")
+flags.DEFINE_integer("repeats", 1, "Timed calls per batch (plain and speculative); the "
+                     "fastest is kept. More repeats damp machine noise.")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
 
 
@@ -56,7 +58,7 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       out=FLAGS.out, temperature_gamma=FLAGS.temperature_gamma, alpha_gamma=FLAGS.alpha_gamma,
       early_exit_layers=FLAGS.early_exit_layers,
       alpha_drafts=tuple(s.strip() for s in FLAGS.alpha_drafts.split(",") if s.strip()),
-      cost_steps=FLAGS.cost_steps,
+      cost_steps=FLAGS.cost_steps, repeats=FLAGS.repeats,
       stop_at_eos=FLAGS.stop_at_eos)
 
 

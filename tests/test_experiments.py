@@ -170,6 +170,19 @@ def test_config_rejects_bad_values():
     ExperimentConfig(gammas=(0,))
   with pytest.raises(ValueError, match="unknown experiments"):
     ExperimentConfig(experiments=("nope",))
+  with pytest.raises(ValueError, match="repeats"):
+    ExperimentConfig(repeats=0)
+
+
+def test_repeated_timing_keeps_the_fastest_call():
+  from types import SimpleNamespace
+  from experiments.measure import Bench
+  bench = Bench.__new__(Bench)  # only the config matters to the timing rule
+  bench.config = ExperimentConfig(repeats=3)
+  times, calls = iter([0.3, 0.1, 0.2]), []
+  call = lambda: calls.append(1) or SimpleNamespace(seconds=next(times))
+  assert bench._fastest(call).seconds == 0.1 and len(calls) == 3
+  assert bench._fastest(lambda: SimpleNamespace(seconds=5.0), repeats=1).seconds == 5.0
 
 
 # ------------------------------------------------------------------ --stop_at_eos
