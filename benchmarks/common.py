@@ -26,11 +26,14 @@ def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
   return float(np.median(times))
 
 
-def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15) -> float:
-  """Median seconds of one forward over ``num_tokens`` new tokens after ``context`` cached."""
-  cache = kvc.init_cache(cfg, 1, 256).with_lengths(jnp.array([context], jnp.int32))
-  tok = jnp.ones((1, num_tokens), jnp.int32)
-  pos = context + jnp.arange(num_tokens)[None]
+def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15,
+                 batch_size: int = 1) -> float:
+  """Median seconds of one forward over ``num_tokens`` new tokens per row after ``context``
+  cached."""
+  cache = kvc.init_cache(cfg, batch_size, 256).with_lengths(
+      jnp.full((batch_size,), context, jnp.int32))
+  tok = jnp.ones((batch_size, num_tokens), jnp.int32)
+  pos = jnp.broadcast_to(context + jnp.arange(num_tokens), (batch_size, num_tokens))
   return median_time(lambda: forward(params, cfg, tok, pos, cache).logits.block_until_ready(),
                      repeats)
 

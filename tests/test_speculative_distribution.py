@@ -16,6 +16,8 @@ from scipy import stats
 
 from specjax import kv_cache as kvc
 from specjax.drafters import ModelDrafter
+from specjax.kernels import packed as pk
+from specjax.kernels import streaming_matmul as sm
 from specjax.model import forward
 from specjax.sampling import Sampling, sample_from
 from specjax.speculative import Acceptance, SpeculativeDecoder, accept
@@ -97,6 +99,19 @@ def test_every_drafter_matches_target(models, kind):
   drafter, dp = make_drafter(kind, *target, corpus)
   dec = SpeculativeDecoder(target[0], drafter, gamma=2, sampler=sampler, eos_ids=())
   _assert_matches_target(dec, target, dp, sampler)
+
+
+@pytest.mark.skipif(not sm.available(), reason=str(sm.unavailable_reason()))
+def test_packed_models_on_the_streaming_kernel_match_target(models, monkeypatch):
+  """Target and draft on the CPU streaming matmul (kernels/), for all N rows at once."""
+  monkeypatch.setattr(pk, "MAX_KERNEL_ROWS", 10 ** 9)
+  (cfg, params), (dcfg, dparams) = models
+  target = (cfg, pk.pack_params(params, cfg.tie_embeddings))
+  sampler = Sampling(temperature=0.8, top_p=0.9)
+  dec = SpeculativeDecoder(cfg, ModelDrafter(dcfg), gamma=3, sampler=sampler, eos_ids=())
+  _assert_matches_target(dec, target,
+                         dec.drafter.make_params(pk.pack_params(dparams, dcfg.tie_embeddings)),
+                         sampler)
 
 
 # --- deliberately wrong variants: the test must reject them -----------------------

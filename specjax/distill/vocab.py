@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.kernels.packed import unpack_params
 from specjax.model import Params
 
 FALLBACK_ROW = 0
@@ -94,7 +95,8 @@ def init_from_target(target_cfg: ModelConfig, target_params: Params, spec: Draft
   if vocab_map is not None:
     embed = embed[jnp.asarray(vocab_map)]
   copy = lambda t: jax.tree.map(lambda a: jnp.array(a, jnp.float32), t)
-  params = {"embed": copy(embed), "layers": [copy(target_params["layers"][i]) for i in spec.layers],
+  layers = unpack_params(target_params, target_cfg.tie_embeddings)["layers"]
+  params = {"embed": copy(embed), "layers": [copy(layers[i]) for i in spec.layers],
             "final_norm": copy(target_params["final_norm"])}
   return cfg, params
 

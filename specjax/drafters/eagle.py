@@ -38,6 +38,7 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.distill.vocab import lift_logits
+from specjax.kernels.packed import unpacked
 from specjax.model import Params, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
 
@@ -197,7 +198,7 @@ def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params
   """Draft params: trained ``weights`` + the target's embedding, final norm and LM-head rows
   (``vocab_map`` selects a reduced output vocabulary; None = all rows)."""
   head = (target_params["embed"] if target_cfg.tie_embeddings
-          else jnp.transpose(target_params["lm_head"]))
+          else jnp.transpose(unpacked(target_params["lm_head"])))
   dp = dict(weights, embed=target_params["embed"], final_norm=target_params["final_norm"])
   if vocab_map is None:
     dp["head"] = head

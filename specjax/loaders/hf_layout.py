@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.kernels.packed import unpack_params
 from specjax.model import Params
 
 _ATTN = "model.layers.{}.self_attn.{}"
@@ -63,6 +64,7 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray],
 def params_to_hf(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
   """Inverse of ``params_from_hf``: HF-named float32 numpy tensors."""
   n, kh, h, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+  params = unpack_params(params, cfg.tie_embeddings)
   out = {"model.embed_tokens.weight": np.asarray(params["embed"], np.float32),
          "model.norm.weight": np.asarray(params["final_norm"], np.float32)}
   if not cfg.tie_embeddings:

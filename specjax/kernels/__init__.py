@@ -1,0 +1,1 @@
+"""CPU kernels (XLA FFI) beside their jnp references: the streaming matmul and packed weights."""
