@@ -21,6 +21,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -31,7 +35,6 @@ constexpr int kVecs = kPanel / kLanes;
 constexpr int kMaxRows = 6;  // rows per register block: 6 x 4 accumulators + 4 weight vectors
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 typedef __m512 vf;
 inline vf Load(const float* p) { return _mm512_loadu_ps(p); }
 inline void Store(float* p, vf v) { _mm512_storeu_ps(p, v); }
