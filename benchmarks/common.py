@@ -30,7 +30,7 @@ def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int 
                  batch_size: int = 1) -> float:
   """Median seconds of one forward over ``num_tokens`` new tokens per row after ``context``
   cached."""
-  cache = kvc.init_cache(cfg, batch_size, 256).with_lengths(
+  cache = kvc.init_cache(cfg, batch_size, max(256, context + num_tokens)).with_lengths(
       jnp.full((batch_size,), context, jnp.int32))
   tok = jnp.ones((batch_size, num_tokens), jnp.int32)
   pos = jnp.broadcast_to(context + jnp.arange(num_tokens), (batch_size, num_tokens))

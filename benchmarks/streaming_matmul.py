@@ -6,7 +6,8 @@ Usage:
 Times one forward of SmolLM2-135M (f32, 200 cached tokens) over T new tokens
 per row, the shape of a decode step (T = 1) and of a verify step (T = γ + 1),
 with the weights as plain arrays (XLA's GEMV/GEMM) and packed into column
-panels (``load_model``'s default on CPU). "verify cost" is T(t) / T(1) of the
+panels (``load_model``'s default on CPU), which the kernel multiplies for any
+number of rows (T = 128 and B = 4 x T = 16: prefill-sized calls). "verify cost" is T(t) / T(1) of the
 same backend: the number speculative decoding's speedup divides by.
 """
 
@@ -20,8 +21,8 @@ from specjax.kernels import streaming_matmul as sm
 from specjax.loaders import load_model
 
 OUT = flags.DEFINE_string("out", "benchmarks/results/streaming_matmul.md", "markdown output")
-SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 8), (1, 11), (1, 16),
-          (4, 1), (4, 2), (4, 4)]  # (B, T)
+SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 8), (1, 11), (1, 16), (1, 128), (1, 256),
+          (4, 1), (4, 2), (4, 4), (4, 8), (4, 16)]  # (B, T)
 
 
 def main(_):

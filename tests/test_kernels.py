@@ -46,13 +46,13 @@ def test_each_row_is_bit_identical_whatever_else_is_in_the_call():
   np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[5:12]), panels)), full[5:12])
 
 
-def test_pack_unpack_round_trip_and_dense_on_both_sides_of_the_row_limit():
+def test_pack_unpack_round_trip_and_dense():
   w = _rand((40, 130), 4)
   pw = pk.pack(w)
   assert pw.shape == (40, 130) and pw.panels.shape == (3, 40, 64)
   np.testing.assert_array_equal(np.asarray(pw.unpack()), w)
   np.testing.assert_array_equal(np.asarray(pk.unpacked(pw)), w)
-  for rows in (1, 3 * 7, pk.MAX_KERNEL_ROWS + 5):  # kernel, kernel, jnp fallback
+  for rows in (1, 3 * 7, 200):
     x = _rand((rows, 40), rows).reshape(1, rows, 40)
     got = np.asarray(pk.dense(jnp.asarray(x), pw))
     assert got.shape == (1, rows, 130)

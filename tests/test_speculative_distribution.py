@@ -102,9 +102,8 @@ def test_every_drafter_matches_target(models, kind):
 
 
 @pytest.mark.skipif(not sm.available(), reason=str(sm.unavailable_reason()))
-def test_packed_models_on_the_streaming_kernel_match_target(models, monkeypatch):
+def test_packed_models_on_the_streaming_kernel_match_target(models):
   """Target and draft on the CPU streaming matmul (kernels/), for all N rows at once."""
-  monkeypatch.setattr(pk, "MAX_KERNEL_ROWS", 10 ** 9)
   (cfg, params), (dcfg, dparams) = models
   target = (cfg, pk.pack_params(params, cfg.tie_embeddings))
   sampler = Sampling(temperature=0.8, top_p=0.9)

@@ -2,11 +2,10 @@
 
 ``pack_params`` turns a model's float32 projection matrices (and its output
 head) into ``PackedWeight``s once, at load. ``dense(x, w)`` is the one place
-the model multiplies by a weight: plain arrays go to XLA's dot; packed weights
-go to the streaming kernel for up to ``MAX_KERNEL_ROWS`` rows (decode, verify,
-drafting) and to the same product in jnp beyond (prefill, where a GEMM is
-compute-bound and XLA's is better). Packed parameters are for inference; train
-on the plain ones.
+the model multiplies by a weight: plain arrays go to XLA's dot, packed weights
+to the streaming kernel, for any number of rows (it also beats XLA's GEMM on
+prefill chunks of 64-256 rows: ``benchmarks/results/streaming_matmul.md``).
+Packed parameters are for inference; train on the plain ones.
 """
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ import numpy as np
 
 from specjax.kernels import streaming_matmul as sm
 
-# Rows per call up to which the streaming kernel beats XLA's GEMM (measured on
-# 30 chained [576, 3072] products: 1.9x faster at 2 rows, 1.3x at 64, even at 1).
-MAX_KERNEL_ROWS = 64
 _PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
@@ -66,11 +62,7 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
   if not isinstance(w, PackedWeight):
     return x @ w
   lead, k = x.shape[:-1], x.shape[-1]
-  x2 = x.reshape(-1, k).astype(jnp.float32)
-  if x2.shape[0] <= MAX_KERNEL_ROWS:
-    y = sm.streaming_matmul(x2, w.panels)
-  else:
-    y = sm.reference(x2, w.panels)
+  y = sm.streaming_matmul(x.reshape(-1, k).astype(jnp.float32), w.panels)
   if y.shape[1] != w.n:
     y = y[:, :w.n]
   return y.reshape(*lead, w.n)
