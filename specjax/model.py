@@ -27,7 +27,7 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.kernels.packed import PackedWeight, dense
+from specjax.kernels.packed import PackedWeight, dense, uses_kernel
 from specjax.rope import apply_rope, inverse_frequencies
 
 Params = dict[str, Any]
@@ -123,8 +123,12 @@ def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
 def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   """Final norm + output projection: [B, T, D] -> [B, T, V] float32 logits."""
   x = rms_norm(hidden, params["final_norm"], cfg.norm_eps)
-  if isinstance(params.get("lm_head"), PackedWeight):  # see kernels.packed.pack_params
-    return dense(x, params["lm_head"])
+  head = params.get("lm_head")
+  rows = int(np.prod(x.shape[:-1]))
+  # A packed head (kernels.packed.pack_params) goes to the kernel for the row
+  # counts its policy gives it; a tied one contracts against ``embed`` otherwise.
+  if isinstance(head, PackedWeight) and (uses_kernel(head, rows) or not cfg.tie_embeddings):
+    return dense(x, head)
   if cfg.tie_embeddings:  # contract against [V, D] directly: no transposed copy
     return jnp.einsum("btd,vd->btv", x, params["embed"], preferred_element_type=jnp.float32)
   return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)

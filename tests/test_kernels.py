@@ -1,5 +1,7 @@
 """The CPU streaming matmul against its jnp reference, and packed weights in the model."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import specjax
 from specjax import kv_cache as kvc
 from specjax.drafters import ModelDrafter
 from specjax.kernels import packed as pk
+from specjax.kernels import policy as pol
 from specjax.kernels import streaming_matmul as sm
 from specjax.model import forward
 from specjax.speculative import SpeculativeDecoder
@@ -21,12 +24,28 @@ def _rand(shape, seed):
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
+# Every build variant this CPU runs: "native" (its best path) and the forced AVX2
+# path (so an AVX-512 machine tests that path too).
+VARIANTS = [v for v in sm.VARIANTS if sm.available(v)]
+
+
+def test_native_variant_reports_its_instruction_set():
+  assert sm.isa() in ("avx512", "avx2", "portable")
+  flags = sm.cpu_flags()
+  if "avx512f" in flags:
+    assert sm.isa() == "avx512"
+  elif {"avx2", "fma"} <= flags:
+    assert sm.isa() == "avx2" and sm.isa("avx2") == "avx2"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 24, 31, 64])
 @pytest.mark.parametrize("k,n", [(3, 64), (64, 192), (100, 100), (576, 960)])
-def test_kernel_matches_reference_and_numpy(m, k, n):
+def test_kernel_matches_reference_and_numpy(m, k, n, variant):
   x, w = _rand((m, k), 0), _rand((k, n), 1)
   panels = jnp.asarray(sm.to_panels(w))
-  got = np.asarray(jax.jit(sm.streaming_matmul)(jnp.asarray(x), panels))
+  got = np.asarray(jax.jit(sm.streaming_matmul, static_argnums=2)(jnp.asarray(x), panels,
+                                                                  variant))
   ref = np.asarray(sm.reference(jnp.asarray(x), panels))
   assert got.shape == (m, panels.shape[0] * sm.PANEL)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
@@ -35,15 +54,20 @@ def test_kernel_matches_reference_and_numpy(m, k, n):
   assert np.all(got[:, n:] == 0)  # zero padding columns stay zero
 
 
-def test_each_row_is_bit_identical_whatever_else_is_in_the_call():
-  """What makes a verify step agree exactly with decode steps on the same rows."""
-  x, w = _rand((13, 576), 2), _rand((576, 256), 3)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_row_is_bit_identical_whatever_else_is_in_the_call(variant):
+  """What makes a verify step agree exactly with decode steps on the same rows (every
+  register-block shape: 1-6 rows and the large-M blocks from 24 rows on)."""
+  x, w = _rand((30, 576), 2), _rand((576, 256), 3)
   panels = jnp.asarray(sm.to_panels(w))
-  f = jax.jit(sm.streaming_matmul)
-  full = np.asarray(f(jnp.asarray(x), panels))
+  f = jax.jit(sm.streaming_matmul, static_argnums=2)
+  full = np.asarray(f(jnp.asarray(x), panels, variant))
   for r in range(13):
-    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[r:r + 1]), panels))[0], full[r])
-  np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[5:12]), panels)), full[5:12])
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[r:r + 1]), panels, variant))[0],
+                                  full[r])
+  for lo, hi in ((5, 12), (0, 4), (3, 27)):
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[lo:hi]), panels, variant)),
+                                  full[lo:hi])
 
 
 def test_pack_unpack_round_trip_and_dense():
@@ -116,17 +140,106 @@ def test_speculative_greedy_on_packed_models_equals_plain_greedy(gamma):
       assert out.generated(row) == ref.generated(row)
 
 
-def test_load_model_packs_by_default_and_falls_back_without_the_kernel(tmp_path, monkeypatch,
-                                                                       caplog):
+def test_load_model_follows_the_policy_and_falls_back_without_the_kernel(tmp_path, monkeypatch,
+                                                                          caplog):
   from specjax.loaders import load_model, save_hf
   cfg, params = tiny_model(seed=0)
-  save_hf(str(tmp_path), cfg, params)
-  assert isinstance(load_model(str(tmp_path))[1]["layers"][0]["wqkv"], pk.PackedWeight)
-  assert not isinstance(load_model(str(tmp_path), packed=False)[1]["layers"][0]["wqkv"],
-                        pk.PackedWeight)
-  monkeypatch.setattr(sm, "_register", lambda: "no C++ compiler (test)")
+  save_hf(str(tmp_path / "m"), cfg, params)
+  src = str(tmp_path / "m")
+  monkeypatch.setattr(sm, "cache_dir", lambda: str(tmp_path / "cache"))
+  wqkv = lambda p: p["layers"][0]["wqkv"]
+  measured = load_model(src)[1]  # auto: measured on the tiny shapes, cached
+  (cached,) = (tmp_path / "cache").glob("matmul-policy-*.json")
+  policy = pol.MatmulPolicy.from_json(json.loads(cached.read_text()))
+  assert isinstance(wqkv(measured), pk.PackedWeight) == (not policy.never)
+  if not policy.never:
+    assert wqkv(measured).policy == policy
+  monkeypatch.setenv(pol.ENV, "kernel")
+  assert isinstance(wqkv(load_model(src)[1]), pk.PackedWeight)
+  monkeypatch.setenv(pol.ENV, "xla")
+  assert not isinstance(wqkv(load_model(src)[1]), pk.PackedWeight)
+  monkeypatch.setenv(pol.ENV, "fastest")
+  with pytest.raises(ValueError, match="SPECJAX_MATMUL"):
+    load_model(src)
+  monkeypatch.delenv(pol.ENV)
+  assert isinstance(wqkv(load_model(src, packed=True)[1]), pk.PackedWeight)
+  assert not isinstance(wqkv(load_model(src, packed=False)[1]), pk.PackedWeight)
+  monkeypatch.setattr(sm, "_register", lambda variant="native": "no C++ compiler (test)")
   with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-    load_model(str(tmp_path), packed=True)
-  _, fallback = load_model(str(tmp_path))
-  assert not isinstance(fallback["layers"][0]["wqkv"], pk.PackedWeight)
+    load_model(src, packed=True)
+  _, fallback = load_model(src)
+  assert not isinstance(wqkv(fallback), pk.PackedWeight)
   assert "no C++ compiler" in caplog.text
+
+
+# --- the matmul policy (kernels/policy.py) -------------------------------------------------
+
+
+def test_policy_never_chooses_the_slower_path():
+  timings = {1: (20.0, 14.0), 4: (45.0, 23.0), 16: (70.0, 80.0), 64: (130.0, 120.0),
+             256: (450.0, 470.0)}
+  p = pol.choose(timings)
+  for m, (xla, kernel) in timings.items():
+    assert p.use_kernel(m) == (kernel < xla)
+  assert [p.use_kernel(m) for m in (2, 3, 5, 9, 17, 100, 1000)] == [
+      True, True, False, False, True, False, False]  # the next grid point's decision
+  assert p.ratios[0] == pytest.approx(0.7)
+  assert "kernel for M 1-4" in p.describe() and "XLA for M >= 65" in p.describe()
+  assert pol.choose({1: (1.0, 2.0), 8: (1.0, 3.0)}).never
+  assert pol.choose({1: (2.0, 1.0), 8: (3.0, 1.0)}).always
+
+
+def test_policy_cache_key_changes_with_cpu_flags_and_shapes():
+  shapes = [(576, 960), (576, 49152)]
+  base = pol.cache_key(shapes, cpu="x86_64|EPYC|avx avx2 fma")
+  assert pol.cache_key(shapes, cpu="x86_64|EPYC|avx avx2 fma") == base
+  assert pol.cache_key(shapes, cpu="x86_64|EPYC|avx avx2 avx512f fma") != base
+  assert pol.cache_key(shapes, cpu="x86_64|Xeon|avx avx2 fma") != base
+  assert pol.cache_key([(576, 960)], cpu="x86_64|EPYC|avx avx2 fma") != base
+
+
+def test_policy_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+  monkeypatch.setattr(sm, "cache_dir", lambda: str(tmp_path))
+  monkeypatch.delenv(pol.ENV, raising=False)
+  cfg, params = tiny_model(seed=0)
+  calls = []
+
+  def fake_measure(weights):
+    calls.append(len(weights))
+    return {1: (2.0, 1.0), 8: (1.0, 2.0)}  # kernel faster for one row only
+
+  first = pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure)
+  second = pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure)
+  assert calls == [cfg.num_layers * 4 + 1] and first == second
+  assert first.use_kernel(1) and not first.use_kernel(2)
+  monkeypatch.setenv(pol.ENV, "xla")
+  assert pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure).never
+
+
+def test_real_measurement_covers_the_grid():
+  w = [_rand((64, 128), 0), _rand((128, 64), 1)]
+  t = pol.measure(w, grid=(1, 3), repeats=1)
+  assert set(t) == {1, 3} and all(a > 0 and b > 0 for a, b in t.values())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_mixed_policy_model_matches_plain_on_both_sides_of_the_split(tied):
+  """Kernel for up to 2 rows, XLA's dot (on the plain copy, or ``embed`` for a tied head)
+  beyond: decode-sized and verify-sized forwards agree with the plain model."""
+  cfg, params = tiny_model(seed=0, tie_embeddings=tied)
+  if not tied:
+    params = dict(params, lm_head=jnp.asarray(_rand((cfg.dim, cfg.vocab_size), 5)))
+  mixed = pol.MatmulPolicy(grid=(2, 3), kernel=(True, False))
+  packed = pk.pack_params(params, cfg.tie_embeddings, mixed)
+  w = packed["layers"][0]["wqkv"]
+  assert w.plain is not None and pk.uses_kernel(w, 2) and not pk.uses_kernel(w, 5)
+  assert packed["lm_head"].plain is None if tied else packed["lm_head"].plain is not None
+  for t in (1, 2, 5):
+    tokens = jnp.asarray([[1, 5, 9, 2, 7][:t]])
+    pos = jnp.arange(t)[None]
+    a = forward(params, cfg, tokens, pos, kvc.init_cache(cfg, 1, 8))
+    b = forward(packed, cfg, tokens, pos, kvc.init_cache(cfg, 1, 8))
+    np.testing.assert_allclose(np.asarray(b.logits), np.asarray(a.logits), rtol=1e-4, atol=1e-4)
+  assert pk.pack_params(packed, cfg.tie_embeddings, mixed)["layers"][0]["wqkv"] is w
+  plain = pk.pack_params(packed, cfg.tie_embeddings, pol.XLA)
+  assert not isinstance(plain["layers"][0]["wqkv"], pk.PackedWeight)

@@ -1,33 +1,47 @@
 """Weights stored as column panels for the CPU streaming matmul, and ``dense``.
 
 ``pack_params`` turns a model's float32 projection matrices (and its output
-head) into ``PackedWeight``s once, at load. ``dense(x, w)`` is the one place
-the model multiplies by a weight: plain arrays go to XLA's dot, packed weights
-to the streaming kernel, for any number of rows (it also beats XLA's GEMM on
-prefill chunks of 64-256 rows: ``benchmarks/results/streaming_matmul.md``).
-Packed parameters are for inference; train on the plain ones.
+head) into ``PackedWeight``s once, at load, under a ``MatmulPolicy``
+(``policy.py``: measured on this machine by ``load_model``). ``dense(x, w)`` is
+the one place the model multiplies by a weight: plain arrays go to XLA's dot;
+a packed weight goes to the streaming kernel for the row counts where its
+policy says the kernel is faster, and to XLA's dot on the plain matrix it then
+also keeps for the others. Packed parameters are for inference; train on the
+plain ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import streaming_matmul as sm
+from specjax.kernels.policy import KERNEL, MatmulPolicy
 
 _PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-  """A [K, N] weight as [ceil(N/64), K, 64] column panels (``n`` = true N)."""
+  """A [K, N] weight as [ceil(N/64), K, 64] column panels for the streaming kernel.
+
+  Attributes:
+    panels: [ceil(N/64), K, 64] the columns in panels of 64, zero-padded.
+    n: the true N.
+    plain: the [K, N] matrix for XLA's dot where ``policy`` does not take the
+      kernel (None when it always does, or for a tied head: ``lm_head`` then
+      contracts against the embedding).
+    policy: for which row counts the kernel runs (static).
+  """
 
   panels: jax.Array
   n: int
+  plain: Optional[jax.Array] = None
+  policy: MatmulPolicy = KERNEL
 
   @property
   def dtype(self):
@@ -43,18 +57,29 @@ class PackedWeight:
     return jnp.transpose(self.panels, (1, 0, 2)).reshape(k, p * c)[:, :self.n]
 
 
-jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels"], meta_fields=["n"])
+jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels", "plain"],
+                                 meta_fields=["n", "policy"])
 
 
-def pack(w: Any) -> PackedWeight:
-  """[K, N] float32 -> PackedWeight."""
+def pack(w: Any, policy: MatmulPolicy = KERNEL, keep_plain: Optional[bool] = None
+         ) -> PackedWeight:
+  """[K, N] float32 -> PackedWeight; keeps the plain matrix when the policy ever takes XLA."""
+  keep_plain = not policy.always if keep_plain is None else keep_plain
   return PackedWeight(panels=jnp.asarray(sm.to_panels(np.asarray(w, np.float32))),
-                      n=int(w.shape[1]))
+                      n=int(w.shape[1]), plain=jnp.asarray(w) if keep_plain else None,
+                      policy=policy)
 
 
 def unpacked(w: Any) -> jax.Array:
   """The plain [K, N] matrix of a weight, packed or not."""
-  return w.unpack() if isinstance(w, PackedWeight) else w
+  if isinstance(w, PackedWeight):
+    return w.plain if w.plain is not None else w.unpack()
+  return w
+
+
+def uses_kernel(w: Any, rows: int) -> bool:
+  """Whether ``dense`` sends a product with ``rows`` rows by ``w`` to the kernel."""
+  return isinstance(w, PackedWeight) and w.policy.use_kernel(rows)
 
 
 def dense(x: jax.Array, w: Any) -> jax.Array:
@@ -62,33 +87,47 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
   if not isinstance(w, PackedWeight):
     return x @ w
   lead, k = x.shape[:-1], x.shape[-1]
-  y = sm.streaming_matmul(x.reshape(-1, k).astype(jnp.float32), w.panels)
+  rows = int(np.prod(lead))
+  if not w.policy.use_kernel(rows):
+    if w.plain is not None:
+      return x @ w.plain
+    # No plain copy (a tied head, or a weight packed for the kernel only):
+    # the reference contraction over the panels, correct if slower.
+    return sm.reference(x.reshape(rows, k), w.panels)[:, :w.n].reshape(*lead, w.n)
+  y = sm.streaming_matmul(x.reshape(rows, k).astype(jnp.float32), w.panels)
   if y.shape[1] != w.n:
     y = y[:, :w.n]
   return y.reshape(*lead, w.n)
 
 
-def should_pack(params: dict) -> bool:
-  """Packing pays off when the kernel runs here and the weights are float32."""
-  return sm.available() and all(w.dtype == jnp.float32 for p in params["layers"]
-                                for name, w in p.items() if name in _PROJECTIONS)
+def pack_params(params: dict, tie_embeddings: bool, policy: MatmulPolicy = KERNEL) -> dict:
+  """The projections and the output head of a model as PackedWeights under ``policy``.
 
-
-def pack_params(params: dict, tie_embeddings: bool) -> dict:
-  """The projections and the output head of a model as PackedWeights.
-
-  With tied embeddings the head is packed from ``embed`` (kept for the input
-  lookup), which costs one more copy of the embedding table. Idempotent.
+  A policy that never takes the kernel returns plain arrays. With tied
+  embeddings the head is packed from ``embed`` (kept for the input lookup),
+  which costs one more copy of the embedding table; where the policy takes
+  XLA's dot the head contracts against ``embed`` instead. A mixed policy keeps
+  the plain matrices beside the panels (twice the projection memory).
+  Idempotent for weights packed under the same policy.
   """
-  def pack_layer(p):
-    return {name: (pack(v) if name in _PROJECTIONS and not isinstance(v, PackedWeight) else v)
-            for name, v in p.items()}
+  if policy.never:
+    return unpack_params(params, tie_embeddings)
 
-  out = dict(params, layers=[pack_layer(p) for p in params["layers"]])
-  head = params.get("lm_head")
-  if not isinstance(head, PackedWeight):
-    out["lm_head"] = pack(np.asarray(params["embed"], np.float32).T if tie_embeddings
-                          else head)
+  def pack_one(w, keep_plain=None):
+    if isinstance(w, PackedWeight):
+      if w.policy == policy:
+        return w
+      w = unpacked(w)
+    return pack(w, policy, keep_plain)
+
+  out = dict(params, layers=[{name: (pack_one(v) if name in _PROJECTIONS else v)
+                              for name, v in p.items()} for p in params["layers"]])
+  if tie_embeddings:
+    head = params.get("lm_head")
+    out["lm_head"] = (head if isinstance(head, PackedWeight) and head.policy == policy else
+                      pack(np.asarray(params["embed"], np.float32).T, policy, keep_plain=False))
+  else:
+    out["lm_head"] = pack_one(params["lm_head"])
   return out
 
 
@@ -100,5 +139,5 @@ def unpack_params(params: dict, tie_embeddings: bool) -> dict:
     if tie_embeddings:
       del out["lm_head"]
     else:
-      out["lm_head"] = params["lm_head"].unpack()
+      out["lm_head"] = unpacked(params["lm_head"])
   return out

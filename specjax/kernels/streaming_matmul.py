@@ -14,6 +14,13 @@ the XLA FFI headers that ship with jaxlib, and cached under
 ``available()`` is False (with the reason in ``unavailable_reason()``) when
 the backend is not CPU or the build fails; callers then keep XLA's dot.
 ``reference`` is the pure-jnp definition the kernel is tested against.
+
+Variants (``VARIANTS``): ``"native"`` is built with ``-march=native`` and runs
+the best path of this CPU (AVX-512, AVX2/FMA or portable vector code, see
+``isa()``); ``"avx2"`` forces the AVX2/FMA path, so that path is built and
+tested on AVX-512 machines too (it needs a CPU with AVX2 and FMA). Whether the
+kernel or XLA's dot runs for a given number of rows is decided by measurement
+(``kernels/policy.py``), not here.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ import numpy as np
 
 PANEL = 64
 _TARGET = "specjax_streaming_matmul"
+# Compiler flags per variant; "avx2" defines SPECJAX_ISA_AVX2 (see the .cc header).
+VARIANTS = {
+    "native": ("-march=native",),
+    "avx2": ("-march=native", "-mavx2", "-mfma", "-DSPECJAX_ISA_AVX2"),
+}
 _SOURCE = os.path.join(os.path.dirname(__file__), "streaming_matmul.cc")
 
 
@@ -43,32 +55,53 @@ def reference(x: jax.Array, panels: jax.Array) -> jax.Array:
   return y.reshape(x.shape[0], -1)
 
 
-def _cpu_signature() -> str:
+def _cpuinfo_field(name: str) -> str:
   try:
     with open("/proc/cpuinfo") as f:
-      flags = next((line for line in f if line.startswith("flags")), "")
+      return next((line.split(":", 1)[1].strip() for line in f
+                   if line.split(":", 1)[0].strip() == name), "")
   except OSError:
-    flags = ""
-  return platform.machine() + flags
+    return ""
 
 
-def _library_path() -> str:
+def cpu_model() -> str:
+  """The CPU's model name (``/proc/cpuinfo``), or the machine type where it is not readable."""
+  return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> frozenset[str]:
+  """The CPU's feature flags (``/proc/cpuinfo``; empty where it is not readable)."""
+  return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_signature() -> str:
+  """Machine type, CPU model and flags: what a build or a timing decision is valid for."""
+  return f"{platform.machine()}|{cpu_model()}|{' '.join(sorted(cpu_flags()))}"
+
+
+def source_hash() -> str:
   with open(_SOURCE, "rb") as f:
-    source = f.read()
-  key = hashlib.sha256(source + jax.lib.__version__.encode()
-                       + _cpu_signature().encode()).hexdigest()[:16]
-  cache = os.path.join(os.path.expanduser("~"), ".cache", "specjax", "kernels")
-  return os.path.join(cache, f"streaming_matmul-{key}.so")
+    return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def _build(path: str) -> None:
+def cache_dir() -> str:
+  return os.path.join(os.path.expanduser("~"), ".cache", "specjax", "kernels")
+
+
+def _library_path(variant: str) -> str:
+  key = hashlib.sha256("|".join((source_hash(), jax.lib.__version__, cpu_signature(),
+                                 *VARIANTS[variant])).encode()).hexdigest()[:16]
+  return os.path.join(cache_dir(), f"streaming_matmul-{variant}-{key}.so")
+
+
+def _build(path: str, variant: str) -> None:
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None:
     raise RuntimeError("no C++ compiler (g++/c++ or $CXX) on PATH")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
     out = os.path.join(tmp, "lib.so")
-    cmd = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared",
+    cmd = [compiler, "-O3", *VARIANTS[variant], "-ffp-contract=fast", "-std=c++17", "-shared",
            "-fPIC", "-w", "-I", jax.ffi.include_dir(), _SOURCE, "-o", out]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -76,37 +109,55 @@ def _build(path: str) -> None:
     os.replace(out, path)  # atomic: concurrent builders never see a partial file
 
 
+_ISA: dict[str, str] = {}
+
+
 @functools.lru_cache(maxsize=None)
-def _register() -> Optional[str]:
-  """Builds (once) and registers the FFI target; returns why not, or None."""
+def _register(variant: str = "native") -> Optional[str]:
+  """Builds (once) and registers the variant's FFI target; returns why not, or None."""
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown kernel variant {variant!r}; choose from {sorted(VARIANTS)}")
   if os.environ.get("SPECJAX_NO_KERNELS"):
     return "disabled by SPECJAX_NO_KERNELS"
   if jax.default_backend() != "cpu":
     return f"backend is {jax.default_backend()}, not cpu"
+  if variant == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+    return "this CPU has no AVX2/FMA"
   try:
-    path = _library_path()
+    path = _library_path(variant)
     if not os.path.exists(path):
-      _build(path)
+      _build(path, variant)
     lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul),
-                                platform="cpu")
+    jax.ffi.register_ffi_target(_target(variant),
+                                jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
+    lib.SpecjaxStreamingMatmulIsa.restype = ctypes.c_char_p
+    _ISA[variant] = lib.SpecjaxStreamingMatmulIsa().decode()
   except (OSError, RuntimeError, AttributeError) as e:
     return f"could not build the streaming matmul kernel: {e}"
   return None
 
 
-def available() -> bool:
+def _target(variant: str) -> str:
+  return _TARGET if variant == "native" else f"{_TARGET}_{variant}"
+
+
+def available(variant: str = "native") -> bool:
   """Whether ``streaming_matmul`` runs here (CPU backend and a built kernel)."""
-  return _register() is None
+  return _register(variant) is None
 
 
-def unavailable_reason() -> Optional[str]:
-  return _register()
+def unavailable_reason(variant: str = "native") -> Optional[str]:
+  return _register(variant)
 
 
-def streaming_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
+def isa(variant: str = "native") -> Optional[str]:
+  """The instruction-set path the variant was built with: "avx512", "avx2" or "portable"."""
+  return _ISA.get(variant) if available(variant) else None
+
+
+def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native") -> jax.Array:
   """x [M, K] float32 @ panels [P, K, 64] float32 -> [M, P * 64] float32 (CPU kernel)."""
-  reason = _register()
+  reason = _register(variant)
   if reason is not None:
     raise RuntimeError(reason)
   if x.ndim != 2 or panels.ndim != 3 or panels.shape[1:] != (x.shape[1], PANEL):
@@ -115,7 +166,7 @@ def streaming_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
   if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
     raise ValueError(f"streaming_matmul is float32 only, got {x.dtype} and {panels.dtype}")
   out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
-  return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x, panels)
+  return jax.ffi.ffi_call(_target(variant), out, vmap_method="sequential")(x, panels)
 
 
 def to_panels(w: np.ndarray | jax.Array) -> np.ndarray:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.kernels import streaming_matmul
-from specjax.kernels.packed import pack_params, should_pack
+from specjax.kernels import policy as matmul_policy
+from specjax.kernels.packed import pack_params
 from specjax.loaders.embedded import load_smollm2, smollm2_gguf_path
 from specjax.loaders.gguf_loader import load_gguf
 from specjax.loaders.hf import CheckpointError, load_hf, save_hf
@@ -25,25 +24,29 @@ def load_model(source: str = EMBEDDED, dtype=jnp.float32, packed: Optional[bool]
                ) -> tuple[ModelConfig, Params]:
   """Loads a model from ``"smollm2"`` (embedded), a ``.gguf`` file or an HF directory.
 
+  On CPU, the projections and the head are packed for the streaming matmul
+  kernel (``specjax.kernels``) for the row counts where it beat XLA's dot when
+  timed on this machine (``kernels/policy.py``: measured once, ~10-30 s, then
+  cached; the decision is logged). ``SPECJAX_MATMUL=xla|kernel|auto`` overrides it.
+
   Args:
     source: ``"smollm2"``, a ``.gguf`` path or an HF model directory.
     dtype: parameter dtype.
-    packed: store the projections as column panels for the CPU streaming
-      matmul (``specjax.kernels``); default: when that kernel runs here and
-      the weights are float32. Packed parameters are for inference only.
+    packed: None (default): the measured policy; True: the kernel for every
+      product (an error when it cannot run here); False: XLA's dot only.
+      Packed parameters are for inference only.
   """
   cfg, params = _load(source, dtype)
   if packed is None:
-    packed = should_pack(params)
-    if not packed and jax.default_backend() == "cpu" and not streaming_matmul.available():
-      logging.warning("specjax: using XLA's dot (slower decode/verify steps on CPU): %s",
-                      streaming_matmul.unavailable_reason())
-  elif packed and not streaming_matmul.available():
-    raise RuntimeError(f"packed=True needs the streaming matmul kernel: "
-                       f"{streaming_matmul.unavailable_reason()}")
-  if packed:
-    params = pack_params(params, cfg.tie_embeddings)
-  return cfg, params
+    policy = matmul_policy.policy_for(params, cfg.tie_embeddings)
+  elif packed:
+    if not streaming_matmul.available():
+      raise RuntimeError(f"packed=True needs the streaming matmul kernel: "
+                         f"{streaming_matmul.unavailable_reason()}")
+    policy = matmul_policy.KERNEL
+  else:
+    policy = matmul_policy.XLA
+  return cfg, pack_params(params, cfg.tie_embeddings, policy)
 
 
 def _load(source: str, dtype) -> tuple[ModelConfig, Params]:

@@ -1,0 +1,228 @@
+"""Which matmul runs for how many rows, chosen by measurement on the machine it runs on.
+
+The streaming kernel (``streaming_matmul.py``) is much faster than XLA's dot
+for decode and verify shapes on some CPUs and was 2-16x slower on others
+before it had an AVX2 path: no fixed rule holds everywhere. So on first use
+``policy_for`` times both on the model's own projection shapes for a grid of
+row counts M (decode M = batch, verify M = batch x (γ + 1), prefill chunks
+M = batch x 64), keeps the kernel exactly where it was faster, and caches the
+decision on disk, keyed by CPU model and flags, jaxlib version, kernel source
+and the weight shapes (``cache_key``). ``SPECJAX_MATMUL=xla|kernel|auto``
+overrides it (default ``auto``).
+
+Worked example: measured medians (ms) {1: (20, 14), 16: (70, 50), 128: (230, 260)}
+as (XLA, kernel) give the policy "kernel for M <= 16, XLA's dot beyond": M = 5
+takes the decision of the next grid point (16), M = 512 that of the last (128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.kernels import streaming_matmul as sm
+
+ENV = "SPECJAX_MATMUL"
+CHOICES = ("auto", "xla", "kernel")
+# Decode and verify widths, then prefill-sized calls (batch x 64-token chunks).
+ROW_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+_MEASURED_LAYERS = 4  # the first layers' projections + the head: tens of MB, past the caches
+
+_log = logging.getLogger("specjax")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulPolicy:
+  """Where the streaming kernel runs instead of XLA's dot.
+
+  Attributes:
+    grid: row counts M the decision was made at, increasing.
+    kernel: per grid point, whether the kernel runs there. Rows m take the
+      decision of the smallest grid point >= m, and of the last one beyond.
+    source: why (``"measured"``, ``"SPECJAX_MATMUL=xla"``, ...), for logs.
+    ratios: per grid point, measured kernel time / XLA time (empty if not measured).
+  """
+
+  grid: tuple[int, ...]
+  kernel: tuple[bool, ...]
+  source: str = ""
+  ratios: tuple[float, ...] = ()
+
+  def __post_init__(self):
+    if not self.grid or len(self.grid) != len(self.kernel) or list(self.grid) != sorted(
+        set(self.grid)) or self.grid[0] < 1:
+      raise ValueError(f"bad policy grid {self.grid} / decisions {self.kernel}")
+
+  def use_kernel(self, rows: int) -> bool:
+    """Whether a product with ``rows`` rows goes to the kernel."""
+    i = int(np.searchsorted(np.asarray(self.grid), rows))
+    return self.kernel[min(i, len(self.grid) - 1)]
+
+  @property
+  def never(self) -> bool:
+    return not any(self.kernel)
+
+  @property
+  def always(self) -> bool:
+    return all(self.kernel)
+
+  def describe(self) -> str:
+    """One line: which path for which M, and the measured ratios."""
+    if self.never or self.always:
+      what = "XLA's dot for every M" if self.never else "streaming kernel for every M"
+    else:
+      ranges, start = [], 1
+      for i, m in enumerate(self.grid):
+        if i + 1 == len(self.grid) or self.kernel[i + 1] != self.kernel[i]:
+          end = "" if i + 1 == len(self.grid) else str(m)
+          name = "kernel" if self.kernel[i] else "XLA"
+          ranges.append(f"{name} for M {start}-{end}" if end else f"{name} for M >= {start}")
+          start = m + 1
+      what = ", ".join(ranges)
+    text = f"{what} ({self.source})"
+    if self.ratios:
+      text += "; kernel/XLA time at M = " + ", ".join(
+          f"{m}: {r:.2f}" for m, r in zip(self.grid, self.ratios))
+    return text
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "MatmulPolicy":
+    return cls(grid=tuple(d["grid"]), kernel=tuple(bool(k) for k in d["kernel"]),
+               source=d.get("source", ""), ratios=tuple(d.get("ratios", ())))
+
+
+XLA = MatmulPolicy(grid=(1,), kernel=(False,), source="XLA's dot")
+KERNEL = MatmulPolicy(grid=(1,), kernel=(True,), source="streaming kernel")
+
+
+def choose(timings: dict[int, tuple[float, float]], source: str = "measured") -> MatmulPolicy:
+  """The policy from {M: (XLA seconds, kernel seconds)}: the kernel only where it was faster."""
+  grid = tuple(sorted(timings))
+  return MatmulPolicy(grid=grid, kernel=tuple(timings[m][1] < timings[m][0] for m in grid),
+                      source=source, ratios=tuple(timings[m][1] / timings[m][0] for m in grid))
+
+
+def projection_weights(params: dict, tie_embeddings: bool, num_layers: int = _MEASURED_LAYERS
+                       ) -> list[np.ndarray]:
+  """The [K, N] matrices a forward multiplies by, in order: the first layers' and the head."""
+  names = ("wqkv", "wo", "w_gate_up", "w_down")
+  ws = [np.asarray(layer[n], np.float32) for layer in params["layers"][:num_layers]
+        for n in names]
+  ws.append(np.asarray(params["embed"], np.float32).T if tie_embeddings
+            else np.asarray(params["lm_head"], np.float32))
+  return ws
+
+
+def _chain(matmul: Callable, ks: Sequence[int]):
+  """jit of x -> the products in order, each input cut or padded to the next K."""
+
+  def run(weights, x):
+    for i, w in enumerate(weights):
+      y = matmul(x, w)
+      k = ks[i + 1] if i + 1 < len(ks) else 0
+      if k:
+        y = y[:, :k] if y.shape[1] >= k else jnp.pad(y, ((0, 0), (0, k - y.shape[1])))
+        x = jnp.tanh(y)  # bounded values: no overflow or denormals over the chain
+    return y
+
+  return jax.jit(run)
+
+
+def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repeats: int = 3,
+            variant: str = "native") -> dict[int, tuple[float, float]]:
+  """Median seconds of the product chain with XLA's dot and with the kernel, per row count.
+
+  Both paths are timed alternately (XLA, kernel, XLA, ...) after a warm-up, so
+  load from elsewhere on the machine hits both alike.
+  """
+  ks = [w.shape[0] for w in weights]
+  plain = [jnp.asarray(w) for w in weights]
+  panels = [jnp.asarray(sm.to_panels(w)) for w in weights]
+  fns = (_chain(lambda x, w: x @ w, ks),
+         _chain(functools.partial(_kernel_dot, variant=variant), ks))
+  args = (plain, panels)
+  rng = np.random.default_rng(0)
+  xs = {m: jnp.asarray(rng.standard_normal((m, ks[0]), dtype=np.float32)) for m in grid}
+  times = {m: ([], []) for m in grid}
+  for m in grid:
+    for f, a in zip(fns, args):
+      f(a, xs[m]).block_until_ready()
+  for _ in range(repeats):
+    for m in grid:
+      for i, (f, a) in enumerate(zip(fns, args)):
+        t = time.perf_counter()
+        f(a, xs[m]).block_until_ready()
+        times[m][i].append(time.perf_counter() - t)
+  return {m: (float(np.median(t[0])), float(np.median(t[1]))) for m, t in times.items()}
+
+
+def _kernel_dot(x, panels, variant):
+  return sm.streaming_matmul(x, panels, variant)
+
+
+def cache_key(weight_shapes: Sequence[tuple[int, int]], cpu: Optional[str] = None) -> str:
+  """What a measured decision is valid for: CPU model and flags, jaxlib, kernel source, shapes."""
+  cpu = sm.cpu_signature() if cpu is None else cpu
+  parts = (cpu, jax.lib.__version__, sm.source_hash(), repr(tuple(map(tuple, weight_shapes))),
+           repr(ROW_GRID))
+  return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _cache_path(key: str) -> str:
+  return os.path.join(sm.cache_dir(), f"matmul-policy-{key}.json")
+
+
+def policy_for(params: dict, tie_embeddings: bool,
+               measure_fn: Callable[[Sequence[np.ndarray]], dict] = measure) -> MatmulPolicy:
+  """The matmul policy for this model here: ``SPECJAX_MATMUL``, else the cached or new
+  measurement. Logs the decision (a warning when it measures: that takes ~10-30 s once)."""
+  choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
+  if choice not in CHOICES:
+    raise ValueError(f"{ENV}={choice!r}: choose one of {', '.join(CHOICES)}")
+  if choice == "xla":
+    return dataclasses.replace(XLA, source=f"{ENV}=xla")
+  if not sm.available():
+    if choice == "kernel":
+      raise RuntimeError(f"{ENV}=kernel needs the streaming matmul kernel: "
+                         f"{sm.unavailable_reason()}")
+    if jax.default_backend() == "cpu":
+      _log.warning("specjax: using XLA's dot (the streaming kernel is unavailable: %s)",
+                   sm.unavailable_reason())
+    return dataclasses.replace(XLA, source=f"kernel unavailable: {sm.unavailable_reason()}")
+  if any(np.asarray(layer[n]).dtype != np.float32 for layer in params["layers"]
+         for n in ("wqkv", "wo", "w_gate_up", "w_down")):
+    return dataclasses.replace(XLA, source="weights are not float32")
+  if choice == "kernel":
+    return dataclasses.replace(KERNEL, source=f"{ENV}=kernel")
+  weights = projection_weights(params, tie_embeddings)
+  path = _cache_path(cache_key([w.shape for w in weights]))
+  try:
+    with open(path) as f:
+      policy = MatmulPolicy.from_json(json.load(f))
+    _log.info("specjax matmul (%s, kernel %s): %s", sm.cpu_model(), sm.isa(), policy.describe())
+    return policy
+  except (OSError, ValueError, KeyError, TypeError):
+    pass
+  _log.warning("specjax: timing the streaming kernel against XLA's dot on this CPU (%s, "
+               "kernel path %s); once per machine, cached in %s", sm.cpu_model(), sm.isa(), path)
+  policy = choose(measure_fn(weights), source=f"measured on {sm.cpu_model()}, {sm.isa()}")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(policy.to_json(), f)
+  os.replace(tmp, path)  # atomic: concurrent processes never read a partial file
+  _log.warning("specjax matmul: %s", policy.describe())
+  return policy
