@@ -17,7 +17,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import median_time, provenance, write_markdown
-from specjax.model import _attention
+from specjax.attention import dense_attention
 
 OUT = flags.DEFINE_string("out", "benchmarks/results/attention_layout.md", "markdown output")
 K, G, H = 3, 3, 64
@@ -42,7 +42,7 @@ def main(_):
     kv = jnp.asarray(rng.standard_normal((b, K, s, H), np.float32))
     kv_slots = jnp.swapaxes(kv, 1, 2)
     visible = jnp.ones((b, t, s), bool)
-    new, old = jax.jit(_attention), jax.jit(slots_first)
+    new, old = jax.jit(dense_attention), jax.jit(slots_first)
     np.testing.assert_allclose(np.asarray(new(q, kv, kv, visible)),
                                np.asarray(old(q, kv_slots, kv_slots, visible)), atol=1e-4)
     t_new = median_time(lambda: new(q, kv, kv, visible).block_until_ready(), 50)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import attention as attn_lib
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.kernels.packed import PackedWeight, dense, uses_kernel
@@ -61,45 +62,9 @@ def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
   return jnp.broadcast_to(tri, (batch_size, num_tokens, num_tokens))
 
 
-def _visibility(cache_lengths: jax.Array, new_mask: jax.Array, size: int) -> jax.Array:
-  """[B, T, S] which cache slots each new token attends to.
-
-  Slots below ``lengths[b]`` are the committed prefix (always visible); the
-  T new tokens sit in slots ``lengths[b] + j`` and are visible per ``new_mask``.
-  Example: lengths=[2], T=2, causal -> token 0 sees slots {0,1,2}, token 1 {0,1,2,3}.
-  """
-  slots = jnp.arange(size)[None, :]
-  rel = slots - cache_lengths[:, None]  # [B, S]
-  t = new_mask.shape[-1]
-  in_new = (rel >= 0) & (rel < t)
-  gathered = jnp.take_along_axis(
-      new_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :],
-                                 new_mask.shape[:2] + (size,)), axis=2)
-  return (rel < 0)[:, None, :] | (in_new[:, None, :] & gathered)
-
-
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-  """Grouped-query attention: q [B,T,N,H], k/v [B,K,S,H], visible [B,T,S] -> [B,T,N,H].
-
-  The T new tokens and the G = N/K query heads sharing a kv head are merged
-  into one M = T*G axis, so each (row, kv head) is a single [M, H] x [S, H]^T
-  product against the cache as stored.
-  """
-  b, t, n, h = q.shape
-  kh = k.shape[1]
-  g = n // kh
-  q = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
-  scores = jnp.einsum("bkmh,bksh->bkms", q, k, preferred_element_type=jnp.float32)
-  scores = scores.reshape(b, kh, t, g, -1) * (1.0 / np.sqrt(h))
-  scores = jnp.where(visible[:, None, :, None], scores, -1e30)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kh, t * g, -1)
-  out = jnp.einsum("bkms,bksh->bkmh", probs, v).reshape(b, kh, t, g, h)
-  return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
-
-
 def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
-           k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, visible: jax.Array,
-           inv_freq: np.ndarray):
+           k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, mask: jax.Array,
+           inv_freq: np.ndarray, attention_impl: str):
   b, t, _ = x.shape
   n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   y = rms_norm(x, p["attn_norm"], cfg.norm_eps)
@@ -112,7 +77,8 @@ def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
   v = v.reshape(b, t, kh, h)
   k_cache = kvc.write_layer(k_cache, k, start)
   v_cache = kvc.write_layer(v_cache, v, start)
-  attn = _attention(q, k_cache, v_cache, visible).reshape(b, t, n * h)
+  attn = attn_lib.attention(q, k_cache, v_cache, start, mask,
+                            impl=attention_impl).reshape(b, t, n * h)
   x = x + dense(attn, p["wo"])
   y = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
   gate, up = jnp.split(dense(y, p["w_gate_up"]), 2, axis=-1)
@@ -136,7 +102,8 @@ def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
 
 def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
                cache: kvc.KVCache, mask: Optional[jax.Array] = None,
-               num_valid: Optional[jax.Array] = None, return_layers: tuple[int, ...] = ()
+               num_valid: Optional[jax.Array] = None, return_layers: tuple[int, ...] = (),
+               attention_impl: str = "auto"
                ) -> tuple[jax.Array, tuple[jax.Array, ...], kvc.KVCache]:
   """The decoder layers over input embeddings ``x`` [B, T, D] (see ``forward``).
 
@@ -149,11 +116,10 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Ar
   if num_valid is None:
     num_valid = jnp.full((b,), t, jnp.int32)
   inv_freq = inverse_frequencies(cfg)
-  visible = _visibility(cache.lengths, mask, cache.size)
   ks, vs, inter = [], [], []
   for l, p in enumerate(params["layers"]):
     x, k_l, v_l = _layer(cfg, p, x, positions, cache.k[l], cache.v[l], cache.lengths,
-                         visible, inv_freq)
+                         mask, inv_freq, attention_impl)
     ks.append(k_l)
     vs.append(v_l)
     if l in return_layers:
@@ -163,11 +129,13 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Ar
   return x, tuple(inter), new_cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "compute_logits", "return_layers"))
+@functools.partial(jax.jit, static_argnames=("cfg", "compute_logits", "return_layers",
+                                             "attention_impl"))
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: kvc.KVCache, mask: Optional[jax.Array] = None,
             num_valid: Optional[jax.Array] = None, *, compute_logits: bool = True,
-            return_layers: tuple[int, ...] = ()) -> ForwardOutput:
+            return_layers: tuple[int, ...] = (), attention_impl: str = "auto"
+            ) -> ForwardOutput:
   """Runs T new tokens per row against the cache.
 
   Args:
@@ -182,12 +150,15 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
       default T. Padding tokens beyond it are written as scratch.
     compute_logits: skip the LM head (e.g. during prefill) when False.
     return_layers: indices of decoder layers whose outputs to return.
+    attention_impl: static name of the attention implementation
+      (``specjax.attention.IMPLS``; "auto" is the reference on CPU and the
+      Pallas kernel on TPU/GPU).
 
   Returns:
     ForwardOutput with logits, last hidden state, intermediates and new cache.
   """
   x, inter, new_cache = run_layers(params, cfg, params["embed"][tokens], positions, cache, mask,
-                                   num_valid, return_layers)
+                                   num_valid, return_layers, attention_impl)
   logits = lm_head(cfg, params, x) if compute_logits else None
   return ForwardOutput(logits=logits, hidden=x, intermediates=inter, cache=new_cache)
 

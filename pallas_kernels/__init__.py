@@ -1,0 +1,1 @@
+"""specjax's Pallas kernels, one op per sub-package (see README.md)."""

@@ -1,0 +1,137 @@
+"""The one attention entry point: new tokens' queries against a layer's KV cache.
+
+Every forward (prefill, decode, chain or tree verification, EAGLE's draft
+layers) goes through ``attention``. Semantics: the T new tokens' keys and
+values are already written at slots ``lengths[b] + j``; new token i sees every
+committed slot ``< lengths[b]`` and new slot j iff ``mask[b, i, j]``
+(``pallas_kernels/tree_attention/reference.py`` spells it out).
+
+Implementations, chosen by the static ``impl`` name:
+
+  "reference"             dense [B, T, S] visibility mask in plain jnp; the
+                          CPU default (fastest there, bit-identical to the
+                          model's attention before this module existed).
+  "pallas_tpu"            Pallas Mosaic kernel (TPU).
+  "pallas_gpu"            Pallas Triton kernel, flash-decoding (GPU).
+  "pallas"                whichever of the two matches the default backend.
+  "pallas_tpu_interpret", "pallas_gpu_interpret"
+                          the same kernels in Pallas interpret mode, on CPU
+                          (tests, debugging).
+  "auto"                  "reference" on CPU, "pallas" on TPU and GPU.
+
+The choice is logged once per (name, backend).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.tree_attention.reference import batched_mask, check_inputs
+
+IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
+         "pallas_gpu_interpret")
+
+_logged: set[tuple[str, str, str]] = set()
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+  """Maps an implementation name to a concrete one (never "auto" or "pallas").
+
+  Raises:
+    ValueError: unknown name, or "pallas" on a backend without a kernel.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLS}")
+  backend = backend or jax.default_backend()
+  resolved = impl
+  if impl == "auto":
+    resolved = "reference" if backend not in ("tpu", "gpu", "cuda", "rocm") else "pallas"
+  if resolved == "pallas":
+    if backend == "tpu":
+      resolved = "pallas_tpu"
+    elif backend in ("gpu", "cuda", "rocm"):
+      resolved = "pallas_gpu"
+    else:
+      raise ValueError(f"no Pallas attention kernel for backend {backend!r}; use 'reference' "
+                       "or an '*_interpret' implementation")
+  if (impl, resolved, backend) not in _logged:
+    _logged.add((impl, resolved, backend))
+    logging.info("specjax attention: impl=%r -> %r on %s", impl, resolved, backend)
+  return resolved
+
+
+def visibility(lengths: jax.Array, mask: jax.Array, size: int) -> jax.Array:
+  """[B, T, S] which cache slots each new token attends to (the reference path).
+
+  Slots below ``lengths[b]`` are the committed prefix (always visible); the
+  T new tokens sit in slots ``lengths[b] + j`` and are visible per ``mask``.
+  Example: lengths=[2], T=2, causal -> token 0 sees slots {0,1,2}, token 1 {0,1,2,3}.
+  """
+  slots = jnp.arange(size)[None, :]
+  rel = slots - lengths[:, None]  # [B, S]
+  t = mask.shape[-1]
+  in_new = (rel >= 0) & (rel < t)
+  gathered = jnp.take_along_axis(
+      mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :],
+                             mask.shape[:2] + (size,)), axis=2)
+  return (rel < 0)[:, None, :] | (in_new[:, None, :] & gathered)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+  """Grouped-query attention: q [B,T,N,H], k/v [B,K,S,H], visible [B,T,S] -> [B,T,N,H].
+
+  The T new tokens and the G = N/K query heads sharing a kv head are merged
+  into one M = T*G axis, so each (row, kv head) is a single [M, H] x [S, H]^T
+  product against the cache as stored.
+  """
+  b, t, n, h = q.shape
+  kh = k.shape[1]
+  g = n // kh
+  q = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
+  scores = jnp.einsum("bkmh,bksh->bkms", q, k, preferred_element_type=jnp.float32)
+  scores = scores.reshape(b, kh, t, g, -1) * (1.0 / np.sqrt(h))
+  scores = jnp.where(visible[:, None, :, None], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kh, t * g, -1)
+  out = jnp.einsum("bkms,bksh->bkmh", probs, v).reshape(b, kh, t, g, h)
+  return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask: jax.Array,
+              *, impl: str = "auto", block_sizes=None) -> jax.Array:
+  """Attention of T new tokens over a layer's cache, through the chosen implementation.
+
+  Args:
+    q: [B, T, N, H] queries of the new tokens (RoPE applied).
+    k: [B, K, S, H] the layer's keys, the new tokens' already at lengths[b] + j.
+    v: [B, K, S, H] the layer's values.
+    lengths: [B] int committed slots per row (before the new tokens).
+    mask: [T, T] or [B, T, T] bool, which new tokens each new token sees.
+    impl: static implementation name (see the module docstring).
+    block_sizes: ``pallas_kernels.tree_attention.BlockSizes`` for the kernels.
+
+  Returns:
+    [B, T, N, H]; v's dtype on the reference path, q's on the kernels.
+
+  Raises:
+    ValueError (at trace time, before any kernel is built): unknown ``impl``,
+    mismatched shapes or head counts, a mask of the wrong shape or dtype, an
+    unsupported dtype or T over the kernels' budget.
+  """
+  resolved = resolve_impl(impl)
+  if resolved == "reference":
+    check_inputs(q, k, v, lengths, mask, dtypes=None)
+    return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),
+                                               k.shape[2]))
+  if resolved.startswith("pallas_tpu"):
+    from jax.experimental.pallas import tpu as pltpu
+    from pallas_kernels.tree_attention.tpu_kernel import tree_attention_tpu
+    interpret = pltpu.InterpretParams() if resolved.endswith("_interpret") else False
+    return tree_attention_tpu(q, k, v, lengths, mask, block_sizes=block_sizes,
+                              interpret=interpret)
+  from pallas_kernels.tree_attention.gpu_kernel import tree_attention_gpu
+  return tree_attention_gpu(q, k, v, lengths, mask, block_sizes=block_sizes,
+                            interpret=resolved.endswith("_interpret"))

@@ -1,0 +1,116 @@
+"""specjax.attention: dispatch, input checks, and tree-verify forwards through the kernels.
+
+The kernels run in Pallas interpret mode here. Greedy tree speculative decoding
+through them (issue #14, item 4, second half) waits for token-tree decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.tree_attention import ancestor_mask, tree_attention_reference
+from specjax import attention
+from specjax import kv_cache as kvc
+from specjax.model import forward
+from specjax.testing import tiny_model
+
+KERNEL_IMPLS = ("pallas_tpu_interpret", "pallas_gpu_interpret")
+PARENTS = (-1, 0, 0, 1, 1, 2, 3)  # a 7-node tree, depths 0, 1, 1, 2, 2, 2, 3
+
+
+def _inputs(b=2, t=3, kh=2, g=3, s=40, h=16, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(b, t, kh * g, h)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(b, kh, s, h)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(b, kh, s, h)), jnp.float32)
+  lengths = jnp.asarray(np.linspace(0, s - t, b), jnp.int32)
+  return q, k, v, lengths, jnp.tril(jnp.ones((t, t), bool))
+
+
+def test_resolve_auto_and_pallas_per_backend():
+  assert attention.resolve_impl("auto", "cpu") == "reference"
+  assert attention.resolve_impl("auto", "tpu") == "pallas_tpu"
+  assert attention.resolve_impl("auto", "gpu") == "pallas_gpu"
+  assert attention.resolve_impl("pallas", "cuda") == "pallas_gpu"
+  with pytest.raises(ValueError, match="no Pallas attention kernel"):
+    attention.resolve_impl("pallas", "cpu")
+
+
+def test_unknown_impl_raises_before_tracing():
+  with pytest.raises(ValueError, match="unknown attention implementation"):
+    attention.attention(*_inputs(), impl="flash")
+  cfg, params = tiny_model(seed=0)
+  with pytest.raises(ValueError, match="unknown attention implementation"):
+    forward(params, cfg, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
+            kvc.init_cache(cfg, 1, 8), attention_impl="flash")
+
+
+def test_choice_is_logged_once(monkeypatch, caplog):
+  monkeypatch.setattr(attention, "_logged", set())
+  with caplog.at_level(logging.INFO):
+    for _ in range(3):
+      attention.attention(*_inputs(), impl="reference")
+  assert sum("impl='reference' -> 'reference'" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_bad_mask_shape_raises_on_reference_path():
+  q, k, v, lengths, mask = _inputs()
+  with pytest.raises(ValueError, match="mask must be"):
+    attention.attention(q, k, v, lengths, mask[:2], impl="reference")
+  with pytest.raises(ValueError, match="not a multiple"):
+    attention.attention(q[:, :, :5], k, v, lengths, mask, impl="reference")
+
+
+@pytest.mark.parametrize("impl", ("reference",) + KERNEL_IMPLS)
+def test_every_impl_matches_the_kernel_reference(impl):
+  args = _inputs()
+  got = attention.attention(*args, impl=impl)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(tree_attention_reference(*args)),
+                             atol=1e-5, rtol=1e-5)
+
+
+def _tree_verify(cfg, params, impls, *, prompt_lengths=(13, 29), size=50):
+  """Prefills rows of different lengths, then one tree-verify forward per impl."""
+  b = len(prompt_lengths)
+  rng = np.random.default_rng(0)
+  prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, max(prompt_lengths))), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(prompt.shape[1], dtype=jnp.int32), prompt.shape)
+  lens = jnp.asarray(prompt_lengths, jnp.int32)
+  cache = forward(params, cfg, prompt, pos, kvc.init_cache(cfg, b, size), num_valid=lens).cache
+  mask = ancestor_mask(PARENTS)
+  depth = mask.sum(-1) - 1  # a node sees itself and its ancestors
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, len(PARENTS))), jnp.int32)
+  positions = lens[:, None] + jnp.asarray(depth)[None, :]
+  masks = jnp.broadcast_to(jnp.asarray(mask), (b,) + mask.shape)
+  return {impl: forward(params, cfg, tokens, positions, cache, masks, attention_impl=impl)
+          for impl in impls}
+
+
+def test_tree_verify_forward_through_kernels_matches_reference():
+  # SmolLM2's attention geometry (9 query heads over 3 kv heads, head dim 64), two layers.
+  cfg, params = tiny_model(seed=1, dim=576, num_heads=9, num_kv_heads=3, ffn_dim=128)
+  outs = _tree_verify(cfg, params, ("reference",) + KERNEL_IMPLS)
+  ref = outs["reference"]
+  for impl in KERNEL_IMPLS:
+    np.testing.assert_allclose(np.asarray(outs[impl].logits), np.asarray(ref.logits),
+                               atol=1e-4, rtol=1e-4, err_msg=impl)
+    np.testing.assert_array_equal(np.asarray(outs[impl].cache.lengths),
+                                  np.asarray(ref.cache.lengths))
+
+
+@pytest.mark.heavy
+@pytest.mark.real_model
+def test_smollm2_tree_verify_through_kernels_matches_reference():
+  from specjax.loaders import load_model
+  cfg, params = load_model()
+  outs = _tree_verify(cfg, params, ("reference",) + KERNEL_IMPLS, prompt_lengths=(20, 45),
+                      size=64)
+  ref = np.asarray(outs["reference"].logits)
+  for impl in KERNEL_IMPLS:
+    got = np.asarray(outs[impl].logits)
+    np.testing.assert_allclose(got, ref, atol=5e-4, rtol=1e-4, err_msg=impl)
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
