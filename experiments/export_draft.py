@@ -1,6 +1,11 @@
 """Export a draft as a standard Hugging Face Llama directory.
 
   python -m experiments.export_draft --out /tmp/smollm2-draft-hf [--draft DIR] [--check]
+      [--overwrite]
+
+A non-empty --out directory is refused unless --overwrite is given; then the
+safetensors files and index of the checkpoint it held are removed first
+(``save_hf``), so the new config never meets stale weights.
 
 The directory (config.json, model.safetensors, tokenizer files) loads with
 ``transformers.AutoModelForCausalLM.from_pretrained`` and can be passed to
@@ -22,6 +27,17 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("draft", None, "Draft directory (default: the shipped SmolLM2 draft).")
 flags.DEFINE_bool("check", False, "Verify the export with transformers (slow, loads the target).")
+flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out directory, replacing the "
+                  "checkpoint it holds.")
+
+
+def check_out_dir(out: str, overwrite: bool) -> None:
+  """Refuses an --out that is a file, or a non-empty directory without ``overwrite``."""
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise app.UsageError(f"--out={out} exists and is not a directory")
+  if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    raise app.UsageError(f"--out={out} is not empty ({len(os.listdir(out))} entries); pass "
+                         "--overwrite to replace the checkpoint it holds")
 
 
 def main(argv):
@@ -29,6 +45,7 @@ def main(argv):
   from specjax import drafts
   from specjax.loaders import chat_prompt, load_hf, load_model_tokenizer
 
+  check_out_dir(FLAGS.out, FLAGS.overwrite)
   tok = load_model_tokenizer()
   path = FLAGS.draft or drafts.DEFAULT_DRAFT_DIR
   cfg, params, vocab_map, in_map = drafts.load_draft(

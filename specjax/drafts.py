@@ -6,7 +6,9 @@ token list) and ``weights.safetensors`` (HF tensor names in float16, plus
 ``vocab_map`` [Vd] int32 when the draft has a reduced vocabulary; see
 ``specjax.distill.vocab`` for the convention). Loading checks the
 fingerprint, so a draft is never paired with a target whose token ids mean
-something else.
+something else, and refuses non-finite weights (a corrupted draft would
+otherwise decode with α = 0). ``drafter_from_path`` is the one entry point
+for a draft given as a path, whatever its kind.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from specjax.loaders.hf import (CheckpointError, config_from_hf_dict, config_to_
 from specjax.loaders.hf_layout import params_from_hf, params_to_hf
 from specjax.drafters.eagle import TRAINED_KEYS
 from specjax.model import Params
+from specjax.validation import all_finite
 
 FORMAT = "specjax-draft-v1"
 DEFAULT_DRAFT_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2_draft")
@@ -113,7 +116,7 @@ def load_draft(path: str, *, target_vocab_size: Optional[int] = None,
   if meta.get("reduced_vocab") and vocab_map is None:
     raise CheckpointError(f"draft {path!r} declares a reduced vocabulary but has no vocab_map")
   try:
-    params = params_from_hf(cfg, tensors.__getitem__, dtype)
+    params = params_from_hf(cfg, tensors.__getitem__, dtype, source=weights, names=tensors)
   except KeyError as e:
     raise CheckpointError(f"{path}: {e.args[0]}") from None
   if with_input_map:
@@ -176,14 +179,62 @@ def export_hf(out_dir: str, cfg: ModelConfig, params: Params, vocab_map: Optiona
 
 def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None):
   """The shipped draft ready for ``SpeculativeDecoder``: (ModelDrafter, draft_params)."""
-  from specjax.drafters import ModelDrafter
   cfg, params, vocab_map, in_map = load_default_draft(tokenizer, target_vocab_size,
                                                       with_input_map=True)
+  return _model_drafter(cfg, params, vocab_map, in_map, target_vocab_size)
+
+
+def _model_drafter(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray],
+                   input_map: Optional[np.ndarray], target_vocab_size: Optional[int]):
+  """(ModelDrafter, draft_params) of a draft model, reduced-vocabulary or not."""
+  from specjax.drafters import ModelDrafter
   if vocab_map is None:
+    if target_vocab_size is not None and cfg.vocab_size != target_vocab_size:
+      raise ValueError(f"the draft has a vocabulary of {cfg.vocab_size} tokens but the target "
+                       f"has {target_vocab_size}")
     drafter = ModelDrafter(cfg)
     return drafter, drafter.make_params(params)
-  drafter = ModelDrafter(cfg, target_vocab_size=len(in_map))
-  return drafter, drafter.make_params(params, vocab_map, input_map=in_map)
+  drafter = ModelDrafter(cfg, target_vocab_size=target_vocab_size or len(input_map))
+  return drafter, drafter.make_params(params, vocab_map, input_map=input_map)
+
+
+def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params, tokenizer):
+  """(drafter, draft_params, note) of a draft at ``path``, checked against the target.
+
+  ``path`` is a specjax draft directory (token or EAGLE), a Hugging Face model
+  directory or a ``.gguf`` file. Every kind goes through a fingerprint check
+  against ``tokenizer``, the target's: the stored fingerprint for specjax
+  drafts, the fingerprint of the model's own tokenizer otherwise. Only a
+  target without a tokenizer (``tokenizer=None``, e.g. a random test model)
+  skips the check.
+
+  Raises:
+    ValueError: the draft belongs to another tokenizer or vocabulary.
+    CheckpointError (a ValueError): missing or corrupt files, or a model
+      whose tokenizer cannot be read to check it.
+  """
+  sha = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
+  if os.path.exists(os.path.join(path, "draft.json")):
+    if read_draft_metadata(path, (FORMAT, EAGLE_FORMAT))["format"] == EAGLE_FORMAT:
+      drafter, dp = load_eagle(path, target_cfg, target_params, tokenizer_sha256=sha)
+      return drafter, dp, f"EAGLE drafter {path}"
+    cfg, params, vocab_map, in_map = load_draft(
+        path, target_vocab_size=target_cfg.vocab_size, tokenizer_sha256=sha,
+        with_input_map=True)
+    return (*_model_drafter(cfg, params, vocab_map, in_map, target_cfg.vocab_size), path)
+  from specjax.loaders import load_model, load_model_tokenizer
+  if sha is not None:
+    try:
+      draft_sha = tokenizer_fingerprint(load_model_tokenizer(path))
+    except CheckpointError as e:
+      raise CheckpointError(f"cannot check that draft {path!r} shares the target's tokenizer: "
+                            f"{e}") from None
+    if draft_sha != sha:
+      raise ValueError(f"draft {path!r} has another tokenizer than the target (fingerprint "
+                       f"{draft_sha[:12]}…, the target's is {sha[:12]}…): its token ids would "
+                       "mean different strings")
+  cfg, params = load_model(path)
+  return (*_model_drafter(cfg, params, None, None, target_cfg.vocab_size), path)
 
 
 # ------------------------------------------------------------------ EAGLE drafts
@@ -252,6 +303,10 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
     weights = dict({k: f32(k) for k in TRAINED_KEYS if k != "layers"}, layers=layers)
   except KeyError as e:
     raise CheckpointError(f"{weights_file} lacks tensor {e.args[0]}") from None
+  for name, w in t.items():
+    if np.issubdtype(w.dtype, np.floating) and not all_finite(w):
+      raise CheckpointError(f"{weights_file}: tensor {name!r} holds non-finite values (NaN or "
+                            "inf): the draft is corrupt")
   return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"))
 
 

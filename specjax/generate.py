@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache as kvc
+from specjax import validation
 from specjax.config import ModelConfig
 from specjax.model import Params, forward
 from specjax.prompts import pack_prompts
-from specjax.sampling import Greedy, Sampler
+from specjax.sampling import Greedy, Sampler, Sampling
 
 PREFILL_CHUNK = 64
 
@@ -153,6 +154,12 @@ class GenerateOutput(NamedTuple):
     return self.seq_lens - self.prompt_lens
 
 
+def check_sampler(sampler: Sampler) -> None:
+  if not isinstance(sampler, (Greedy, Sampling)):
+    raise TypeError(f"sampler must be Greedy() or Sampling(...), got {type(sampler).__name__} "
+                    f"{sampler!r} (make_sampler builds one from a temperature)")
+
+
 def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, sampler: Sampler = Greedy(), *, seed: int = 0,
              cache_size: Optional[int] = None,
@@ -169,9 +176,13 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       rounded up to 64). Every prompt length up to it shares one compile.
     eos_ids: stop tokens (default ``cfg.eos_token_ids``); () never stops early.
   """
+  check_sampler(sampler)
+  validation.check_params(params, cfg, "params")
   tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, vocab_size=cfg.vocab_size,
-                                   max_cache_size=cfg.max_cache_size)
-  eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+                                 max_cache_size=cfg.max_cache_size,
+                                 max_positions=cfg.max_position_embeddings,
+                                 cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
+  eos = validation.token_ids(cfg.eos_token_ids if eos_ids is None else eos_ids, "eos_ids")
   start = time.perf_counter()
   out_tokens, seq_lens, steps = _generate(
       params, cfg, jnp.asarray(tokens), jnp.asarray(lens),

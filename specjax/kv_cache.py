@@ -51,6 +51,11 @@ class KVCache:
     return self.replace(lengths=lengths.astype(jnp.int32))
 
 
+def bytes_per_slot(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32) -> int:
+  """Bytes one slot of one row takes in ``init_cache``'s cache (keys and values, all layers)."""
+  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
 def init_cache(cfg: ModelConfig, batch_size: int, size: int,
                dtype: jnp.dtype = jnp.float32) -> KVCache:
   """An empty cache of ``size`` slots per row."""

@@ -6,11 +6,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from specjax import validation
+
 
 def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  cache_size: Optional[int] = None, *, headroom: int = 0,
                  vocab_size: Optional[int] = None, round_to: int = 64,
-                 max_cache_size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray, int]:
+                 max_cache_size: Optional[int] = None, max_positions: Optional[int] = None,
+                 cache_bytes_per_slot: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
   """Right-pads prompts into a [B, S] buffer.
 
   Args:
@@ -22,6 +25,11 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
       speculative verification).
     vocab_size: when given, token ids must lie in [0, vocab_size).
     max_cache_size: largest cache the model supports (e.g. a sliding window).
+    max_positions: the model's maximum positions; the longest prompt +
+      max_new_tokens must not exceed it.
+    cache_bytes_per_slot: KV-cache bytes per row and slot (see
+      ``kv_cache.bytes_per_slot``); when given, a cache larger than the free
+      memory of the device is refused before it is allocated.
 
   Returns:
     (tokens [B, S] int32, prompt_lengths [B] int32, S).
@@ -29,8 +37,9 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
   Raises:
     ValueError naming the offending prompt.
   """
-  if max_new_tokens < 0:
-    raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+  max_new_tokens = validation.as_int(max_new_tokens, "max_new_tokens", 0)
+  if cache_size is not None:
+    cache_size = validation.as_int(cache_size, "cache_size", 1)
   if isinstance(prompts, np.ndarray) and prompts.ndim == 1 or (
       len(prompts) and isinstance(prompts[0], (int, np.integer))):
     raise ValueError("prompts must be a batch: a list of token-id lists")
@@ -46,6 +55,11 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
     if vocab_size is not None:
       if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+  if max_positions is not None and int(lengths.max()) + max_new_tokens > max_positions:
+    i = int(lengths.argmax())
+    raise ValueError(f"prompt {i} has {lengths[i]} tokens; with max_new_tokens={max_new_tokens} "
+                     f"it needs {lengths[i] + max_new_tokens} positions, more than the model's "
+                     f"maximum of {max_positions} positions")
   need = int(lengths.max()) + max_new_tokens + headroom
   if cache_size is None:
     cache_size = -(-need // round_to) * round_to
@@ -58,6 +72,12 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
   if max_cache_size is not None and cache_size > max_cache_size:
     raise ValueError(f"a cache of {cache_size} slots exceeds this model's limit of "
                      f"{max_cache_size} (sliding-window attention is not implemented)")
+  cache_bytes = len(prompts) * cache_size * cache_bytes_per_slot
+  free = validation.available_memory_bytes() if cache_bytes else None
+  if free is not None and cache_bytes > free:
+    raise ValueError(f"a KV cache of {len(prompts)} rows x {cache_size} slots needs "
+                     f"{cache_bytes / 2**30:.2f} GiB but the device has {free / 2**30:.2f} GiB "
+                     "free: use fewer prompts or a smaller max_new_tokens")
   tokens = np.zeros((len(prompts), cache_size), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p

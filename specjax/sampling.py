@@ -4,6 +4,19 @@ Speculative sampling needs the *full warped distribution* of both models, not
 only a sample, so every strategy has ``probs(logits) -> [..., V]`` and
 ``sample(key, logits) -> (tokens, probs)``. Warping order follows Hugging Face:
 temperature, then top-k, then top-p.
+
+Every strategy is total: any logits row gives a finite distribution that sums
+to 1, by this rule (``sanitize_logits``, applied after the temperature):
+  * NaN logits count as -inf (the token is never drawn);
+  * if any logit is +inf, the +inf entries share the mass equally (the limit
+    of a logit growing without bound) and every other token gets 0;
+  * a row with no finite or +inf entry (all -inf / NaN) is uniform over the
+    vocabulary; Greedy then picks id 0, the lowest of the tied ids.
+Greedy's argmax therefore never picks a NaN. Parameters are validated when a
+strategy is constructed: temperature is a finite number in
+[MIN_TEMPERATURE, MAX_TEMPERATURE] (0 only through ``make_sampler``, which
+returns Greedy), top_k an integer >= 1 (numpy integers accepted, bools not),
+top_p a number in (0, 1].
 """
 
 from __future__ import annotations
@@ -14,17 +27,41 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
+from specjax.validation import as_float, as_int
+
+# Outside this range a temperature is a mistake: logits / T overflows float32
+# for ordinary logits below 1e-4, and above 1e4 every row is near uniform.
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+
+
+def sanitize_logits(logits: jax.Array) -> jax.Array:
+  """float32 logits with the module's rule for NaN, +inf and all -inf rows applied."""
+  x = logits.astype(jnp.float32)
+  x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+  # One row reduction decides both cases (softmax takes the same max).
+  top = jnp.max(x, axis=-1, keepdims=True)
+  x = jnp.where(top == jnp.inf, jnp.where(x == jnp.inf, 0.0, -jnp.inf), x)
+  return jnp.where(top == -jnp.inf, 0.0, x)
+
 
 @dataclasses.dataclass(frozen=True)
 class Greedy:
   """Argmax decoding; its distribution is the one-hot of the argmax (the T -> 0 limit)."""
 
   def probs(self, logits: jax.Array) -> jax.Array:
-    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.one_hot(self._argmax(logits), logits.shape[-1], dtype=jnp.float32)
 
   def sample(self, key: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     del key
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), self.probs(logits)
+    tok = self._argmax(logits)
+    return tok, jax.nn.one_hot(tok, logits.shape[-1], dtype=jnp.float32)
+
+  @staticmethod
+  def _argmax(logits: jax.Array) -> jax.Array:
+    # NaN never wins (jnp.argmax would pick it); +inf and all -inf rows need
+    # no special case: the first maximal id wins, as the module rule says.
+    return jnp.argmax(jnp.where(jnp.isnan(logits), -jnp.inf, logits), axis=-1).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +69,7 @@ class Sampling:
   """Random sampling with optional temperature, top-k and top-p (nucleus) warping.
 
   Attributes:
-    temperature: > 0; divides the logits.
+    temperature: in [MIN_TEMPERATURE, MAX_TEMPERATURE]; divides the logits.
     top_k: keep the k most likely tokens (ties at the k-th value are all kept).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p
       (ties at the cut-off are all kept).
@@ -43,16 +80,20 @@ class Sampling:
   top_p: Optional[float] = None
 
   def __post_init__(self):
-    if not self.temperature > 0:
-      raise ValueError(f"temperature must be > 0 for Sampling (use Greedy for 0), "
-                       f"got {self.temperature}")
-    if self.top_k is not None and self.top_k < 1:
-      raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-    if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if isinstance(self.temperature, (int, float)) and self.temperature == 0:
+      raise ValueError("temperature must be > 0 for Sampling (use Greedy for 0)")
+    object.__setattr__(self, "temperature", as_float(self.temperature, "temperature",
+                                                     MIN_TEMPERATURE, MAX_TEMPERATURE))
+    if self.top_k is not None:
+      object.__setattr__(self, "top_k", as_int(self.top_k, "top_k", 1))
+    if self.top_p is not None:
+      top_p = as_float(self.top_p, "top_p", 0.0, 1.0)
+      if top_p == 0.0:
+        raise ValueError("top_p must be in (0, 1], got 0.0")
+      object.__setattr__(self, "top_p", top_p)
 
   def probs(self, logits: jax.Array) -> jax.Array:
-    logits = logits.astype(jnp.float32) / self.temperature
+    logits = sanitize_logits(logits.astype(jnp.float32) / self.temperature)
     if self.top_k is not None and self.top_k < logits.shape[-1]:
       kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
       logits = jnp.where(logits >= kth, logits, -jnp.inf)
@@ -77,23 +118,24 @@ Sampler = Union[Greedy, Sampling]
 
 
 def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
-  """Draws one index per row of ``probs`` [..., V] (zeros are never drawn)."""
-  logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
+  """Draws one index per row of ``probs`` [..., V] (zeros are never drawn).
+
+  Entries that are not positive and finite (NaN, ±inf, <= 0) count as 0; a row
+  with no positive entry is drawn uniformly.
+  """
+  ok = (probs > 0) & (probs < jnp.inf)
+  logp = jnp.where(ok, jnp.log(jnp.where(ok, probs, 1.0)), -jnp.inf)
+  logp = jnp.where(jnp.any(ok, axis=-1, keepdims=True), logp, 0.0)
   return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
 
 
 def make_sampler(temperature: float = 0.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None) -> Sampler:
   """Greedy at temperature 0, else Sampling. Validates every parameter."""
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if top_k is not None and top_k < 1:
-    raise ValueError(f"top_k must be >= 1, got {top_k}")
-  if top_p is not None and not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  if temperature == 0:
-    return Greedy()
-  return Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+  temperature = as_float(temperature, "temperature", 0.0, MAX_TEMPERATURE)
+  # Sampling validates top_k / top_p even when Greedy is returned.
+  sampling = Sampling(temperature=temperature or 1.0, top_k=top_k, top_p=top_p)
+  return Greedy() if temperature == 0 else sampling
 
 
 def sample_subset(sampler: Sampler, key: jax.Array, logits: jax.Array, ids: jax.Array,

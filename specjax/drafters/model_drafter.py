@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache as kvc
+from specjax import validation
 from specjax.config import ModelConfig
 from specjax.generate import prefill
 from specjax.model import Params, forward
@@ -78,6 +79,16 @@ class ModelDrafter:
         raise ValueError(f"input_map must map {self.target_vocab_size} target ids to draft rows")
     return {"model": params, "vocab_map": jnp.asarray(vocab_map),
             "inverse_map": jnp.asarray(inverse)}
+
+  def check_params(self, draft_params: Any) -> None:
+    """Raises ValueError unless ``draft_params`` came from ``make_params`` for this config."""
+    if not isinstance(draft_params, dict) or "model" not in draft_params:
+      raise ValueError("draft_params must come from ModelDrafter.make_params (a dict with "
+                       f"'model'), got {type(draft_params).__name__}")
+    if (self.target_vocab_size is not None) != ("vocab_map" in draft_params):
+      raise ValueError("draft_params and the drafter disagree on a reduced vocabulary: build "
+                       "them with this drafter's make_params")
+    validation.check_params(draft_params["model"], self.cfg, "draft_params['model']")
 
   @staticmethod
   def _draft_ids(dp, tokens):

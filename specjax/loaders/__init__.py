@@ -7,6 +7,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from specjax import validation
 from specjax.config import ModelConfig
 from specjax.kernels import streaming_matmul
 from specjax.kernels import policy as matmul_policy
@@ -50,6 +51,8 @@ def load_model(source: str = EMBEDDED, dtype=jnp.float32, packed: Optional[bool]
 
 
 def _load(source: str, dtype) -> tuple[ModelConfig, Params]:
+  source = validation.model_source(source)
+  validation.float_dtype(dtype)
   if source == EMBEDDED:
     return load_smollm2(dtype)
   if source.endswith(".gguf"):
@@ -63,6 +66,7 @@ def _load(source: str, dtype) -> tuple[ModelConfig, Params]:
 
 def load_model_tokenizer(source: str = EMBEDDED):
   """The tokenizer that belongs to ``load_model(source)``."""
+  source = validation.model_source(source)
   return load_tokenizer(smollm2_gguf_path() if source == EMBEDDED else source)
 
 

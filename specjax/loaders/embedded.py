@@ -54,7 +54,8 @@ def load_smollm2(dtype=jnp.float32, use_cache: bool = True) -> tuple[ModelConfig
       with open(base + ".json") as f:
         cfg = config_from_hf_dict(json.load(f))
       tensors = load_file(base + ".safetensors")
-      return cfg, params_from_hf(cfg, tensors.__getitem__, dtype)
+      return cfg, params_from_hf(cfg, tensors.__getitem__, dtype,
+                                 source=base + ".safetensors", names=tensors)
     except Exception:  # pylint: disable=broad-except
       pass  # a corrupt cache is rebuilt below
   cfg, params, _ = load_gguf(gguf_path, dtype)

@@ -121,10 +121,21 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params, dict[s
     return w
 
   try:
-    params = params_from_hf(cfg, get, dtype)
+    params = params_from_hf(cfg, get, dtype, source=path,
+                            names=[_hf_name(name) for name in tensors])
   except KeyError as e:
     raise CheckpointError(f"{path}: {e.args[0]}") from None
   return cfg, params, md
+
+
+def _hf_name(gguf_name: str) -> str:
+  """'blk.3.ffn_up.weight' -> 'model.layers.3.mlp.up_proj.weight' (unknown names unchanged)."""
+  if gguf_name in _GLOBAL_NAMES:
+    return _GLOBAL_NAMES[gguf_name]
+  parts = gguf_name.split(".", 2)
+  if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+  return gguf_name
 
 
 def _gguf_name(hf_name: str) -> str:

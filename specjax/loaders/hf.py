@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -16,12 +17,9 @@ import numpy as np
 from specjax.config import ModelConfig, RopeScaling
 from specjax.loaders.hf_layout import params_from_hf, params_to_hf
 from specjax.model import Params
+from specjax.validation import CheckpointError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-class CheckpointError(ValueError):
-  """A checkpoint is missing, corrupt or of an unsupported kind."""
 
 
 def config_from_hf_dict(c: dict[str, Any]) -> ModelConfig:
@@ -98,7 +96,7 @@ def config_to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _open_tensors(path: str):
-  """Returns a getter name -> numpy array over single or sharded safetensors."""
+  """Returns (getter name -> numpy array, tensor names) over single or sharded safetensors."""
   from safetensors import safe_open  # local: only this loader needs it
 
   single = os.path.join(path, "model.safetensors")
@@ -136,7 +134,7 @@ def _open_tensors(path: str):
       raise KeyError(name)
     return h.get_tensor(name)
 
-  return get
+  return get, list(handle(single).keys()) if files is None else list(files)
 
 
 def read_json_object(file: str, what: str) -> dict[str, Any]:
@@ -167,18 +165,26 @@ def load_hf_config(path: str) -> ModelConfig:
 def load_hf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
   """Loads (config, params) from a local HF model directory."""
   cfg = load_hf_config(path)
+  get, names = _open_tensors(path)
   try:
-    params = params_from_hf(cfg, _open_tensors(path), dtype)
+    params = params_from_hf(cfg, get, dtype, source=path, names=names)
   except KeyError as e:
     raise CheckpointError(f"{path}: {e.args[0]}") from None
   return cfg, params
 
 
 def save_hf(path: str, cfg: ModelConfig, params: Params, max_shard_bytes: int = 2 << 30) -> None:
-  """Writes config.json and safetensors (sharded past ``max_shard_bytes``)."""
+  """Writes config.json and safetensors (sharded past ``max_shard_bytes``).
+
+  Safetensors files and the index of an earlier checkpoint in ``path`` are
+  removed, so the directory never pairs the new config with stale weights.
+  """
   from safetensors.numpy import save_file
 
   os.makedirs(path, exist_ok=True)
+  for old in os.listdir(path):
+    if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json", old):
+      os.remove(os.path.join(path, old))
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config_to_hf_dict(cfg), f, indent=2)
   tensors = params_to_hf(cfg, params)

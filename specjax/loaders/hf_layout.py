@@ -7,7 +7,7 @@ place that fuses and transposes them, and ``params_to_hf`` is its inverse.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +15,10 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.kernels.packed import unpack_params
 from specjax.model import Params
+from specjax.validation import CheckpointError, all_finite, float_dtype
+
+# Tensors a checkpoint may hold that specjax recomputes from the config.
+_RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq", "rope_freqs.weight")
 
 _ATTN = "model.layers.{}.self_attn.{}"
 _MLP = "model.layers.{}.mlp.{}"
@@ -24,15 +28,61 @@ class MissingTensorError(KeyError):
   pass
 
 
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """The HF name and [out, in] shape of every tensor a checkpoint of ``cfg`` holds."""
+  n, kh, h, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim, cfg.ffn_dim
+  shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+  if not cfg.tie_embeddings:
+    shapes["lm_head.weight"] = (cfg.vocab_size, d)
+  for i in range(cfg.num_layers):
+    shapes.update({
+        f"model.layers.{i}.input_layernorm.weight": (d,),
+        f"model.layers.{i}.post_attention_layernorm.weight": (d,),
+        _ATTN.format(i, "q_proj.weight"): (n * h, d), _ATTN.format(i, "k_proj.weight"): (kh * h, d),
+        _ATTN.format(i, "v_proj.weight"): (kh * h, d), _ATTN.format(i, "o_proj.weight"): (d, n * h),
+        _MLP.format(i, "gate_proj.weight"): (f, d), _MLP.format(i, "up_proj.weight"): (f, d),
+        _MLP.format(i, "down_proj.weight"): (d, f),
+    })
+    if cfg.qkv_bias:
+      shapes.update({_ATTN.format(i, "q_proj.bias"): (n * h,),
+                     _ATTN.format(i, "k_proj.bias"): (kh * h,),
+                     _ATTN.format(i, "v_proj.bias"): (kh * h,)})
+  return shapes
+
+
 def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray],
-                   dtype=jnp.float32) -> Params:
-  """Builds params from a getter of HF-named numpy tensors."""
+                   dtype=jnp.float32, *, source: str = "checkpoint",
+                   names: Optional[Iterable[str]] = None) -> Params:
+  """Builds params from a getter of HF-named numpy tensors, checking each one.
+
+  Every tensor must have the shape the config implies (so the embedding's
+  vocabulary is the config's), a float dtype and only finite values; with
+  ``names`` (all tensor names the checkpoint holds) none may be left unused.
+
+  Raises:
+    MissingTensorError (a KeyError): a tensor is missing.
+    CheckpointError: naming ``source`` and the tensor that breaks a rule.
+  """
+  float_dtype(dtype)
+  shapes = hf_shapes(cfg)
+  if names is not None:
+    _check_unused(cfg, get, set(names) - set(shapes), source)
 
   def fetch(name: str) -> np.ndarray:
     try:
-      return np.asarray(get(name), np.float32)
+      raw = get(name)
     except KeyError:
       raise MissingTensorError(f"checkpoint has no tensor {name!r}") from None
+    if not np.issubdtype(raw.dtype, np.floating) and raw.dtype.name != "bfloat16":
+      raise CheckpointError(f"{source}: tensor {name!r} has dtype {raw.dtype}, not a float")
+    if tuple(raw.shape) != shapes[name]:
+      raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(raw.shape)}, but the "
+                            f"config needs {shapes[name]}")
+    w = np.asarray(raw, np.float32)
+    if not all_finite(w):
+      raise CheckpointError(f"{source}: tensor {name!r} holds {np.size(w) - np.isfinite(w).sum()} "
+                            "non-finite values (NaN or inf): the file is corrupt")
+    return w
 
   def linear(name: str) -> np.ndarray:  # HF [out, in] -> ours [in, out]
     return fetch(name).T
@@ -59,6 +109,20 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray],
   if not cfg.tie_embeddings:
     params["lm_head"] = cast(linear("lm_head.weight"))
   return params
+
+
+def _check_unused(cfg: ModelConfig, get, extra: set[str], source: str) -> None:
+  """Refuses tensors the config does not use (a wrong config would silently drop them)."""
+  extra = {x for x in extra if not x.endswith(_RECOMPUTED_SUFFIXES)}
+  if cfg.tie_embeddings and "lm_head.weight" in extra:
+    # Some tied checkpoints store the head anyway; it must then be the embedding.
+    if not np.array_equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
+      raise CheckpointError(f"{source}: the config ties the embeddings, but tensor "
+                            "'lm_head.weight' differs from 'model.embed_tokens.weight'")
+    extra.discard("lm_head.weight")
+  if extra:
+    raise CheckpointError(f"{source}: {len(extra)} tensor(s) unused by the config, e.g. "
+                          f"{sorted(extra)[0]!r}: the config does not describe this checkpoint")
 
 
 def params_to_hf(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:

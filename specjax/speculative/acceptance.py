@@ -8,6 +8,11 @@ target's warped distributions p₁…p_{γ+1} at the same prefixes:
 The output is then distributed exactly as the target's warped distribution.
 With one-hot p and q (greedy) this reduces to "accept while the draft equals
 the target's argmax, then emit the target's argmax".
+
+The rule is total: entries of p or q that are NaN, ±inf or negative count as
+0 (a sampler's distributions never hold them, see ``specjax.sampling``), and a
+draw from a row with no positive entry is uniform (``sample_from``), so
+garbage in gives valid token ids and finite β, never NaN.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) -> Acc
   """
   b, gamma = drafts.shape
   u_key, s_key = jax.random.split(key)
+  valid = lambda x: jnp.where((x >= 0) & (x < jnp.inf), x, 0.0)  # NaN/±inf/negative -> 0
+  p, q = valid(p), valid(q)
   p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
   q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
   u = jax.random.uniform(u_key, (b, gamma))

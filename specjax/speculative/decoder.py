@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache as kvc
+from specjax import validation
 from specjax.config import ModelConfig
 from specjax.drafters.base import Drafter
-from specjax.generate import is_eos, last_tokens, prefill
+from specjax.generate import check_sampler, is_eos, last_tokens, prefill
 from specjax.model import Params, forward
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
@@ -48,7 +49,7 @@ class SpeculativeDecoder:
     drafter: proposes γ tokens (see ``specjax.drafters``).
     gamma: draft length γ >= 1 (static).
     sampler: Greedy() or Sampling(...), applied identically to target and draft.
-    eos_ids: stop tokens; default the target's.
+    eos_ids: stop tokens (any sequence of ints, stored as a tuple); default the target's.
   """
 
   target_cfg: ModelConfig
@@ -58,14 +59,14 @@ class SpeculativeDecoder:
   eos_ids: Optional[tuple[int, ...]] = None
 
   def __post_init__(self):
-    if not isinstance(self.gamma, int) or self.gamma < 1:
-      raise ValueError(f"gamma must be an integer >= 1, got {self.gamma!r}")
+    object.__setattr__(self, "gamma", validation.as_int(self.gamma, "gamma", 1))
+    check_sampler(self.sampler)
     if self.drafter.vocab_size != self.target_cfg.vocab_size:
       raise ValueError(
           f"vocabulary mismatch: the drafter proposes over {self.drafter.vocab_size} tokens but "
           f"the target has {self.target_cfg.vocab_size}; speculative decoding needs one vocabulary")
-    if self.eos_ids is None:
-      object.__setattr__(self, "eos_ids", tuple(self.target_cfg.eos_token_ids))
+    eos = self.target_cfg.eos_token_ids if self.eos_ids is None else self.eos_ids
+    object.__setattr__(self, "eos_ids", validation.token_ids(eos, "eos_ids"))
 
   # --- the algorithm's steps -------------------------------------------------
 
@@ -187,10 +188,15 @@ class SpeculativeDecoder:
   def prepare(self, target_params: Params, draft_params: Any,
               prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int = 0,
               cache_size: Optional[int] = None) -> tuple[SpecState, np.ndarray]:
-    """Validates and packs prompts (before any compilation), then prefills."""
+    """Validates parameters and prompts and packs them (before any compilation), then prefills."""
+    validation.check_params(target_params, self.target_cfg, "target_params")
+    if hasattr(self.drafter, "check_params"):
+      self.drafter.check_params(draft_params)
+    cfg = self.target_cfg
     tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, headroom=self.gamma,
-                                   vocab_size=self.target_cfg.vocab_size,
-                                   max_cache_size=self.target_cfg.max_cache_size)
+                                   vocab_size=cfg.vocab_size, max_cache_size=cfg.max_cache_size,
+                                   max_positions=cfg.max_position_embeddings,
+                                   cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
     state = self.init(target_params, draft_params, jnp.asarray(tokens), jnp.asarray(lens),
                       jnp.full(lens.shape, max_new_tokens, jnp.int32), jax.random.PRNGKey(seed))
     return state, lens
