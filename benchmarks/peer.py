@@ -26,17 +26,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from absl import app, flags
 
 import specjax
-from benchmarks.common import provenance, write_markdown
+from benchmarks.common import (OutputError, matmul_path, probe_output_dir, provenance,
+                               write_markdown)
 from specjax import drafts
 from specjax.drafters import PromptLookupDrafter
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer, smollm2_gguf_path
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
-
-GAMMA = flags.DEFINE_integer("gamma", 4, "draft length for every speculative method")
-NEW = flags.DEFINE_integer("new_tokens", 96, "tokens generated per prompt")
-NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 6, "prompts (batch 1 each)")
-OUT = flags.DEFINE_string("out", "benchmarks/results/peer.md", "markdown output")
 
 TEXTS = ["Write a Python function that merges two sorted lists.",
          "Summarise the plot of Romeo and Juliet in three sentences.",
@@ -47,6 +43,15 @@ TEXTS = ["Write a Python function that merges two sorted lists.",
          "Explain recursion to a ten-year-old.",
          "Write a SQL query that counts orders per customer."]
 
+# Bounds are checked when the flags are parsed, before anything loads.
+GAMMA = flags.DEFINE_integer("gamma", 4, "draft length for every speculative method",
+                             lower_bound=1)
+NEW = flags.DEFINE_integer("new_tokens", 96, "tokens generated per prompt", lower_bound=1)
+NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 6, "prompts (batch 1 each)", lower_bound=1,
+                                   upper_bound=len(TEXTS))
+OUT = flags.DEFINE_string("out", "benchmarks/results/peer.md", "markdown output; its directory "
+                          "is created and probed for writing before anything loads")
+
 
 def _timed(fn, prompts) -> float:
   fn(prompts[0])  # warm-up (compilation / caches)
@@ -56,7 +61,15 @@ def _timed(fn, prompts) -> float:
   return time.perf_counter() - start
 
 
-def main(_):
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if os.path.isdir(OUT.value):
+    raise app.UsageError(f"--out {OUT.value!r} is a directory; give the markdown file's path")
+  try:
+    probe_output_dir(os.path.dirname(OUT.value) or ".", "--out")
+  except OutputError as e:
+    raise app.UsageError(str(e))
   n, g = NEW.value, GAMMA.value
   cfg, params = load_model()
   tok = load_model_tokenizer()
@@ -142,6 +155,7 @@ def main(_):
       "",
       f"Command: `python -m benchmarks.peer --gamma {g} --new_tokens {n} "
       f"--num_prompts {len(prompts)}` ({provenance()}, torch {torch.__version__}).",
+      f"specjax matmul: {matmul_path(params)}.",
       "",
       f"{len(prompts)} chat prompts x {n} new tokens each (EOS ignored), one warm-up call per "
       "method, then all prompts timed.",

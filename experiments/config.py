@@ -7,9 +7,12 @@ below reads the dataclass only, so tests build configs directly.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from typing import Optional
 
 EXPERIMENTS = ("gamma_sweep", "temperature_sweep", "drafts_alpha")
+DRAFT_NAMES = ("default", "eagle", "bigram", "unigram", "prompt_lookup", "tiny")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +29,9 @@ class ExperimentConfig:
       EAGLE), a .gguf file or HF dir.
     prompts: a .jsonl prompt file, or None for the built-in held-out set.
     num_prompts: prompts taken from the built-in set.
-    gammas: draft lengths of the γ sweep (at T=0 and T=1).
-    temperatures: temperatures of the temperature sweep (0 = greedy).
+    gammas: draft lengths of the γ sweep (at T=0 and T=1), distinct.
+    temperatures: temperatures of the temperature sweep (0 = greedy), finite
+      and distinct.
     max_new_tokens: tokens generated per prompt.
     batch_size: prompts per call; batches never mix categories, so every
       category gets its own measured time.
@@ -41,10 +45,12 @@ class ExperimentConfig:
       ("early_exit" means early_exit:K with K = early_exit_layers).
     cost_steps: speculative steps timed phase by phase (after one warm step)
       to measure the draft cost ratio c and the verify cost.
-    repeats: timed calls per batch, for plain and speculative decoding alike; the
-      fastest is kept (1 = the default run's single pass; more damps machine noise).
+    repeats: interleaved timing rounds per setting; each round times plain then
+      speculative decoding on every batch, and figures are medians over rounds.
     stop_at_eos: stop rows at EOS. Off by default: every row then generates
       exactly max_new_tokens with both methods, so speedups are plain time ratios.
+    fresh: ignore a partial run of the same config in ``out`` and start over
+      (the old log is kept beside, renamed; see ``progress.py``).
   """
 
   experiments: tuple[str, ...] = EXPERIMENTS
@@ -52,9 +58,9 @@ class ExperimentConfig:
   draft: str = "default"
   prompts: Optional[str] = None
   num_prompts: int = 5
-  gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10)
-  temperatures: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-  max_new_tokens: int = 48
+  gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+  temperatures: tuple[float, ...] = (0.0, 0.5, 1.0)
+  max_new_tokens: int = 32
   batch_size: int = 1
   seed: int = 0
   out: str = "out"
@@ -62,26 +68,41 @@ class ExperimentConfig:
   alpha_gamma: int = 4
   early_exit_layers: int = 0
   alpha_drafts: tuple[str, ...] = ("unigram", "bigram", "early_exit", "prompt_lookup")
-  cost_steps: int = 4
-  repeats: int = 1
+  cost_steps: int = 8
+  repeats: int = 3
   stop_at_eos: bool = False
+  fresh: bool = False
 
   def __post_init__(self):
     unknown = [e for e in self.experiments if e not in EXPERIMENTS]
     if unknown or not self.experiments:
       raise ValueError(f"unknown experiments {unknown}; choose from {EXPERIMENTS} or 'all'")
     if not self.gammas or any(int(g) != g or g < 1 for g in self.gammas):
-      raise ValueError(f"gammas must be integers >= 1, got {self.gammas}")
-    if not self.temperatures or any(t < 0 for t in self.temperatures):
-      raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
+      raise ValueError(f"--gammas must be integers >= 1, got {self.gammas}")
+    bad = [t for t in self.temperatures if not (math.isfinite(t) and t >= 0)]
+    if not self.temperatures or bad:
+      raise ValueError(f"--temperatures must be finite numbers >= 0, got {bad or 'none'}")
+    from specjax.sampling import make_sampler  # the library's own range rule, if any
+    for t in self.temperatures:
+      try:
+        make_sampler(t)
+      except ValueError as e:
+        raise ValueError(f"--temperatures: {t:g}: {e}") from None
+    for name in ("gammas", "temperatures"):
+      values = getattr(self, name)
+      if len(set(values)) != len(values):
+        raise ValueError(f"--{name} lists a value twice: {values}")
+    check_draft(self.draft, "draft")
+    for spec in self.alpha_drafts:
+      check_draft(spec, "alpha_drafts")
     for name in ("num_prompts", "max_new_tokens", "batch_size", "alpha_gamma", "cost_steps",
                  "repeats"):
       if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
     if self.max_new_tokens < 2:
-      raise ValueError("max_new_tokens must be >= 2 (the step time is measured from it)")
+      raise ValueError("--max_new_tokens must be >= 2 (the step time is measured from it)")
     if self.temperature_gamma < 0 or self.early_exit_layers < 0:
-      raise ValueError("temperature_gamma and early_exit_layers must be >= 0")
+      raise ValueError("--temperature_gamma and --early_exit_layers must be >= 0")
 
   @property
   def all_gammas(self) -> tuple[int, ...]:
@@ -90,6 +111,21 @@ class ExperimentConfig:
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
+
+
+def check_draft(spec: str, flag: str) -> None:
+  """Rejects a draft spec that names nothing: not a known name, ``early_exit[:K]`` with an
+  integer K >= 1, nor an existing path. (K <= the target's layers is checked on load.)"""
+  if spec in DRAFT_NAMES:
+    return
+  if spec.startswith("early_exit"):
+    _, sep, k = spec.partition(":")
+    if spec == "early_exit" or (sep and k.isdigit() and int(k) >= 1):
+      return
+    raise ValueError(f"--{flag}: {spec!r}: K of early_exit:K must be an integer >= 1")
+  if not os.path.exists(spec):
+    raise ValueError(f"--{flag}: {spec!r} is neither a draft name ({', '.join(DRAFT_NAMES)}, "
+                     "early_exit:K) nor an existing draft directory or file")
 
 
 def parse_experiments(value: str) -> tuple[str, ...]:

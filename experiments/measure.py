@@ -1,20 +1,26 @@
 """Warm, timed runs of plain and speculative decoding on the same prompt batches.
 
-Protocol, for every (sampler) and every (draft, γ, sampler):
-  1. compile: one call with ``max_new_tokens=1`` on the first batch (budgets
-     are arrays and every batch has the same shape and cache size, so this is
-     the program that is then timed);
-  2. time one call per batch with the full budget (the fastest of ``repeats``
-     calls); the reported seconds are their sum (prefill included, identically
-     for both methods);
-  3. step time of the fused loop, prefill excluded: (time of the first batch −
-     time of a warm 1-token call) / (steps − 1); for plain decoding this is
-     t₁, the unit of c and of the verify cost;
-  4. draft cost (speculative only, once per draft and temperature):
-     ``SpeculativeDecoder.stream`` at γ = ``alpha_gamma`` on the first batch
-     times draft / verify / other phase by phase for ``cost_steps`` steps
-     after a warm one (medians). c = draft seconds / (γ t₁); the verify cost
-     of every γ is then the rest of its fused step: step/t₁ − γc.
+Protocol, for every (draft, γ, sampler) that is timed:
+  1. compile: one call with ``max_new_tokens=1`` on the first batch, for each
+     method (budgets are arrays and every batch has the same shape and cache
+     size, so this is the program that is then timed);
+  2. ``repeats`` interleaved rounds: each round times a 1-token call of both
+     methods on the first batch, then, batch by batch, a plain call and a
+     speculative call with the full budget. Plain and speculative decoding
+     thus alternate every few seconds and share the machine's state; the
+     speedup of a round is Σ plain / Σ speculative seconds (prefill included,
+     identically for both), and the reported figure is the median over rounds;
+  3. step time of each fused loop, prefill excluded: (time of the first batch −
+     the 1-token call) / (steps − 1), per round; for plain decoding this is t₁,
+     the unit of c and of the verify cost;
+  4. draft cost (once per draft and temperature, right after the rounds of its
+     first setting): ``SpeculativeDecoder.stream`` at γ = ``alpha_gamma`` on the
+     first batch times draft / verify / other phase by phase for ``cost_steps``
+     steps after a warm one (medians). c = draft seconds / (γ t₁), with the t₁ of
+     those rounds; the verify cost of every γ is then step/t₁ − γc;
+  5. a setting flagged by ``checks.setting_flags`` is measured once more, and
+     the second measurement is kept (with the flags that caused it).
+Every finished setting goes to the progress log at once (``progress.py``).
 Runs that are not timed (α of the Table-3 drafts) use mixed-category batches
 of up to 16 rows: fewer sequential steps, and α needs no timing.
 """
@@ -22,17 +28,21 @@ of up to 16 rows: fewer sequential steps, and α needs no timing.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+from absl import logging
 
 import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 
+from experiments import checks
 from experiments.config import ExperimentConfig
 from experiments.models import Draft, Target
+from experiments.progress import ProgressLog
 from experiments.prompts import Batch, merge_batches
 
 COUNTERS = ("target_calls", "drafted", "accepted", "emitted", "accepted_at", "accept_len_hist",
@@ -40,47 +50,91 @@ COUNTERS = ("target_calls", "drafted", "accepted", "emitted", "accepted_at", "ac
 
 
 @dataclasses.dataclass
-class Baseline:
-  """Plain autoregressive decoding (``specjax.generate``) at one temperature.
-
-  Attributes:
-    seconds: [num_batches] warm wall time per batch.
-    generated: per batch, the generated ids of each real row.
-    step_seconds: t₁, one target decode step.
-    compile_seconds: the first (compiling) call.
-  """
-
-  temperature: float
-  seconds: list[float]
-  generated: list[list[list[int]]]
-  step_seconds: float
-  compile_seconds: float
-
-
-@dataclasses.dataclass
 class SpecRun:
   """Speculative decoding of every batch with one (draft, γ, temperature).
 
   Attributes:
-    seconds: [num_batches] warm wall time per batch (None when not timed).
     counters: per batch, ``SpecCounters`` arrays of the real rows.
     generated: per batch, generated ids of each real row.
     steps: per batch, speculative steps.
-    step_seconds: fused-loop seconds per step, prefill excluded (timed runs).
+    seconds: [rounds][batches] speculative wall times (None when not timed).
+    plain_seconds: [rounds][batches] plain-decoding wall times, interleaved.
+    plain_generated: per batch, plain decoding's ids of each real row.
+    step_seconds: [rounds] speculative seconds per fused-loop step.
+    plain_step_seconds: [rounds] t₁, plain seconds per step.
     costs: the draft's phase costs (``Bench.draft_cost``), timed runs.
-    compile_seconds: the first (compiling) call, when timed.
+    compile_seconds: the first (compiling) speculative call, when timed.
+    load_average: the load averages (``load_average()``) before and after the setting.
+    first_flags: why the setting was measured twice (empty: measured once).
   """
 
   draft: str
   gamma: int
   temperature: float
-  seconds: Optional[list[float]]
   counters: list[dict[str, np.ndarray]]
   generated: list[list[list[int]]]
   steps: list[int]
-  step_seconds: Optional[float] = None
+  seconds: Optional[list[list[float]]] = None
+  plain_seconds: Optional[list[list[float]]] = None
+  plain_generated: Optional[list[list[list[int]]]] = None
+  step_seconds: Optional[list[float]] = None
+  plain_step_seconds: Optional[list[float]] = None
   costs: Optional[dict[str, float]] = None
   compile_seconds: Optional[float] = None
+  load_average: Optional[list[Optional[list[float]]]] = None
+  first_flags: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def key(self) -> tuple:
+    return (self.draft, self.gamma, self.temperature)
+
+  @property
+  def timed(self) -> bool:
+    return self.seconds is not None
+
+  def to_record(self) -> dict[str, Any]:
+    """JSON-ready (counters as lists); ``from_record`` inverts it."""
+    rec = dataclasses.asdict(self)
+    rec["counters"] = [{k: np.asarray(v).tolist() for k, v in c.items()} for c in self.counters]
+    return rec
+
+  @classmethod
+  def from_record(cls, rec: dict[str, Any]) -> "SpecRun":
+    rec = dict(rec, counters=[{k: np.asarray(v) for k, v in c.items()} for c in rec["counters"]])
+    return cls(**rec)
+
+
+def load_average() -> Optional[list[float]]:
+  """The 1-, 5- and 15-minute load averages (None where the platform has none)."""
+  try:
+    return list(os.getloadavg())
+  except OSError:
+    return None
+
+
+def round_speedups(run: SpecRun, batch_indices: Sequence[int]) -> list[float]:
+  """Per interleaved round: Σ plain seconds / Σ speculative seconds over the given batches."""
+  return [sum(p[i] for i in batch_indices) / sum(s[i] for i in batch_indices)
+          for p, s in zip(run.plain_seconds, run.seconds)]
+
+
+def costs(run: SpecRun) -> tuple[Optional[float], Optional[float]]:
+  """(c, verify cost T(γ+1)/T(1)) of a timed run, relative to t₁; the verify cost is as
+  measured (possibly impossible: see ``checks``)."""
+  if run.costs is None or not run.step_seconds:
+    return None, None
+  t1 = float(np.median(run.plain_step_seconds))
+  c = run.costs["draft"] / (run.costs["gamma"] * run.costs["t1"])
+  return c, float(np.median(run.step_seconds)) / t1 - run.gamma * c
+
+
+def run_flags(run: SpecRun, batch_indices: Optional[Sequence[int]] = None) -> list[str]:
+  """``checks.setting_flags`` of a timed run, its speedup taken over the given batches
+  (default: all)."""
+  _, verify = costs(run)
+  sel = range(len(run.seconds[0])) if batch_indices is None else batch_indices
+  return checks.setting_flags(run.gamma, verify, checks.spread(round_speedups(run, sel)),
+                              run.costs.get("draft_spread") if run.costs else None)
 
 
 def cache_size_for(batches: Sequence[Batch], config: ExperimentConfig) -> int:
@@ -91,98 +145,122 @@ def cache_size_for(batches: Sequence[Batch], config: ExperimentConfig) -> int:
 
 
 class Bench:
-  """Runs and caches measurements; every result is computed at most once per run."""
+  """Runs and caches measurements; every result is computed at most once per run, and
+  appended to ``log`` (whose earlier records it starts from) as soon as it exists."""
 
-  def __init__(self, target: Target, batches: Sequence[Batch], config: ExperimentConfig):
-    self.target, self.batches, self.config = target, list(batches), config
+  def __init__(self, target: Target, batches: Sequence[Batch], config: ExperimentConfig,
+               log: Optional[ProgressLog] = None):
+    self.target, self.batches, self.config, self.log = target, list(batches), config, log
     self.cache_size = cache_size_for(batches, config)
     self.untimed_batches = merge_batches(self.batches)
     self.eos_ids = None if config.stop_at_eos else ()
-    self._baselines: dict[float, Baseline] = {}
+    self.plain_compile_seconds: dict[float, float] = {}  # compiled in this process
     self._specs: dict[tuple, SpecRun] = {}
     self._draft_costs: dict[tuple, dict[str, float]] = {}
+    self.reused = 0
+    for rec in log.records if log else ():
+      self._store(SpecRun.from_record(rec["run"]))
+      self.reused += 1
+
+  def _store(self, run: SpecRun) -> None:
+    old = self._specs.get(run.key)
+    if old is None or run.timed or not old.timed:
+      self._specs[run.key] = run
+    if run.costs is not None:
+      self._draft_costs.setdefault((run.draft, run.temperature), run.costs)
 
   def batches_of(self, run: SpecRun) -> list[Batch]:
-    return self.batches if run.seconds is not None else self.untimed_batches
+    return self.batches if run.timed else self.untimed_batches
 
-  def _fastest(self, call, repeats: Optional[int] = None):
-    """The output of ``call()`` with the smallest ``.seconds`` over ``repeats`` calls (the
-    calls are deterministic for a fixed seed, so only the timing differs)."""
-    return min((call() for _ in range(repeats or self.config.repeats)),
-               key=lambda out: out.seconds)
+  # ---------------------------------------------------------------- the two methods
 
-  # ---------------------------------------------------------------- plain decoding
-
-  def _generate(self, batch: Batch, max_new: int, sampler, seed: int):
-    t = self.target
-    return specjax.generate(t.params, t.cfg, batch.ids, max_new, sampler, seed=seed,
-                            cache_size=self.cache_size, eos_ids=self.eos_ids)
-
-  def baseline(self, temperature: float) -> Baseline:
-    if temperature in self._baselines:
-      return self._baselines[temperature]
-    sampler, seed, first = make_sampler(temperature), self.config.seed, self.batches[0]
-    start = time.perf_counter()
-    self._generate(first, 1, sampler, seed)
-    compile_s = time.perf_counter() - start
-    one_step = self._fastest(lambda: self._generate(first, 1, sampler, seed)).seconds
-    budget = self.config.max_new_tokens
-    outs = [self._fastest(lambda: self._generate(b, budget, sampler, seed + i))
-            for i, b in enumerate(self.batches)]
-    step = _step_seconds(outs[0].seconds, one_step, outs[0].steps)
-    base = Baseline(temperature=temperature, seconds=[o.seconds for o in outs],
-                    generated=[[o.generated(r) for r in range(b.num_real)]
-                               for o, b in zip(outs, self.batches)],
-                    step_seconds=step, compile_seconds=compile_s)
-    self._baselines[temperature] = base
-    return base
-
-  # ---------------------------------------------------------------- speculative decoding
+  def _plain(self, temperature: float) -> Callable:
+    """``(batch, max_new, seed) -> output`` of plain decoding, compiled on first use."""
+    t, sampler = self.target, make_sampler(temperature)
+    call = lambda b, n, s: specjax.generate(t.params, t.cfg, b.ids, n, sampler, seed=s,
+                                            cache_size=self.cache_size, eos_ids=self.eos_ids)
+    if temperature not in self.plain_compile_seconds:
+      start = time.perf_counter()
+      call(self.batches[0], 1, self.config.seed)
+      self.plain_compile_seconds[temperature] = time.perf_counter() - start
+    return call
 
   def decoder(self, draft: Draft, gamma: int, temperature: float) -> SpeculativeDecoder:
     return SpeculativeDecoder(self.target.cfg, draft.drafter, gamma=gamma,
                               sampler=make_sampler(temperature), eos_ids=self.eos_ids)
 
   def spec(self, draft: Draft, gamma: int, temperature: float, timed: bool = True) -> SpecRun:
-    key = (draft.name, gamma, temperature)
-    cached = self._specs.get(key)
-    if cached is not None and (cached.seconds is not None or not timed):
+    cached = self._specs.get((draft.name, gamma, temperature))
+    if cached is not None and (cached.timed or not timed):
       return cached
-    dec, tp, seed = self.decoder(draft, gamma, temperature), self.target.params, self.config.seed
-    run = lambda b, n, s: dec.generate(tp, draft.params, b.ids, n, seed=s,
-                                       cache_size=self.cache_size)
-    batches = self.batches if timed else self.untimed_batches
-    compile_s = one_step = None
+    dec, tp = self.decoder(draft, gamma, temperature), self.target.params
+    call = lambda b, n, s: dec.generate(tp, draft.params, b.ids, n, seed=s,
+                                        cache_size=self.cache_size)
     if timed:
-      start = time.perf_counter()
-      run(batches[0], 1, seed)
-      compile_s = time.perf_counter() - start
-      one_step = self._fastest(lambda: run(batches[0], 1, seed)).seconds
-    repeats = self.config.repeats if timed else 1
-    outs = [self._fastest(lambda: run(b, self.config.max_new_tokens, seed + i), repeats)
-            for i, b in enumerate(batches)]
-    result = SpecRun(
-        draft=draft.name, gamma=gamma, temperature=temperature,
-        seconds=[o.seconds for o in outs] if timed else None,
-        counters=[{k: np.asarray(o.per_row[k])[:b.num_real] for k in COUNTERS}
-                  for o, b in zip(outs, batches)],
-        generated=[[o.generated(r) for r in range(b.num_real)]
-                   for o, b in zip(outs, batches)],
-        steps=[o.steps for o in outs], compile_seconds=compile_s)
-    if timed:
-      result.step_seconds = _step_seconds(outs[0].seconds, one_step, outs[0].steps)
-      result.costs = self.draft_cost(draft, temperature)
-    self._specs[key] = result
-    return result
+      run = self._timed(draft, gamma, temperature, call)
+    else:
+      outs = [call(b, self.config.max_new_tokens, self.config.seed + i)
+              for i, b in enumerate(self.untimed_batches)]
+      run = SpecRun(draft.name, gamma, temperature, **_spec_outputs(outs, self.untimed_batches))
+    self._store(run)
+    if self.log is not None:
+      self.log.append({"run": run.to_record()})
+    return run
 
-  def draft_cost(self, draft: Draft, temperature: float) -> dict[str, float]:
+  def _timed(self, draft: Draft, gamma: int, temperature: float, call: Callable) -> SpecRun:
+    plain, first = self._plain(temperature), self.batches[0]
+    load_before = load_average()
+    start = time.perf_counter()
+    call(first, 1, self.config.seed)
+    compile_s = time.perf_counter() - start
+    first_flags: list[str] = []
+    while True:
+      run = self._rounds(draft, gamma, temperature, plain, call)
+      cost = self._draft_costs.get((draft.name, temperature))
+      if first_flags and cost and (cost.get("draft_spread") or 0) > checks.DRAFT_SPREAD_BOUND:
+        del self._draft_costs[(draft.name, temperature)]  # c itself was disturbed: redo it
+      run.costs = self.draft_cost(draft, temperature, float(np.median(run.plain_step_seconds)))
+      flags = run_flags(run)
+      if not flags or first_flags:
+        break
+      logging.warning("re-measuring %s γ=%d T=%g: %s", draft.name, gamma, temperature,
+                      "; ".join(flags))
+      first_flags = flags
+    run.compile_seconds, run.first_flags = compile_s, first_flags
+    run.load_average = [load_before, load_average()]
+    return run
+
+  def _rounds(self, draft: Draft, gamma: int, temperature: float, plain: Callable,
+              call: Callable) -> SpecRun:
+    """``repeats`` interleaved rounds of plain and speculative decoding over every batch."""
+    seed, budget, first = self.config.seed, self.config.max_new_tokens, self.batches[0]
+    timing = dict(seconds=[], plain_seconds=[], step_seconds=[], plain_step_seconds=[])
+    for _ in range(self.config.repeats):
+      plain_one, spec_one = plain(first, 1, seed).seconds, call(first, 1, seed).seconds
+      plain_outs, spec_outs = [], []
+      for i, b in enumerate(self.batches):
+        plain_outs.append(plain(b, budget, seed + i))
+        spec_outs.append(call(b, budget, seed + i))
+      timing["plain_seconds"].append([o.seconds for o in plain_outs])
+      timing["seconds"].append([o.seconds for o in spec_outs])
+      timing["plain_step_seconds"].append(
+          _step_seconds(plain_outs[0].seconds, plain_one, plain_outs[0].steps))
+      timing["step_seconds"].append(
+          _step_seconds(spec_outs[0].seconds, spec_one, spec_outs[0].steps))
+    plain_generated = [[o.generated(r) for r in range(b.num_real)]
+                       for o, b in zip(plain_outs, self.batches)]
+    return SpecRun(draft.name, gamma, temperature, **_spec_outputs(spec_outs, self.batches),
+                   plain_generated=plain_generated, **timing)
+
+  def draft_cost(self, draft: Draft, temperature: float, t1: float) -> dict[str, float]:
     """Median draft / verify / other seconds per step at γ = alpha_gamma, from ``stream``
-    (first step dropped); measured once per (draft, temperature)."""
+    (first step dropped), with ``t1`` (the plain step measured just before) and the spread
+    of the draft phase; measured once per (draft, temperature)."""
     key = (draft.name, temperature)
     if key not in self._draft_costs:
       gamma = self.config.alpha_gamma
-      costs = self._phase_costs(self.decoder(draft, gamma, temperature), draft)
-      self._draft_costs[key] = dict(costs, gamma=gamma)
+      costs_ = self._phase_costs(self.decoder(draft, gamma, temperature), draft)
+      self._draft_costs[key] = dict(costs_, gamma=gamma, t1=t1)
     return self._draft_costs[key]
 
   def _phase_costs(self, dec: SpeculativeDecoder, draft: Draft) -> dict[str, float]:
@@ -197,17 +275,24 @@ class Bench:
         break
     if not times:  # finished in one step: keep the compiling step rather than nothing
       times = [t]
-    return {k: float(np.median([t[k] for t in times])) for k in ("draft", "verify", "other")}
+    out = {k: float(np.median([t[k] for t in times])) for k in ("draft", "verify", "other")}
+    return dict(out, draft_spread=checks.quartile_spread([t["draft"] for t in times]))
 
   def has_timed(self, draft: Draft, gamma: int, temperature: float) -> bool:
     run = self._specs.get((draft.name, gamma, temperature))
-    return run is not None and run.seconds is not None
+    return run is not None and run.timed
 
   def runs(self) -> list[SpecRun]:
     return list(self._specs.values())
 
-  def baselines(self) -> list[Baseline]:
-    return list(self._baselines.values())
+
+def _spec_outputs(outs: Sequence[Any], batches: Sequence[Batch]) -> dict[str, Any]:
+  """Counters, generated ids and steps of one speculative call per batch (real rows only)."""
+  return dict(counters=[{k: np.asarray(o.per_row[k])[:b.num_real] for k in COUNTERS}
+                        for o, b in zip(outs, batches)],
+              generated=[[o.generated(r) for r in range(b.num_real)]
+                         for o, b in zip(outs, batches)],
+              steps=[int(o.steps) for o in outs])
 
 
 def _step_seconds(full: float, one_step: float, steps: int) -> float:

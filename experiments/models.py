@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -149,37 +148,7 @@ def _default_eagle(target: Target) -> Draft:
 
 
 def _draft_from_path(path: str, target: Target) -> Draft:
-  name = os.path.basename(os.path.normpath(path))
-  if os.path.exists(os.path.join(path, "draft.json")):
-    from specjax.drafts import EAGLE_FORMAT, FORMAT, load_eagle, read_draft_metadata
-    if read_draft_metadata(path, (FORMAT, EAGLE_FORMAT))["format"] == EAGLE_FORMAT:
-      drafter, dp = load_eagle(path, target.cfg, target.params)
-      return Draft(name, drafter, dp, f"EAGLE drafter {path}")
-    from specjax.drafts import load_draft as load_specjax_draft
-    dcfg, dparams, vocab_map, in_map = load_specjax_draft(
-        path, target_vocab_size=target.cfg.vocab_size, with_input_map=True)
-    return _model_draft(name, dcfg, dparams, vocab_map, target.cfg.vocab_size, path, in_map)
-  from specjax.loaders import load_model
-  dcfg, dparams = load_model(path)
-  return _model_draft(name, dcfg, dparams, None, target.cfg.vocab_size, path)
+  from specjax.drafts import drafter_from_path  # checks the tokenizer fingerprint
+  drafter, dp, note = drafter_from_path(path, target.cfg, target.params, target.tokenizer)
+  return Draft(os.path.basename(os.path.normpath(path)), drafter, dp, note)
 
-
-def cached_corpus(vocab_size: int, max_records: int = 2000) -> list[np.ndarray]:
-  """Target responses of the distillation corpus (train split) if one is cached on disk."""
-  from specjax.loaders.embedded import cache_dir
-  from specjax.distill import teacher
-  shards = sorted(glob.glob(os.path.join(cache_dir(), "distill", "*", "train-*.npz")))
-  seqs = []
-  for shard in shards:
-    if ".tmp" in shard:
-      continue
-    try:
-      recs = teacher.load_shard(shard)
-    except Exception:  # pylint: disable=broad-except  # a shard being written
-      continue
-    seqs += [r["response"] for r in recs if len(r["response"])]
-    if len(seqs) >= max_records:
-      break
-  if seqs and max(int(s.max()) for s in seqs) >= vocab_size:
-    return []
-  return seqs[:max_records]

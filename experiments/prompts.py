@@ -8,6 +8,7 @@ Every error names the file and the 1-based line number.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Callable, Optional, Sequence
@@ -84,8 +85,7 @@ def default_prompts(num: int) -> list[PromptItem]:
     from specjax.distill import data
   except ImportError:
     return [PromptItem(t, c, "builtin") for c, t in FALLBACK_PROMPTS][:num]
-  _, held = data.split_by_source(data.build_prompts(seed=0))
-  held = data.interleave_categories(held)[:num]
+  held = data.interleave_categories(_split()[1])[:num]
   return [PromptItem(p.text, p.category, p.source) for p in held]
 
 
@@ -95,8 +95,14 @@ def training_prompts(num: int) -> list[str]:
     from specjax.distill import data
   except ImportError:
     return [t for _, t in FALLBACK_PROMPTS][:num]
-  train, _ = data.split_by_source(data.build_prompts(seed=0))
-  return [p.text for p in data.interleave_categories(train)[:num]]
+  return [p.text for p in data.interleave_categories(_split()[0])[:num]]
+
+
+@functools.lru_cache(maxsize=1)
+def _split():
+  """(train, held-out) distillation prompts; built once per process (~15 s on 2 cores)."""
+  from specjax.distill import data
+  return data.split_by_source(data.build_prompts(seed=0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,4 +164,11 @@ def categories(batches: Sequence[Batch]) -> list[str]:
 
 
 def load_items(path: Optional[str], num: int) -> list[PromptItem]:
-  return load_prompt_file(path) if path else default_prompts(num)
+  """The --prompts file, or the first ``num`` built-in prompts (all of them must exist)."""
+  if path:
+    return load_prompt_file(path)
+  items = default_prompts(num)
+  if len(items) < num:
+    raise PromptFileError(f"--num_prompts={num}: the built-in held-out set has only "
+                          f"{len(items)} prompts")
+  return items

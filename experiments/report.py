@@ -9,12 +9,15 @@ import platform
 import subprocess
 from typing import Any, Optional, Sequence
 
-from experiments import paper
+from benchmarks.common import cpu_info, describe_cpu, matmul_path
+from experiments import checks, paper
+from experiments.measure import SpecRun
 from experiments.rows import ALL
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
                "acceptance_rate", "tokens_per_call", "expected_tokens_per_call", "speedup",
-               "predicted_speedup", "calibrated_speedup", "c", "verify_cost", "spec_seconds",
+               "speedup_spread", "rounds", "flags", "remeasured", "predicted_speedup",
+               "calibrated_speedup", "c", "verify_cost", "spec_seconds",
                "ar_seconds", "step_seconds", "target_calls", "drafted", "accepted", "emitted",
                "generated_tokens", "steps", "greedy_match")
 
@@ -26,24 +29,22 @@ def git_revision() -> dict[str, Any]:
           "dirty": bool(run("status", "--porcelain", "--untracked-files=no").strip())}
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(target_params=None) -> dict[str, Any]:
+  """CPU, cores, versions and (given the target's parameters) the matmul path it runs."""
   import jax
-  cpu = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
-  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
-          "backend": jax.default_backend(), "python": platform.python_version(),
-          "platform": platform.platform()}
+  cpu = cpu_info()
+  matmul = {} if target_params is None else {"matmul": matmul_path(target_params)}
+  return {"cpu": describe_cpu(cpu), "cpu_model": cpu["model"], **matmul,
+          **{f"cpu_{k}": v for k, v in cpu.items() if k != "model"},
+          "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
+          "python": platform.python_version(), "platform": platform.platform()}
 
 
-def load_average() -> Optional[list[float]]:
-  try:
-    return list(os.getloadavg())
-  except OSError:
-    return None
+def run_summary(run: SpecRun) -> dict[str, Any]:
+  """A run's timings and provenance for results.json (the token-level outputs stay in the
+  progress log)."""
+  rec = run.to_record()
+  return {k: v for k, v in rec.items() if k not in ("counters", "generated", "plain_generated")}
 
 
 def write_json(path: str, results: dict) -> None:
@@ -55,7 +56,7 @@ def write_csv(path: str, rows: Sequence[dict]) -> None:
   with open(path, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
     w.writeheader()
-    w.writerows(rows)
+    w.writerows(dict(r, flags="; ".join(r["flags"])) for r in rows)
 
 
 def _f(x, fmt="{:.2f}", suffix="") -> str:
@@ -64,27 +65,35 @@ def _f(x, fmt="{:.2f}", suffix="") -> str:
 
 def _speed_table(rows: Sequence[dict], key: str, key_name: str) -> list[str]:
   out = [f"| {key_name} | α | accept rate | tokens/call | c | verify T(γ+1)/T(1) | "
-         "measured speedup | predicted (paper) | predicted (calibrated) |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "measured speedup | spread | predicted (paper) | predicted (calibrated) | check |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     out.append(f"| {r[key]:g} | {_f(r['alpha'])} | {_f(r['acceptance_rate'])} | "
                f"{_f(r['tokens_per_call'])} | {_f(r['c'], '{:.3f}')} | "
                f"{_f(r['verify_cost'])} | **{_f(r['speedup'], suffix='×')}** | "
+               f"{_f(r['speedup_spread'], '{:.0%}')} | "
                f"{_f(r['predicted_speedup'], suffix='×')} | "
-               f"{_f(r['calibrated_speedup'], suffix='×')} |")
+               f"{_f(r['calibrated_speedup'], suffix='×')} | {_check(r)} |")
   return out
+
+
+def _check(row: dict) -> str:
+  """"ok", or ⚠ and what ``checks`` found; "(re-measured)" when it took a second try."""
+  again = " (re-measured)" if row.get("remeasured") else ""
+  return ("⚠ " + "; ".join(row["flags"]) if row["flags"] else "ok") + again
 
 
 def _category_table(rows: Sequence[dict], key: str, key_name: str) -> list[str]:
   out = [f"| category | {key_name} | prompts | α | accept rate | tokens/call | "
-         "measured speedup | predicted (paper) | predicted (calibrated) |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "measured speedup | spread | predicted (paper) | predicted (calibrated) | check |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted((r for r in rows if r["category"] != ALL),
                   key=lambda r: (r["category"], r[key])):
     out.append(f"| {r['category']} | {r[key]:g} | {r['prompts']} | {_f(r['alpha'])} | "
                f"{_f(r['acceptance_rate'])} | {_f(r['tokens_per_call'])} | "
-               f"{_f(r['speedup'], suffix='×')} | {_f(r['predicted_speedup'], suffix='×')} | "
-               f"{_f(r['calibrated_speedup'], suffix='×')} |")
+               f"{_f(r['speedup'], suffix='×')} | {_f(r['speedup_spread'], '{:.0%}')} | "
+               f"{_f(r['predicted_speedup'], suffix='×')} | "
+               f"{_f(r['calibrated_speedup'], suffix='×')} | {_check(r)} |")
   return out
 
 
@@ -96,8 +105,52 @@ def _paper_table2() -> list[str]:
 
 def _timing_note(repeats: int) -> str:
   if repeats == 1:
-    return "each batch timed once"
-  return f"each batch timed {repeats} times, the fastest kept"
+    return "one round: each batch timed once with each method, plain then speculative"
+  return (f"{repeats} interleaved rounds, each timing every batch with plain then speculative "
+          "decoding; the median round is reported, spread = (max − min) / median of the "
+          "per-round speedups")
+
+
+def _load_line(results: dict) -> str:
+  """The load average before the run and the 1-minute load sampled around every setting."""
+  during = [x[0] for r in results["runs"] for x in (r.get("load_average") or []) if x]
+  line = f"load average before the run {_f3(results['load_average_start'])}"
+  if during:
+    line += (f", 1-minute load around the timed settings {min(during):.2f}–{max(during):.2f} "
+             "(this run included)")
+  start = results["load_average_start"]
+  if start and start[0] >= checks.IDLE_LOAD:
+    line += (f" — ⚠ the machine was not idle at the start (1-minute load {start[0]:.2f} >= "
+             f"{checks.IDLE_LOAD})")
+  return line
+
+
+def _f3(load: Optional[Sequence[float]]) -> str:
+  return "unknown" if not load else "/".join(f"{x:.2f}" for x in load)
+
+
+def _flag_section(rows: Sequence[dict]) -> list[str]:
+  """Every setting still flagged after its re-measurement, with the rule."""
+  settings = {}  # one row per measured setting, whichever experiments reuse it
+  for r in rows:
+    if r["category"] == ALL and r["speedup"] is not None:
+      settings.setdefault((r["draft"], r["gamma"], r["temperature"]), r)
+  flagged = [r for r in settings.values() if r["flags"]]
+  lines = ["## Checks", "",
+           f"A setting is flagged when its verify cost T(γ+1)/T(1) lies outside (0, γ+1] "
+           f"(impossible), when its speedup varies by more than {checks.SPREAD_BOUND:.0%} "
+           "((max − min) / median) over the interleaved rounds, or when the draft-phase "
+           f"timings behind c vary by more than {checks.DRAFT_SPREAD_BOUND:.0%} ((q75 − q25) / "
+           "median over the timed steps). A flagged setting is measured a second time and the "
+           "second measurement is reported.", ""]
+  remeasured = sum(r["remeasured"] for r in settings.values())
+  if not flagged:
+    return lines + [f"No setting is flagged ({remeasured} re-measured).", ""]
+  lines += [f"**{len(flagged)} setting(s) flagged** ({remeasured} re-measured); treat their "
+            "timing figures with caution:", ""]
+  lines += [f"- draft {r['draft']}, γ = {r['gamma']}, T = "
+            f"{r['temperature']:g}: {'; '.join(r['flags'])}" for r in flagged]
+  return lines + [""]
 
 
 def tables_markdown(results: dict) -> str:
@@ -109,8 +162,9 @@ def tables_markdown(results: dict) -> str:
       f"git {results['git']['commit'] or '?'}{' (dirty)' if results['git']['dirty'] else ''}; "
       f"{results['machine']['cpu']}, {results['machine']['cores']} cores, "
       f"jax {results['machine']['jax']} ({results['machine']['backend']}); "
-      f"load average at start {results['load_average_start']}; "
-      f"total {results['total_seconds'] / 60:.1f} min.  ",
+      f"matmul: {results['machine'].get('matmul', 'not recorded')}; "
+      f"{_load_line(results)}; total {results['total_seconds'] / 60:.1f} min"
+      f"{_resumed(results)}.  ",
       f"Target `{cfg['target']}`; draft `{draft['name']}` ({draft['note']}); "
       f"{results['num_prompts']} prompts ({', '.join(results['categories'])}), "
       f"{cfg['max_new_tokens']} new tokens each, batches of {cfg['batch_size']} "
@@ -126,6 +180,8 @@ def tables_markdown(results: dict) -> str:
       "measured speculative step / t₁ − γc (target forward over γ+1 tokens + acceptance and "
       "bookkeeping). Predicted (paper) = (1 − α^{γ+1}) / ((1 − α)(γc + 1)); calibrated "
       "replaces the 1 in the denominator with the measured verify cost.", ""]
+  if any(r["speedup"] is not None for r in rows):
+    lines += _flag_section(rows)
   sweep = [r for r in rows if r["experiment"] == "gamma_sweep"]
   if sweep:
     lines += ["## Speedup vs γ (Table 2 analogue)", ""]
@@ -145,7 +201,9 @@ def tables_markdown(results: dict) -> str:
   alpha = [r for r in rows if r["experiment"] == "drafts_alpha" and r["category"] == ALL]
   if alpha:
     g = alpha[0]["gamma"]
+    corpus = results.get("ngram_corpus")
     lines += [f"## α of each draft (Table 3 analogue, γ = {g})", "",
+              *([f"unigram / bigram fitted on {corpus}.", ""] if corpus else []),
               "| draft | α T=0 | α T=1 | accept rate T=0 | accept rate T=1 | tokens/call T=0 | "
               "tokens/call T=1 | note |", "|---|---|---|---|---|---|---|---|"]
     notes = results.get("draft_notes", {})
@@ -166,6 +224,11 @@ def tables_markdown(results: dict) -> str:
             "| task | draft | c | expected | empirical |", "|---|---|---|---|---|"]
   lines += [f"| {a} | {b} | {c} | {e}× | {m}× |" for a, b, c, e, m in paper.TABLE4]
   return "\n".join(lines) + "\n"
+
+
+def _resumed(results: dict) -> str:
+  n = results.get("reused_settings")
+  return f" in this session ({n} settings reused from {results['progress_log']})" if n else ""
 
 
 def write_all(out_dir: str, results: dict) -> None:

@@ -6,13 +6,16 @@ Conventions (those of ``specjax.speculative.metrics``):
   * acceptance rate = accepted drafts / drafted (γ per step);
   * tokens per call = emitted tokens / target calls, counting the corrected
     or bonus token; emitted = accepted + calls − tokens cut at the budget;
-  * measured speedup = plain-decoding seconds / speculative seconds on the
-    same batches, both warm;
+  * measured speedup = the median over interleaved rounds of plain-decoding
+    seconds / speculative seconds on the same batches, both warm; its spread
+    is (max − min) / median over the rounds, and ``flags`` lists what
+    ``checks.setting_flags`` found;
   * predicted = ``walltime_improvement(α, γ, c)`` (paper Thm 3.8) and
     calibrated = ``calibrated_walltime_improvement`` with the measured verify
     cost, where c = draft seconds per draft token / t₁ (``Bench.draft_cost``)
     and verify cost T(γ+1)/T(1) = the rest of the measured fused step,
-    step/t₁ − γc (target forward over γ+1 tokens, acceptance, bookkeeping).
+    step/t₁ − γc (target forward over γ+1 tokens, acceptance, bookkeeping);
+    step times are medians over the rounds, t₁ from the same rounds.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import numpy as np
 
 from specjax import theory
 
-from experiments.measure import Baseline, SpecRun
+from experiments import checks
+from experiments.measure import SpecRun, costs, round_speedups, run_flags
 from experiments.prompts import Batch
 
 ALL = "all"
@@ -51,19 +55,9 @@ def _finite(x: Optional[float]) -> Optional[float]:
   return None if x is None or not np.isfinite(x) else float(x)
 
 
-def costs(run: SpecRun, base: Baseline) -> tuple[Optional[float], Optional[float]]:
-  """(c, verify cost T(γ+1)/T(1)) of a timed run, relative to the target step t₁."""
-  if run.costs is None or run.step_seconds is None or not base.step_seconds > 0:
-    return None, None
-  t1 = base.step_seconds
-  c = run.costs["draft"] / (run.costs["gamma"] * t1)
-  verify = run.step_seconds / t1 - run.gamma * c
-  return c, (verify if verify > 0 else None)
-
-
-def make_row(experiment: str, run: SpecRun, base: Optional[Baseline], batches: Sequence[Batch],
+def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
              category: str = ALL) -> dict[str, Any]:
-  """One table row; ``base`` None (or an untimed run) leaves timing columns empty."""
+  """One table row; an untimed run leaves the timing columns empty."""
   sel = batch_indices(batches, category)
   c = sum_counters(run, batches, category)
   alpha = _div(c["beta_sum"], c["beta_count"])
@@ -82,25 +76,30 @@ def make_row(experiment: str, run: SpecRun, base: Optional[Baseline], batches: S
                                if m)),
       steps=int(sum(run.steps[i] for i in sel)),
       accept_len_hist=[int(x) for x in c["accept_len_hist"]],
-      spec_seconds=None, ar_seconds=None, speedup=None, step_seconds=None, c=None,
-      verify_cost=None, predicted_speedup=None, calibrated_speedup=None, greedy_match=None)
-  if base is None or run.seconds is None:
+      spec_seconds=None, ar_seconds=None, speedup=None, speedup_spread=None, rounds=None,
+      step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,
+      calibrated_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags))
+  if not run.timed:
     return row
-  spec_s = sum(run.seconds[i] for i in sel)
-  ar_s = sum(base.seconds[i] for i in sel)
-  row.update(spec_seconds=spec_s, ar_seconds=ar_s, speedup=ar_s / spec_s,
-             ar_generated_tokens=int(sum(len(t) for i in sel for t in base.generated[i])),
-             step_seconds=base.step_seconds)
-  cc, verify = costs(run, base)
+  ratios = round_speedups(run, sel)
+  row.update(spec_seconds=float(np.median([sum(s[i] for i in sel) for s in run.seconds])),
+             ar_seconds=float(np.median([sum(p[i] for i in sel) for p in run.plain_seconds])),
+             speedup=float(np.median(ratios)), speedup_spread=checks.spread(ratios),
+             rounds=len(ratios),
+             ar_generated_tokens=int(sum(len(t) for i in sel for t in run.plain_generated[i])),
+             step_seconds=float(np.median(run.plain_step_seconds)))
+  cc, verify = costs(run)
+  row["flags"] = run_flags(run, sel)
   if cc is not None and row["alpha"] is not None:
     a = min(row["alpha"], 1.0)
-    row.update(c=cc, verify_cost=verify, spec_step_seconds=run.step_seconds,
+    row.update(c=cc, spec_step_seconds=float(np.median(run.step_seconds)),
                predicted_speedup=theory.walltime_improvement(a, g, cc))
-    if verify is not None:
+    if verify is not None and verify > 0:  # an impossible one is flagged, never printed
+      row["verify_cost"] = verify
       row["calibrated_speedup"] = theory.calibrated_walltime_improvement(
           a, g, cc, theory.VerifyCostCurve({1: 1.0, g + 1: verify}))
   if run.temperature == 0:
-    same = [run.generated[i][r] == base.generated[i][r]
+    same = [run.generated[i][r] == run.plain_generated[i][r]
             for i in sel for r in range(batches[i].num_real)]
     row["greedy_match"] = _div(sum(same), len(same))
   return row

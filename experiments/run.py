@@ -28,13 +28,15 @@ flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category"
                     "chat).")
 flags.DEFINE_integer("num_prompts", 5, "Prompts taken from the built-in set (round-robin over "
                      "the categories).")
-flags.DEFINE_string("gammas", "1,2,3,4,5,6,7,8,10", "Draft lengths of the γ sweep.")
-flags.DEFINE_string("temperatures", "0,0.25,0.5,0.75,1.0", "Temperatures of the sweep.")
-flags.DEFINE_integer("max_new_tokens", 48, "Tokens generated per prompt.")
+flags.DEFINE_string("gammas", "1,2,3,4,6,8", "Draft lengths of the γ sweep.")
+flags.DEFINE_string("temperatures", "0,0.5,1.0", "Temperatures of the sweep (finite, >= 0).")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens generated per prompt.")
 flags.DEFINE_integer("batch_size", 1, "Prompts per call (batches never mix categories); 1 as "
                      "in the paper.")
 flags.DEFINE_integer("seed", 0, "PRNG seed.")
-flags.DEFINE_string("out", "out", "Output directory.")
+flags.DEFINE_string("out", "out", "Output directory; created and probed for writing before "
+                    "anything loads. Finished settings are logged to OUT/progress.jsonl; a run "
+                    "of the same config and commit resumes from it.")
 flags.DEFINE_integer("temperature_gamma", 0, "γ of the temperature sweep (0: best of the γ "
                      "sweep).")
 flags.DEFINE_integer("alpha_gamma", 4, "γ at which the drafts' α is measured.")
@@ -42,10 +44,13 @@ flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in draft
                      "(0: num_layers // 5).")
 flags.DEFINE_string("alpha_drafts", "unigram,bigram,early_exit,prompt_lookup",
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
-flags.DEFINE_integer("cost_steps", 4, "Steps timed phase by phase for c and the verify cost.")
-flags.DEFINE_integer("repeats", 1, "Timed calls per batch (plain and speculative); the "
-                     "fastest is kept. More repeats damp machine noise.")
+flags.DEFINE_integer("cost_steps", 8, "Steps timed phase by phase for c and the verify cost.")
+flags.DEFINE_integer("repeats", 3, "Interleaved timing rounds per setting (plain then "
+                     "speculative on every batch); the median round is reported with the "
+                     "spread.")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
+flags.DEFINE_bool("fresh", False, "Start over even if OUT/progress.jsonl holds a partial run "
+                  "of the same config (the old log is kept, renamed).")
 
 
 def config_from_flags() -> config_lib.ExperimentConfig:
@@ -59,7 +64,7 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       early_exit_layers=FLAGS.early_exit_layers,
       alpha_drafts=tuple(s.strip() for s in FLAGS.alpha_drafts.split(",") if s.strip()),
       cost_steps=FLAGS.cost_steps, repeats=FLAGS.repeats,
-      stop_at_eos=FLAGS.stop_at_eos)
+      stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh)
 
 
 def main(argv):
@@ -69,11 +74,12 @@ def main(argv):
     cfg = config_from_flags()
   except ValueError as e:
     raise app.UsageError(str(e))
+  from benchmarks.common import OutputError
   from experiments import experiment
   from experiments.prompts import PromptFileError
   try:
     experiment.run(cfg, command="python -m experiments.run " + shlex.join(sys.argv[1:]))
-  except PromptFileError as e:
+  except (PromptFileError, OutputError, experiment.DraftError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")
 

@@ -18,9 +18,8 @@ SWEEP_TEMPERATURES = (0.0, 1.0)  # the paper's T=0 (argmax) and T=1 (standard sa
 def _rows(bench: Bench, experiment: str, draft: Draft, gamma: int, temperature: float,
           timed: bool = True) -> list[dict]:
   run = bench.spec(draft, gamma, temperature, timed=timed)
-  base = bench.baseline(temperature) if timed else None
   cats = [ALL] + categories(bench.batches)
-  return [make_row(experiment, run, base, bench.batches_of(run), c) for c in cats]
+  return [make_row(experiment, run, bench.batches_of(run), c) for c in cats]
 
 
 def gamma_sweep(bench: Bench, draft: Draft) -> list[dict]:

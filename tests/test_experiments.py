@@ -1,11 +1,13 @@
 """experiments.run on tiny random models: every output file, consistent numbers, prompt checks."""
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -31,7 +33,10 @@ def test_results_json_records_config_revision_and_machine(smoke):
     saved = json.load(f)
   assert saved["config"]["gammas"] == [2] and saved["config"]["target"] == "tiny"
   assert saved["git"]["commit"]
-  assert {"cpu", "cores", "jax"} <= set(saved["machine"])
+  assert {"cpu", "cpu_model", "cpu_avx2", "cpu_avx512f", "cores", "jax"} <= set(saved["machine"])
+  assert len(saved["load_average_start"]) == 3
+  timed = [r for r in saved["runs"] if r["seconds"] is not None]
+  assert timed and all(len(r["load_average"]) == 2 for r in timed)
   assert len(saved["rows"]) == len(results["rows"])
   assert {r["experiment"] for r in saved["rows"]} == {"gamma_sweep", "temperature_sweep",
                                                       "drafts_alpha"}
@@ -52,24 +57,26 @@ def test_token_counts_agree_with_accepted_counts(smoke):
     assert 0.0 <= r["alpha"] <= 1.0
 
 
-def test_speedups_are_ratios_of_measured_times(smoke):
+def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
   results = smoke[0]
   timed = [r for r in results["rows"] if r["speedup"] is not None]
   assert timed
   for r in timed:
-    assert r["speedup"] == pytest.approx(r["ar_seconds"] / r["spec_seconds"])
     assert r["ar_generated_tokens"] == r["generated_tokens"]
   for run in results["runs"]:
     if run["seconds"] is None:
       continue
+    assert len(run["seconds"]) == len(run["plain_seconds"]) == 3  # default --repeats
+    ratios = [sum(p) / sum(s) for p, s in zip(run["plain_seconds"], run["seconds"])]
     key = (run["draft"], run["gamma"], run["temperature"])
-    rows = [r for r in timed if (r["draft"], r["gamma"], r["temperature"]) == key
-            and r["experiment"] == "gamma_sweep"]
-    overall = [r for r in rows if r["category"] == "all"]
-    assert overall and all(r["spec_seconds"] == pytest.approx(sum(run["seconds"]))
-                           for r in overall)
-    assert sum(r["spec_seconds"] for r in rows if r["category"] != "all") == pytest.approx(
-        sum(run["seconds"]))
+    overall = [r for r in timed if (r["draft"], r["gamma"], r["temperature"]) == key
+               and r["category"] == "all"]
+    assert overall
+    for r in overall:
+      assert r["speedup"] == pytest.approx(np.median(ratios))
+      assert r["speedup_spread"] == pytest.approx((max(ratios) - min(ratios)) / np.median(ratios))
+      assert r["spec_seconds"] == pytest.approx(np.median([sum(s) for s in run["seconds"]]))
+      assert r["ar_seconds"] == pytest.approx(np.median([sum(p) for p in run["plain_seconds"]]))
 
 
 def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):
@@ -80,10 +87,11 @@ def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):
         theory.walltime_improvement(r["alpha"], r["gamma"], r["c"]))
     t1 = r["step_seconds"]
     # verify cost = the measured speculative step minus the draft's share, in target steps
-    # (left empty when timer noise on a tiny model makes it <= 0)
+    # (never printed when timer noise on a tiny model makes it <= 0, and then flagged)
     verify = r["spec_step_seconds"] / t1 - r["gamma"] * r["c"]
     if verify <= 0:
       assert r["verify_cost"] is None and r["calibrated_speedup"] is None
+      assert any("verify cost" in f for f in r["flags"])
       continue
     assert r["verify_cost"] == pytest.approx(verify)
     assert r["calibrated_speedup"] == pytest.approx(
@@ -101,8 +109,12 @@ def test_csv_and_tables(smoke):
     assert len(list(csv.DictReader(f))) == len(results["rows"])
   text = open(os.path.join(out, "tables.md")).read()
   for heading in ("Speedup vs γ", "Speedup vs temperature", "α of each draft",
-                  "The paper's numbers", "| CNNDM | T5-small | 0 | 5 | 0.65 | 3.1× |"):
+                  "The paper's numbers", "| CNNDM | T5-small | 0 | 5 | 0.65 | 3.1× |",
+                  "## Checks", "| spread |", "load average before the run"):
     assert heading in text
+  for r in results["rows"]:
+    if r["category"] == "all" and r["flags"]:
+      assert f"γ = {r['gamma']}, T = {r['temperature']:g}: {'; '.join(r['flags'])}" in text
 
 
 def test_padding_rows_are_left_out_of_statistics(smoke):
@@ -165,24 +177,209 @@ def test_batches_are_category_pure_and_padded():
   assert batches[1].ids[1] == batches[1].ids[0]
 
 
-def test_config_rejects_bad_values():
-  with pytest.raises(ValueError, match="gammas"):
-    ExperimentConfig(gammas=(0,))
-  with pytest.raises(ValueError, match="unknown experiments"):
-    ExperimentConfig(experiments=("nope",))
-  with pytest.raises(ValueError, match="repeats"):
-    ExperimentConfig(repeats=0)
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gammas=(0,)), "--gammas must be integers >= 1"),
+    (dict(gammas=(2, 2)), "--gammas lists a value twice"),
+    (dict(experiments=("nope",)), "unknown experiments"),
+    (dict(repeats=0), "--repeats must be >= 1"),
+    (dict(num_prompts=0), "--num_prompts must be >= 1"),
+    (dict(temperatures=(0.0, float("inf"))), r"--temperatures must be finite numbers >= 0, "
+                                             r"got \[inf\]"),
+    (dict(temperatures=(float("nan"),)), "--temperatures must be finite"),
+    (dict(temperatures=(-1.0,)), "--temperatures must be finite numbers >= 0"),
+    (dict(draft="early_exit:0"), "--draft: 'early_exit:0': K of early_exit:K must be an integer"),
+    (dict(draft="early_exit:x"), "K of early_exit:K must be an integer >= 1"),
+    (dict(draft="/no/such/draft"), "--draft: '/no/such/draft' is neither a draft name"),
+    (dict(alpha_drafts=("trigram",)), "--alpha_drafts: 'trigram' is neither"),
+])
+def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    ExperimentConfig(**kwargs)
 
 
-def test_repeated_timing_keeps_the_fastest_call():
-  from types import SimpleNamespace
+def test_config_accepts_draft_names_paths_and_early_exit(tmp_path):
+  for spec in ("default", "eagle", "bigram", "early_exit", "early_exit:3", str(tmp_path)):
+    ExperimentConfig(draft=spec)
+
+
+def test_num_prompts_beyond_the_builtin_set_is_refused():
+  with pytest.raises(prompts.PromptFileError, match="--num_prompts=100000: the built-in"):
+    prompts.load_items(None, 100_000)
+
+
+def test_early_exit_beyond_the_target_layers_names_the_flag(tmp_path):
+  from experiments import experiment, models
+  config = ExperimentConfig(target="tiny", draft="early_exit:99", out=str(tmp_path))
+  with pytest.raises(experiment.DraftError, match="--draft=early_exit:99: .*num_layers"):
+    experiment.load_drafts(config, models.load_target("tiny"), lambda: [])
+
+
+# ------------------------------------------------------------------ checks (flagging rule)
+
+
+def test_spreads():
+  from experiments.checks import quartile_spread, spread
+  assert spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+  assert spread([2.0]) is None
+  # one outlier in eight moves the range, not the interquartile spread
+  steps = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0]
+  assert spread(steps) == pytest.approx(2.0) and quartile_spread(steps) == pytest.approx(0.0)
+  assert quartile_spread([1.0, 2.0, 3.0]) is None
+
+
+@pytest.mark.parametrize("gamma, verify, spread_, draft_spread, expected", [
+    (4, 2.0, 0.05, 0.1, []),
+    (4, 5.0, 0.0, None, []),                                 # γ+1 itself is possible
+    (4, 5.01, 0.0, None, ["verify cost 5.01 outside (0, γ+1 = 5]"]),
+    (2, 110.0, None, None, ["verify cost 110.00 outside (0, γ+1 = 3]"]),
+    (2, -0.5, None, None, ["verify cost -0.50 outside (0, γ+1 = 3]"]),
+    (3, None, 0.10, None, []),                               # the bound itself passes
+    (3, None, 0.12, None, ["speedup spread 12% > 10%"]),
+    (3, 1.5, 0.0, 0.3, ["draft-phase spread 30% > 25% (c)"]),
+])
+def test_setting_flags_rule(gamma, verify, spread_, draft_spread, expected):
+  from experiments.checks import setting_flags
+  assert setting_flags(gamma, verify, spread_, draft_spread) == expected
+
+
+def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkeypatch):
+  from experiments import checks, experiment
+  seen = []
+
+  def fake_flags(run):  # T=0 stays flagged, T=1 never is
+    seen.append(run.temperature)
+    return [f"spread {len(seen)}"] if run.temperature == 0 else []
+
+  monkeypatch.setattr("experiments.measure.run_flags", fake_flags)
+  config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=1, gammas=(2,),
+                            temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
+                            cost_steps=2, repeats=2, out=str(tmp_path))
+  results = experiment.run(config)
+  assert seen == [0.0, 0.0, 1.0]  # measured twice at most
+  first = {r["temperature"]: r["first_flags"] for r in results["runs"]}
+  assert first == {0.0: ["spread 1"], 1.0: []}
+  assert all(len(r["seconds"]) == 2 for r in results["runs"])  # one set of rounds kept
+  assert "(re-measured)" in open(tmp_path / "tables.md").read()
+  assert checks.SPREAD_BOUND == 0.10  # the bound tables.md states
+
+
+# ------------------------------------------------------------------ outputs: probe, log, resume
+
+
+def test_unwritable_out_fails_before_any_model_loads(tmp_path, monkeypatch):
+  from benchmarks.common import OutputError
+  from experiments import experiment
+
+  def no_load(source):
+    raise AssertionError("a model was loaded")
+
+  monkeypatch.setattr(experiment, "load_target", no_load)
+  (tmp_path / "file").write_text("")
+  config = ExperimentConfig(target="tiny", draft="tiny", out=str(tmp_path / "file" / "out"))
+  with pytest.raises(OutputError, match="--out .*file/out' cannot be written"):
+    experiment.run(config)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out={tmp}/file/out"], "cannot be written"),
+    (["--temperatures=0,inf"], "--temperatures must be finite numbers >= 0, got [inf]"),
+    (["--draft=early_exit:0"], "K of early_exit:K must be an integer >= 1"),
+])
+def test_cli_rejects_bad_flags_before_loading_models(tmp_path, args, message):
+  (tmp_path / "file").write_text("")
+  args = [a.format(tmp=tmp_path) for a in args]
+  proc = subprocess.run([sys.executable, "-m", "experiments.run", *args] +
+                        ([] if any(a.startswith("--out") for a in args)
+                         else [f"--out={tmp_path / 'out'}"]),
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert message in proc.stderr
+  assert "loading target" not in proc.stderr
+
+
+def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path):
+  for args, message in ((["--gamma", "0"], "flag --gamma=0"),
+                        (["--num_prompts", "0"], "flag --num_prompts=0"),
+                        ([f"--out={tmp_path}"], "is a directory")):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peer", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def _two_gamma_config(out):
+  return ExperimentConfig(target="tiny", draft="tiny", num_prompts=1, gammas=(1, 2),
+                          temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
+                          cost_steps=2, repeats=1, out=str(out))
+
+
+def test_interrupted_run_keeps_finished_settings_and_resumes(tmp_path, monkeypatch):
+  from experiments import experiment, progress
   from experiments.measure import Bench
-  bench = Bench.__new__(Bench)  # only the config matters to the timing rule
-  bench.config = ExperimentConfig(repeats=3)
-  times, calls = iter([0.3, 0.1, 0.2]), []
-  call = lambda: calls.append(1) or SimpleNamespace(seconds=next(times))
-  assert bench._fastest(call).seconds == 0.1 and len(calls) == 3
-  assert bench._fastest(lambda: SimpleNamespace(seconds=5.0), repeats=1).seconds == 5.0
+  timed = []
+  real = Bench._timed
+
+  def interrupt_second(self, draft, gamma, temperature, call):
+    if len(timed) == 1:
+      raise KeyboardInterrupt
+    timed.append(gamma)
+    return real(self, draft, gamma, temperature, call)
+
+  monkeypatch.setattr(Bench, "_timed", interrupt_second)
+  with pytest.raises(KeyboardInterrupt):
+    experiment.run(_two_gamma_config(tmp_path))
+  lines = (tmp_path / progress.LOG_NAME).read_text().splitlines()
+  assert len(lines) == 2 and json.loads(lines[1])["run"]["gamma"] == 1  # header + γ = 1, T = 0
+
+  timed.clear()
+  monkeypatch.setattr(Bench, "_timed", lambda self, *a: timed.append(a[1:3]) or real(self, *a))
+  results = experiment.run(_two_gamma_config(tmp_path))
+  assert timed == [(2, 0.0), (1, 1.0), (2, 1.0)]  # (γ = 1, T = 0) came from the log
+  assert results["reused_settings"] == 1
+  assert sorted((r["gamma"], r["temperature"]) for r in results["rows"]
+                if r["category"] == "all") == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
+  assert len((tmp_path / progress.LOG_NAME).read_text().splitlines()) == 5
+
+  timed.clear()  # another config in the same --out starts over and keeps the old log
+  experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), gammas=(1,)))
+  assert timed == [(1, 0.0), (1, 1.0)] and (tmp_path / "progress.1.jsonl").exists()
+
+
+def test_progress_log_ignores_a_line_cut_off_mid_write(tmp_path):
+  from experiments import progress
+  head = progress.header(ExperimentConfig(out=str(tmp_path)), "abc")
+  log = progress.ProgressLog(str(tmp_path), head)
+  log.append({"run": {"gamma": 1}})
+  with open(log.path, "a") as f:
+    f.write('{"run": {"gam')
+  assert progress.ProgressLog(str(tmp_path), head).records == [{"run": {"gamma": 1}}]
+  # --fresh or another commit: start over
+  assert progress.ProgressLog(str(tmp_path), head, fresh=True).records == []
+
+
+# ------------------------------------------------------------------ Table 3 corpus, CPU
+
+
+def test_ngram_corpus_is_deterministic_and_cached_by_content(tmp_path, monkeypatch):
+  from experiments import models, ngram_corpus
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  target = models.load_target("tiny")
+  built = ngram_corpus.load_or_build(target)
+  again = ngram_corpus.load_or_build(target)
+  assert not built.cached and again.cached
+  assert built.tokens == ngram_corpus.NUM_PROMPTS * ngram_corpus.NEW_TOKENS * 2
+  assert all(np.array_equal(a, b) for a, b in zip(built.seqs, again.seqs))
+  other = dataclasses.replace(target, params=jax.tree.map(lambda w: w * 1.01, target.params))
+  assert not ngram_corpus.load_or_build(other).cached  # other weights, other corpus
+
+
+def test_cpu_info_reads_model_and_simd_flags(tmp_path):
+  from benchmarks.common import cpu_info, describe_cpu
+  path = tmp_path / "cpuinfo"
+  path.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse avx2\n")
+  info = cpu_info(str(path))
+  assert info == {"model": "Test CPU 9000", "avx512f": False, "avx2": True}
+  assert describe_cpu(info) == "Test CPU 9000 (avx2)"
+  assert "flags unknown" in describe_cpu(cpu_info(str(tmp_path / "missing")))
 
 
 # ------------------------------------------------------------------ --stop_at_eos

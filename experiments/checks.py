@@ -1,0 +1,64 @@
+"""Which measured figures cannot be trusted: impossible values and unstable timings.
+
+A setting is flagged when
+  * its verify cost T(γ+1)/T(1) is <= 0 or > γ + 1: one forward over γ + 1
+    tokens can neither be free nor cost more than γ + 1 sequential steps, so
+    the timings it came from were disturbed;
+  * the spread of its speedup over the interleaved rounds, (max − min) / median,
+    exceeds SPREAD_BOUND;
+  * the interquartile spread of the draft phase over the timed ``stream`` steps
+    behind c, (q75 − q25) / median, exceeds DRAFT_SPREAD_BOUND (the draft does
+    the same work every step; one phase of ~10 ms carries dispatch jitter, so
+    single outliers, which the median behind c ignores, are not counted).
+A flagged setting is measured once more (``Bench.spec``); what is still flagged
+afterwards is marked in tables.md.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+SPREAD_BOUND = 0.10
+DRAFT_SPREAD_BOUND = 0.25
+IDLE_LOAD = 0.5  # a 1-minute load average at the start above this: the machine was busy
+
+
+def spread(values: Sequence[float]) -> Optional[float]:
+  """(max − min) / median, or None for fewer than two values."""
+  if len(values) < 2:
+    return None
+  med = float(np.median(values))
+  return (max(values) - min(values)) / med if med > 0 else float("inf")
+
+
+def quartile_spread(values: Sequence[float]) -> Optional[float]:
+  """(q75 − q25) / median, or None for fewer than four values."""
+  if len(values) < 4:
+    return None
+  q25, med, q75 = np.percentile(values, [25, 50, 75])
+  return float((q75 - q25) / med) if med > 0 else float("inf")
+
+
+def setting_flags(gamma: int, verify_cost: Optional[float], speedup_spread: Optional[float],
+                  draft_spread: Optional[float] = None, bound: float = SPREAD_BOUND,
+                  draft_bound: float = DRAFT_SPREAD_BOUND) -> list[str]:
+  """Short reasons (empty when nothing is wrong) for one measured setting.
+
+  Args:
+    gamma: draft length; the verify pass covers γ + 1 tokens.
+    verify_cost: T(γ+1)/T(1) as measured, before any clipping (None: not measured).
+    speedup_spread: ``spread`` of the per-round speedups.
+    draft_spread: ``quartile_spread`` of the per-step draft-phase times behind c.
+    bound: the largest speedup spread accepted.
+    draft_bound: the largest draft-phase spread accepted.
+  """
+  out = []
+  if verify_cost is not None and not 0 < verify_cost <= gamma + 1:
+    out.append(f"verify cost {verify_cost:.2f} outside (0, γ+1 = {gamma + 1}]")
+  if speedup_spread is not None and speedup_spread > bound:
+    out.append(f"speedup spread {speedup_spread:.0%} > {bound:.0%}")
+  if draft_spread is not None and draft_spread > draft_bound:
+    out.append(f"draft-phase spread {draft_spread:.0%} > {draft_bound:.0%} (c)")
+  return out
