@@ -55,23 +55,24 @@ def reference(x: jax.Array, panels: jax.Array) -> jax.Array:
   return y.reshape(x.shape[0], -1)
 
 
-def _cpuinfo_field(name: str) -> str:
+def cpuinfo_field(name: str, path: str = "/proc/cpuinfo") -> Optional[str]:
+  """The first ``name: value`` of ``path`` ("" if absent), or None where it cannot be read."""
   try:
-    with open("/proc/cpuinfo") as f:
+    with open(path) as f:
       return next((line.split(":", 1)[1].strip() for line in f
                    if line.split(":", 1)[0].strip() == name), "")
   except OSError:
-    return ""
+    return None
 
 
 def cpu_model() -> str:
   """The CPU's model name (``/proc/cpuinfo``), or the machine type where it is not readable."""
-  return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+  return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> frozenset[str]:
   """The CPU's feature flags (``/proc/cpuinfo``; empty where it is not readable)."""
-  return frozenset(_cpuinfo_field("flags").split())
+  return frozenset((cpuinfo_field("flags") or "").split())
 
 
 def cpu_signature() -> str:
