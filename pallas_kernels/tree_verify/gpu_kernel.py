@@ -21,8 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tree_verify.reference import (Verified, check_inputs, check_parents,
-                                                  is_concrete)
+from pallas_kernels.tree_verify.reference import Verified, check_inputs
 
 
 def _next_pow2(x: int) -> int:
@@ -101,7 +100,5 @@ def tree_verify_gpu(parents, tokens, target_argmax, *, max_depth: int | None = N
     ``Verified(path [B, D+1], length [B], next_token [B])``, all int32.
   """
   max_depth = check_inputs(parents, tokens, target_argmax, max_depth)
-  if is_concrete(parents):
-    check_parents(parents, max_depth)
   return _tree_verify_gpu(jnp.asarray(parents), jnp.asarray(tokens),
                           jnp.asarray(target_argmax), max_depth=max_depth, interpret=interpret)

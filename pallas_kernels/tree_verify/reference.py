@@ -51,7 +51,8 @@ class Verified(NamedTuple):
 
 
 def check_inputs(parents, tokens, target_argmax, max_depth: int | None) -> int:
-  """Raises ValueError on bad shapes, dtypes or max_depth (static); returns D.
+  """Raises ValueError on bad shapes, dtypes or max_depth (static), and for concrete
+  parents on a bad topology (``check_parents``); returns D.
 
   Args:
     parents: [B, N] int parent of each node, -1 for the root and padding.
@@ -70,9 +71,11 @@ def check_inputs(parents, tokens, target_argmax, max_depth: int | None) -> int:
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name} must be integers, got {x.dtype}")
   if max_depth is None:
-    return n - 1
-  if not isinstance(max_depth, (int, np.integer)) or max_depth < 0:
+    max_depth = n - 1
+  elif not isinstance(max_depth, (int, np.integer)) or max_depth < 0:
     raise ValueError(f"max_depth must be a non-negative int, got {max_depth!r}")
+  if is_concrete(parents):
+    check_parents(parents, int(max_depth))
   return int(max_depth)
 
 
@@ -163,8 +166,6 @@ def tree_verify_reference(parents, tokens, target_argmax, *,
       not an earlier node, or a tree deeper than max_depth.
   """
   max_depth = check_inputs(parents, tokens, target_argmax, max_depth)
-  if is_concrete(parents):
-    check_parents(parents, max_depth)
   parents, tokens, target_argmax = (jnp.asarray(x, jnp.int32)
                                     for x in (parents, tokens, target_argmax))
   return _reference_jit(parents, tokens, target_argmax, max_depth=max_depth)

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tree_verify.reference import (Verified, check_inputs, check_parents,
-                                                  is_concrete)
+from pallas_kernels.tree_verify.reference import Verified, check_inputs
 
 
 def _kernel(parents_ref,  # [B * N] int32, SMEM (scalar prefetch)
@@ -116,7 +115,5 @@ def tree_verify_tpu(parents, tokens, target_argmax, *, max_depth: int | None = N
     ``Verified(path [B, D+1], length [B], next_token [B])``, all int32.
   """
   max_depth = check_inputs(parents, tokens, target_argmax, max_depth)
-  if is_concrete(parents):
-    check_parents(parents, max_depth)
   return _tree_verify_tpu(jnp.asarray(parents), jnp.asarray(tokens),
                           jnp.asarray(target_argmax), max_depth=max_depth, interpret=interpret)
