@@ -29,16 +29,20 @@ def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
   return float(np.median(times))
 
 
-def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15,
-                 batch_size: int = 1) -> float:
-  """Median seconds of one forward over ``num_tokens`` new tokens per row after ``context``
-  cached."""
+def forward_fn(cfg, params, num_tokens: int, context: int = 200,
+               batch_size: int = 1) -> Callable[[], object]:
+  """A warm-callable forward over ``num_tokens`` new tokens per row after ``context`` cached."""
   cache = kvc.init_cache(cfg, batch_size, max(256, context + num_tokens)).with_lengths(
       jnp.full((batch_size,), context, jnp.int32))
   tok = jnp.ones((batch_size, num_tokens), jnp.int32)
   pos = jnp.broadcast_to(context + jnp.arange(num_tokens), (batch_size, num_tokens))
-  return median_time(lambda: forward(params, cfg, tok, pos, cache).logits.block_until_ready(),
-                     repeats)
+  return lambda: forward(params, cfg, tok, pos, cache).logits.block_until_ready()
+
+
+def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15,
+                 batch_size: int = 1) -> float:
+  """Median seconds of one forward (``forward_fn``)."""
+  return median_time(forward_fn(cfg, params, num_tokens, context, batch_size), repeats)
 
 
 SIMD_FLAGS = ("avx512f", "avx2")

@@ -18,30 +18,19 @@ from __future__ import annotations
 
 import time
 
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import provenance, write_markdown
-from specjax import kv_cache as kvc
+from benchmarks.common import forward_fn, provenance, write_markdown
 from specjax.kernels import streaming_matmul as sm
 from specjax.kernels.packed import PackedWeight
 from specjax.loaders import load_model
-from specjax.model import forward
 
 OUT = flags.DEFINE_string("out", "benchmarks/results/streaming_matmul.md", "markdown output")
 REPEATS = flags.DEFINE_integer("repeats", 11, "timed calls per shape and path")
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 8), (1, 11), (1, 16), (1, 64), (1, 128),
           (1, 256), (4, 1), (4, 2), (4, 4), (4, 8), (4, 16)]  # (B, T)
 CONTEXT = 200
-
-
-def _forward_fn(cfg, params, b, t):
-  cache = kvc.init_cache(cfg, b, max(256, CONTEXT + t)).with_lengths(
-      jnp.full((b,), CONTEXT, jnp.int32))
-  tok = jnp.ones((b, t), jnp.int32)
-  pos = jnp.broadcast_to(CONTEXT + jnp.arange(t), (b, t))
-  return lambda: forward(params, cfg, tok, pos, cache).logits.block_until_ready()
 
 
 def main(_):
@@ -54,7 +43,7 @@ def main(_):
   chosen = w.policy.describe() if isinstance(w, PackedWeight) else "XLA's dot for every M"
   times = {}
   for b, t in SHAPES:
-    fns = {name: _forward_fn(cfg, p, b, t) for name, p in paths.items()}
+    fns = {name: forward_fn(cfg, p, t, CONTEXT, b) for name, p in paths.items()}
     for f in fns.values():
       f()  # compile and warm up
     runs = {name: [] for name in fns}
