@@ -134,9 +134,13 @@ inline void RowBlock(const float* x, int64_t K, const float* panel, float* y, in
 
 // Rows [0, M) of one panel, in register blocks of B rows and a remainder block.
 // AVX2 (16 ymm): at most 12 accumulators (R x C) beside C weight vectors and a
-// broadcast; 3 x 4 blocks for verify-sized M (two column chunks; 20-30% faster
-// than 6 x 2 at M = 4..8 on an AMD EPYC, Zen 3), 6 x 2 blocks (four chunks, the
-// BLIS Haswell shape) for prefill-sized M, where they were 10-20% faster.
+// broadcast; 3 x 4 blocks for verify-sized M (two column chunks), 6 x 2 blocks
+// (four chunks, the BLIS Haswell shape) for prefill-sized M. The split at 24 rows
+// and the 4x unroll below were chosen with a throwaway microbenchmark (the
+// model's matmul chain, one AMD EPYC Zen 3): 3 x 4 was 20-30% faster than 6 x 2
+// at M = 4..8, 6 x 2 10-20% faster from M = 32, the unroll 15-25% faster at
+// M = 3..64. What the repo keeps is the end-to-end effect:
+// benchmarks/results/streaming_matmul.md.
 // AVX-512 and portable: blocks of 6 rows x the whole panel.
 template <int B, int U>
 void Rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy) {
@@ -166,8 +170,7 @@ void Rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, in
 
 #if defined(SPECJAX_AVX2)
 constexpr int64_t kLargeM = 24;  // from here on, 6 x 2 blocks
-// k unrolled 4x: 15-25% faster at every M on an AMD EPYC (Zen 3), mostly for
-// M = 3...64 (more panel loads in flight while the first row block streams).
+// k unrolled 4x (more panel loads in flight while the first row block streams).
 constexpr int kUnroll = 4;
 #else
 constexpr int64_t kLargeM = 1;   // always 6 x 4 blocks (24 of 32 zmm accumulators)
