@@ -109,7 +109,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     k: [B, K, S, H] the layer's keys, the new tokens' already at lengths[b] + j.
     v: [B, K, S, H] the layer's values.
     lengths: [B] int committed slots per row (before the new tokens).
-    mask: [T, T] or [B, T, T] bool, which new tokens each new token sees.
+    mask: [T, T] or [B, T, T] bool, which new tokens each new token sees; or
+      [B, T, W], W > T (reference only): the new tokens are the last T of a
+      window of W slots from lengths[b], and see window slot j iff mask.
     impl: static implementation name (see the module docstring).
     block_sizes: ``pallas_kernels.tree_attention.BlockSizes`` for the kernels.
 
@@ -122,6 +124,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     unsupported dtype or T over the kernels' budget.
   """
   resolved = resolve_impl(impl)
+  t = q.shape[1]
+  if mask.shape[-1] != t:  # a window of W > T slots (tree drafting): reference only
+    if resolved != "reference" or mask.shape[-2] != t or mask.shape[-1] < t:
+      raise ValueError(f"a [.., T, W] window mask needs W >= T={t} and the reference "
+                       f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
+    return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),
+                                               k.shape[2]))
   if resolved == "reference":
     check_inputs(q, k, v, lengths, mask, dtypes=None)
     return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),

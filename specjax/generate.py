@@ -24,6 +24,7 @@ from specjax.config import ModelConfig
 from specjax.model import Params, forward
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler, Sampling
+from specjax.sequences import append
 
 PREFILL_CHUNK = 64
 
@@ -63,12 +64,6 @@ def last_tokens(tokens: jax.Array, seq_lens: jax.Array) -> jax.Array:
   return jnp.take_along_axis(tokens, (seq_lens - 1)[:, None], axis=1)
 
 
-def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-  if not eos_ids:
-    return jnp.zeros(tokens.shape, bool)
-  return jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
-
-
 @flax.struct.dataclass(kw_only=True)
 class DecodeState:
   """State of the autoregressive loop.
@@ -95,19 +90,14 @@ class DecodeState:
 def decode_step(params: Params, cfg: ModelConfig, sampler: Sampler, eos_ids: tuple[int, ...],
                 state: DecodeState) -> DecodeState:
   """Feeds each row's last token, samples the next one and appends it."""
-  b = state.tokens.shape[0]
   active = ~state.done
   pos = state.seq_lens - 1
   out = forward(params, cfg, last_tokens(state.tokens, state.seq_lens), pos[:, None],
                 state.cache, num_valid=active.astype(jnp.int32))
   rng, key = jax.random.split(state.rng)
   nxt, _ = sampler.sample(key, out.logits[:, 0])
-  write_at = jnp.where(active, state.seq_lens, state.tokens.shape[1])  # inactive: dropped
-  tokens = state.tokens.at[jnp.arange(b), write_at].set(nxt, mode="drop")
-  seq_lens = state.seq_lens + active
-  done = state.done | (active & is_eos(nxt, eos_ids)) | (seq_lens >= state.max_lens)
-  return state.replace(tokens=tokens, seq_lens=seq_lens, done=done, cache=out.cache, rng=rng,
-                       steps=state.steps + 1)
+  state, _ = append(state, nxt[:, None], jnp.ones_like(state.seq_lens), eos_ids)
+  return state.replace(cache=out.cache, rng=rng, steps=state.steps + 1)
 
 
 def init_decode_state(params: Params, cfg: ModelConfig, tokens: jax.Array,

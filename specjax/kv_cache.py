@@ -77,3 +77,29 @@ def write_layer(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax
   slots = (start[:, None] + jnp.arange(t)[None, :])[:, None, :]
   update = jnp.swapaxes(new, 1, 2).astype(cache_layer.dtype)  # [B, K, T, H]
   return cache_layer.at[rows, heads, slots].set(update, mode="drop")
+
+
+def compact(cache: KVCache, start: jax.Array, path: jax.Array) -> KVCache:
+  """Moves an accepted tree path's entries to contiguous slots (lengths unchanged).
+
+  The entry at slot ``start[b] + path[b, i]`` moves to slot ``start[b] + i``;
+  ``path[b, i] < 0`` (past the accepted length, or a node never written)
+  leaves slot ``start[b] + i`` alone. For a tree verification ``path`` is the
+  accepted path's block indices (``TreeAcceptance.path``); a dynamic-tree
+  drafter passes where it wrote each accepted node. Sources never precede
+  their destinations (``path[b, i] >= i``: ancestors precede descendants), so
+  one gather then one scatter per layer is safe. Example: start 10, path
+  [0, 2, 5, -1] moves slot 12 to 11 and slot 15 to 12.
+  """
+  b, d1 = path.shape
+  src = (start[:, None] + jnp.maximum(path, 0))[:, None, :]  # [B, 1, D+1]
+  dst = jnp.where(path >= 0, start[:, None] + jnp.arange(d1)[None, :], cache.size)[:, None, :]
+  rows = jnp.arange(b)[:, None, None]
+  heads = jnp.arange(cache.k[0].shape[1])[None, :, None]
+
+  def move(layer):
+    return layer.at[rows, heads, dst].set(layer[rows, heads, jnp.minimum(src, cache.size - 1)],
+                                          mode="drop")
+
+  return cache.replace(k=tuple(move(l) for l in cache.k), v=tuple(move(l) for l in cache.v))
+

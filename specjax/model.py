@@ -65,6 +65,9 @@ def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
 def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
            k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, mask: jax.Array,
            inv_freq: np.ndarray, attention_impl: str):
+  # The T new tokens are the last T slots of a window of W = mask.shape[-1]
+  # slots that starts at ``start`` (W = T except while drafting a tree).
+  write_start = start + (mask.shape[-1] - x.shape[1])
   b, t, _ = x.shape
   n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   y = rms_norm(x, p["attn_norm"], cfg.norm_eps)
@@ -75,8 +78,8 @@ def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
   q = apply_rope(q.reshape(b, t, n, h), positions, inv_freq)
   k = apply_rope(k.reshape(b, t, kh, h), positions, inv_freq)
   v = v.reshape(b, t, kh, h)
-  k_cache = kvc.write_layer(k_cache, k, start)
-  v_cache = kvc.write_layer(v_cache, v, start)
+  k_cache = kvc.write_layer(k_cache, k, write_start)
+  v_cache = kvc.write_layer(v_cache, v, write_start)
   attn = attn_lib.attention(q, k_cache, v_cache, start, mask,
                             impl=attention_impl).reshape(b, t, n * h)
   x = x + dense(attn, p["wo"])
@@ -145,7 +148,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     positions: [B, T] int RoPE positions (explicit, so token trees can share one).
     cache: the KV cache; new keys/values go to slots ``cache.lengths[b] + j``.
     mask: [B, T, T] bool, which new tokens each new token sees (default causal).
-      The committed prefix is always visible.
+      The committed prefix is always visible. A wider [B, T, W] mask (W > T)
+      makes the T tokens the *last* T of a window of W slots after the
+      committed prefix: they are written at slots ``lengths + W - T + j`` and
+      see window slot j iff ``mask[b, i, j]`` (how a drafter extends a token
+      tree one depth at a time over nodes it already wrote; reference
+      attention only).
     num_valid: [B] how many of the T tokens to commit (lengths advance by this);
       default T. Padding tokens beyond it are written as scratch.
     compute_logits: skip the LM head (e.g. during prefill) when False.

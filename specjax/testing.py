@@ -44,3 +44,58 @@ def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[S
     vocab_map = np.arange(0, cfg.vocab_size, 2)
     return drafters.eagle_drafter(cfg, params, weights, vocab_map)
   raise ValueError(f"unknown drafter kind {kind!r}")
+
+
+# --- exact-distribution harness (tests of lossless sampling) -----------------------
+
+
+def chi_square_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
+  """Chi-square p-value of ``counts`` against the law ``exact`` (same shape).
+
+  Fails if a cell of probability zero was drawn; cells expected fewer than 5
+  times are pooled so the chi-square approximation holds.
+  """
+  from scipy import stats
+
+  expected = exact.ravel() * counts.sum()
+  observed = counts.ravel()
+  assert observed[expected == 0].sum() == 0, "sampled a token of probability zero"
+  keep = expected > 0
+  small = keep & (expected < 5)
+  obs = np.append(observed[keep & ~small], observed[small].sum())
+  exp = np.append(expected[keep & ~small], expected[small].sum())
+  if exp[-1] == 0:
+    obs, exp = obs[:-1], exp[:-1]
+  exp = exp * obs.sum() / exp.sum()  # float round-off only
+  return float(stats.chisquare(obs, exp).pvalue)
+
+
+def exact_joint(cfg: ModelConfig, params: Params, sampler, prompt: Sequence[int]) -> np.ndarray:
+  """[V, V] the warped target's exact law of the first two tokens after ``prompt``."""
+  import jax.numpy as jnp
+
+  from specjax import kv_cache as kvc
+  from specjax.model import forward
+
+  def next_probs(seqs):
+    seqs = jnp.asarray(seqs)
+    b, t = seqs.shape
+    out = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(t), (b, t)),
+                  kvc.init_cache(cfg, b, t))
+    return np.asarray(sampler.probs(out.logits[:, -1]), np.float64)
+
+  p1 = next_probs([list(prompt)])[0]
+  p2 = next_probs([list(prompt) + [x] for x in range(cfg.vocab_size)])
+  return p1[:, None] * p2
+
+
+def empirical_joint(dec, target: tuple[ModelConfig, Params], draft_params, prompt: Sequence[int],
+                    rows: int, seed: int = 0) -> np.ndarray:
+  """[V, V] counts of the first two tokens of ``rows`` independent speculative runs."""
+  cfg, params = target
+  v = cfg.vocab_size
+  out = dec.generate(params, draft_params, [list(prompt)] * rows, 2, seed=seed,
+                     cache_size=len(prompt) + 2 + dec.tree.cache_headroom)
+  gen = out.tokens[:, len(prompt):len(prompt) + 2]
+  assert np.all(out.num_generated == 2)
+  return np.bincount(gen[:, 0] * v + gen[:, 1], minlength=v * v).reshape(v, v)

@@ -77,8 +77,8 @@ def test_early_exit_on_the_target_cache_equals_the_truncated_model_with_its_own_
   target_cache = prefill(params, cfg, tokens, seq_lens - 1, init_cache(cfg, 2, 8))
   key = jax.random.PRNGKey(3)
   for sampler in (Greedy(), Sampling(temperature=1.0)):
-    d1, q1, _ = shared.propose(dp, target_cache, tokens, seq_lens, key, sampler, 3)
-    d2, q2, _ = own.propose(own_dp, own.init(own_dp, tokens, seq_lens), tokens, seq_lens, key,
-                            sampler, 3)
+    d1, q1, _ = shared.propose_chain(dp, target_cache, tokens, seq_lens, key, sampler, 3)
+    d2, q2, _ = own.propose_chain(own_dp, own.init(own_dp, tokens, seq_lens), tokens, seq_lens, key,
+                                  sampler, 3)
     np.testing.assert_array_equal(np.asarray(d1), np.asarray(d2))
     np.testing.assert_allclose(np.asarray(q1), np.asarray(q2), atol=1e-5)

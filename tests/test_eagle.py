@@ -51,7 +51,8 @@ def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(
   for state, _ in dec.stream(params, dp, PROMPTS, 12, seed=1):
     if bool(jnp.all(state.done)):
       break
-    drafts_, q, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
+    proposal, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
+    drafts_, q = proposal.tokens, proposal.q
     for row in range(len(PROMPTS)):
       if bool(state.done[row]):  # finished rows draft garbage, which nobody reads
         continue
@@ -74,7 +75,8 @@ def test_reduced_vocabulary_gives_zero_q_outside_the_map():
   drafter, dp = eagle_drafter(cfg, params, random_eagle_weights(cfg, 1, jax.random.PRNGKey(1)), vm)
   dec = SpeculativeDecoder(cfg, drafter, gamma=2, sampler=Sampling(1.0), eos_ids=())
   state, _ = dec.prepare(params, dp, PROMPTS, 4)
-  drafts_, q, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
+  proposal, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
+  drafts_, q = proposal.tokens, proposal.q
   assert np.all(np.asarray(q)[..., 1::2] == 0.0)
   assert np.all(np.asarray(drafts_) % 2 == 0)
   np.testing.assert_allclose(np.asarray(q).sum(-1), 1.0, atol=1e-5)

@@ -12,16 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
-from specjax import kv_cache as kvc
 from specjax.drafters import ModelDrafter
 from specjax.kernels import packed as pk
 from specjax.kernels import streaming_matmul as sm
-from specjax.model import forward
 from specjax.sampling import Sampling, sample_from
-from specjax.speculative import Acceptance, SpeculativeDecoder, accept
-from specjax.testing import DRAFTER_KINDS, make_drafter, tiny_model
+from specjax.speculative import SpeculativeDecoder
+from specjax.testing import (DRAFTER_KINDS, chi_square_pvalue, empirical_joint,
+                             exact_joint, make_drafter, tiny_model)
 
 V, N, PROMPT = 8, 100_000, [1, 2, 5]
 
@@ -31,44 +29,6 @@ def models():
   target = tiny_model(seed=0, vocab_size=V, scale=1.0)
   draft = tiny_model(seed=1, vocab_size=V, scale=1.0, num_layers=1)
   return target, draft
-
-
-def _exact_joint(cfg, params, sampler) -> np.ndarray:
-  """[V, V] exact p(x1, x2) of the warped target."""
-  def next_probs(seqs):
-    seqs = jnp.asarray(seqs)
-    b, t = seqs.shape
-    out = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                  kvc.init_cache(cfg, b, t))
-    return np.asarray(sampler.probs(out.logits[:, -1]), np.float64)
-
-  p1 = next_probs([PROMPT])[0]
-  p2 = next_probs([PROMPT + [x] for x in range(V)])
-  return p1[:, None] * p2
-
-
-def _empirical_joint(dec, target, draft_params, seed=0) -> np.ndarray:
-  cfg, params = target
-  out = dec.generate(params, draft_params, [PROMPT] * N, 2, seed=seed,
-                     cache_size=len(PROMPT) + 2 + dec.gamma)
-  gen = out.tokens[:, len(PROMPT):len(PROMPT) + 2]
-  assert np.all(out.num_generated == 2)
-  return np.bincount(gen[:, 0] * V + gen[:, 1], minlength=V * V).reshape(V, V)
-
-
-def _chi_square_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
-  expected = exact.ravel() * counts.sum()
-  observed = counts.ravel()
-  assert observed[expected == 0].sum() == 0, "sampled a token of probability zero"
-  keep = expected > 0
-  # Pool cells with tiny expectation so the chi-square approximation holds.
-  small = keep & (expected < 5)
-  obs = np.append(observed[keep & ~small], observed[small].sum())
-  exp = np.append(expected[keep & ~small], expected[small].sum())
-  if exp[-1] == 0:
-    obs, exp = obs[:-1], exp[:-1]
-  exp = exp * obs.sum() / exp.sum()  # float round-off only
-  return float(stats.chisquare(obs, exp).pvalue)
 
 
 SAMPLERS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=4),
@@ -85,9 +45,9 @@ def test_joint_of_first_two_tokens_matches_target(models, gamma, sampler):
 
 
 def _assert_matches_target(dec, target, draft_params, sampler):
-  counts = _empirical_joint(dec, target, draft_params)
-  exact = _exact_joint(*target, sampler)
-  assert _chi_square_pvalue(counts, exact) > 1e-3
+  counts = empirical_joint(dec, target, draft_params, PROMPT, N)
+  exact = exact_joint(*target, sampler, PROMPT)
+  assert chi_square_pvalue(counts, exact) > 1e-3
   assert 0.5 * np.abs(counts / N - exact).sum() < 0.02
 
 
@@ -119,9 +79,9 @@ def test_packed_models_on_the_streaming_kernel_match_target(models):
 class _ResampleFromTarget(SpeculativeDecoder):
   """Wrong: at a rejection, samples from p instead of norm(max(0, p - q))."""
 
-  def accept(self, key, drafts, q, p) -> Acceptance:
-    acc = accept(key, drafts, q, p)
-    p_n = jnp.take_along_axis(p, acc.num_accepted[:, None, None], axis=1)[:, 0]
+  def accept(self, key, proposal, scores):
+    acc = super().accept(key, proposal, scores)
+    p_n = jnp.take_along_axis(scores.p, acc.num_accepted[:, None, None], axis=1)[:, 0]
     return acc._replace(next_token=sample_from(jax.random.fold_in(key, 1), p_n))
 
 
@@ -136,9 +96,9 @@ class _ArgmaxSoftQ(Sampling):
 @dataclasses.dataclass(frozen=True)
 class _ArgmaxDrafter(ModelDrafter):
 
-  def propose(self, draft_params, state, tokens, seq_lens, key, sampler, gamma):
+  def propose_chain(self, draft_params, state, tokens, seq_lens, key, sampler, gamma):
     wrong = _ArgmaxSoftQ(sampler.temperature, sampler.top_k, sampler.top_p)
-    return super().propose(draft_params, state, tokens, seq_lens, key, wrong, gamma)
+    return super().propose_chain(draft_params, state, tokens, seq_lens, key, wrong, gamma)
 
 
 @pytest.mark.parametrize("variant", ["no_residual", "argmax_draft_soft_q"])
@@ -151,5 +111,5 @@ def test_wrong_variants_are_rejected(models, variant):
   else:
     dec = SpeculativeDecoder(target[0], _ArgmaxDrafter(draft[0]), gamma=2, sampler=sampler,
                              eos_ids=())
-  counts = _empirical_joint(dec, target, dec.drafter.make_params(draft[1]))
-  assert _chi_square_pvalue(counts, _exact_joint(*target, sampler)) < 1e-6
+  counts = empirical_joint(dec, target, dec.drafter.make_params(draft[1]), PROMPT, N)
+  assert chi_square_pvalue(counts, exact_joint(*target, sampler, PROMPT)) < 1e-6

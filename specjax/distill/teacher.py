@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.generate import DecodeState, init_decode_state, is_eos, last_tokens
+from specjax.generate import DecodeState, init_decode_state, last_tokens
 from specjax.model import Params, forward
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
+from specjax.sequences import append
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -66,12 +67,8 @@ def _teacher_step(params, cfg, sampler, eos_ids, logits_fn, st: TeacherState) ->
   topk_logp = st.topk_logp.at[rows, write].set(top_logp, mode="drop")
   rng, key = jax.random.split(state.rng)
   nxt, _ = sampler.sample(key, logits)
-  write_at = jnp.where(active, state.seq_lens, state.tokens.shape[1])
-  tokens = state.tokens.at[rows, write_at].set(nxt, mode="drop")
-  seq_lens = state.seq_lens + active
-  done = state.done | (active & is_eos(nxt, eos_ids)) | (seq_lens >= state.max_lens)
-  decode = state.replace(tokens=tokens, seq_lens=seq_lens, done=done, cache=cache, rng=rng,
-                         steps=state.steps + 1)
+  state, _ = append(state, nxt[:, None], jnp.ones_like(state.seq_lens), eos_ids)
+  decode = state.replace(cache=cache, rng=rng, steps=state.steps + 1)
   return st.replace(decode=decode, topk_ids=topk_ids, topk_logp=topk_logp)
 
 

@@ -1,4 +1,4 @@
-"""The drafter interface: anything that proposes γ tokens with their distributions.
+"""The drafter interface: anything that proposes a tree (or chain) of draft tokens.
 
 A drafter is a small frozen (hashable) dataclass holding only static
 configuration; its arrays (weights, index maps) travel separately as
@@ -7,46 +7,102 @@ configuration; its arrays (weights, index maps) travel separately as
 
 Contract, for rows whose committed sequence is ``tokens[b, :seq_lens[b]]``:
   * ``init`` builds the state after the prompt is known;
-  * ``propose`` returns γ tokens and the full warped distributions q₁…q_γ
-    (over the target vocabulary) they were sampled from; the i-th token must
-    be a sample of qᵢ given the committed sequence and the earlier drafts;
-  * ``rollback`` is told the new committed lengths and must forget anything
-    it derived from rejected drafts.
+  * ``propose`` returns a ``Proposal`` of the topology's N nodes: their
+    tokens and how they were drawn (``speculative.proposal``); for a chain,
+    token i must be a sample of qᵢ given the committed sequence and the
+    earlier drafts (chain drafters implement ``propose_chain`` only);
+  * ``rollback`` is told the new committed lengths and the accepted path and
+    must forget anything it derived from rejected nodes.
 
-A drafter whose class sets ``shares_target_cache = True`` (early exit) gets
-the target's KV cache, holding the committed length − 1, as ``state`` in
-``propose``; it may write only slots at or past that length (verification
-overwrites them) and keeps no state of its own.
+Capabilities are explicit methods with conservative defaults, so the decoder
+never probes attributes:
+  * ``supports(topology)``: which trees the drafter can build (default:
+    chains only). The decoder refuses a topology the drafter does not support.
+  * ``shares_target_cache()`` (early exit): ``propose`` gets the target's KV
+    cache, holding the committed length − 1, as ``state``; it may write only
+    slots at or past that length (verification overwrites them) and keeps no
+    state of its own.
+  * ``reads_target_features()`` (EAGLE): ``init`` receives ``features``
+    [B, S, D] of the prompt's committed positions, and after every
+    verification ``observe(state, hidden, start)`` receives the accepted
+    path's [B, D + 1, D] features, of positions ``start[b] + t``.
 
-A drafter whose class sets ``reads_target_features = True`` (EAGLE) gets
-the target's features (last hidden state before the final norm): ``init``
-receives ``features`` [B, S, D] of the prompt's committed positions, and
-after every verification ``observe(state, hidden, start)`` receives the
-block's [B, γ+1, D] features of positions ``start[b] + t``.
+Adding a drafter: subclass ``Drafter`` as a frozen dataclass, implement
+``vocab_size``, ``init``, ``propose_chain`` (or ``propose`` for trees, and
+``supports``) and, if it keeps state, ``rollback``. Example::
+
+    @dataclasses.dataclass(frozen=True)
+    class RepeatDrafter(Drafter):        # proposes the last token γ times
+      vocab_size: int
+      def init(self, draft_params, tokens, prompt_lens, features=None):
+        return ()
+      def propose_chain(self, draft_params, state, tokens, seq_lens, key, sampler, gamma):
+        last = jnp.take_along_axis(tokens, (seq_lens - 1)[:, None], axis=1)
+        drafts = jnp.repeat(last, gamma, axis=1)
+        return drafts, jax.nn.one_hot(drafts, self.vocab_size), state
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional
 
 import jax
 
 from specjax.sampling import Sampler
+from specjax.speculative.proposal import Proposal
+from specjax.speculative.tree_acceptance import AcceptedPath
+from specjax.speculative.tree import TreeTopology
 
 
-class Drafter(Protocol):
-  """Proposes draft tokens over a vocabulary of ``vocab_size`` target ids."""
+class Drafter:
+  """Base class of all drafters (see the module docstring for the contract).
 
-  @property
-  def vocab_size(self) -> int:
-    ...
+  Subclasses provide ``vocab_size`` (a field or a property): the size of the
+  target vocabulary their proposals range over.
+  """
 
-  def init(self, draft_params: Any, tokens: jax.Array, prompt_lens: jax.Array) -> Any:
+  # --- capabilities ------------------------------------------------------------
+
+  def supports(self, topology: TreeTopology) -> bool:
+    """Whether ``propose`` can build this topology (default: chains only)."""
+    return topology.is_chain
+
+  def shares_target_cache(self) -> bool:
+    return False
+
+  def reads_target_features(self) -> bool:
+    return False
+
+  def check_params(self, draft_params: Any) -> None:
+    """Raises ValueError for draft params this drafter cannot use (default: accepts any)."""
+
+  # --- the step ----------------------------------------------------------------
+
+  def init(self, draft_params: Any, tokens: jax.Array, prompt_lens: jax.Array,
+           features: Optional[jax.Array] = None) -> Any:
     """State for rows with prompts ``tokens[b, :prompt_lens[b]]`` ([B, S] buffer)."""
+    raise NotImplementedError
 
   def propose(self, draft_params: Any, state: Any, tokens: jax.Array, seq_lens: jax.Array,
-              key: jax.Array, sampler: Sampler, gamma: int) -> tuple[jax.Array, jax.Array, Any]:
-    """Returns (drafts [B, γ] int32, q [B, γ, V] float32, new state)."""
+              key: jax.Array, sampler: Sampler,
+              topology: TreeTopology) -> tuple[Proposal, Any]:
+    """Returns (the proposal of ``topology``'s nodes, new state)."""
+    if not topology.is_chain:
+      raise ValueError(f"{type(self).__name__} builds chains only, not {topology}")
+    drafts, q, state = self.propose_chain(draft_params, state, tokens, seq_lens, key, sampler,
+                                          topology.num_nodes)
+    return Proposal.chain(drafts, q), state
 
-  def rollback(self, state: Any, seq_lens: jax.Array) -> Any:
-    """Forgets everything past the committed ``seq_lens``."""
+  def propose_chain(self, draft_params: Any, state: Any, tokens: jax.Array, seq_lens: jax.Array,
+                    key: jax.Array, sampler: Sampler,
+                    gamma: int) -> tuple[jax.Array, jax.Array, Any]:
+    """Returns (drafts [B, γ] int32, q [B, γ, V] float32, new state)."""
+    raise NotImplementedError
+
+  def observe(self, state: Any, hidden: jax.Array, start: jax.Array) -> Any:
+    """Receives the target's features of the accepted path (feature drafters only)."""
+    return state
+
+  def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> Any:
+    """Forgets everything past the committed ``seq_lens`` (default: stateless)."""
+    return state

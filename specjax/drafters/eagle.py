@@ -28,7 +28,7 @@ Draft params: ``embed_norm`` [D], ``feature_norm`` [D], ``fc`` [2D, D],
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import Optional
 
 import flax.struct
 import jax
@@ -38,9 +38,13 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.distill.vocab import lift_logits
+from specjax.drafters.base import Drafter
+from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.kernels.packed import unpacked
 from specjax.model import Params, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
+from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree_acceptance import AcceptedPath
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -59,32 +63,41 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(Drafter):
   """An EAGLE feature drafter for a target of vocabulary ``cfg.vocab_size``.
 
   Attributes:
     cfg: the draft's layer stack: the target's widths, its own ``num_layers``,
       and the target's ``vocab_size``.
+    tree_draw: how a tree's children are chosen (see ``tree_draft``): each
+      node is fed as the pair (its parent's predicted feature, its token).
+      EAGLE-2 dynamic trees (``DynamicTree``) always take the top-k.
   """
 
   cfg: ModelConfig
-  # The decoder hands ``init`` the prompt's features and ``observe`` those of
-  # every verified block.
-  reads_target_features: ClassVar[bool] = True
+  tree_draw: str = "point_mass"
+
+  def __post_init__(self):
+    if self.tree_draw not in TREE_DRAWS:
+      raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
 
   @property
   def vocab_size(self) -> int:
     return self.cfg.vocab_size
 
+  def supports(self, topology: TreeTopology | DynamicTree) -> bool:
+    return True  # any static tree (``tree_draft.grow``) or EAGLE-2 tree (``grow_dynamic``)
+
   def hidden(self, dp: Params, features: jax.Array, tokens: jax.Array, positions: jax.Array,
-             cache: kvc.KVCache, num_valid: Optional[jax.Array] = None):
+             cache: kvc.KVCache, num_valid: Optional[jax.Array] = None,
+             mask: Optional[jax.Array] = None):
     """Pairs (features [B, T, D], tokens [B, T]) -> (ĥ [B, T, D], new cache)."""
     eps = self.cfg.norm_eps
     x = jnp.concatenate([rms_norm(dp["embed"][tokens], dp["embed_norm"], eps),
                          rms_norm(features.astype(dp["fc"].dtype), dp["feature_norm"], eps)],
                         axis=-1)
     x = x @ dp["fc"] + dp["fc_bias"]
-    h, _, cache = run_layers(dp, self.cfg, x, positions, cache, num_valid=num_valid)
+    h, _, cache = run_layers(dp, self.cfg, x, positions, cache, mask, num_valid=num_valid)
     return h, cache
 
   def head_logits(self, dp: Params, h: jax.Array) -> jax.Array:
@@ -104,7 +117,10 @@ class EagleDrafter:
       return sample_subset(sampler, key, logits, dp["vocab_map"], self.vocab_size)
     return sampler.sample(key, logits)
 
-  def init(self, draft_params, tokens, prompt_lens, features) -> EagleState:
+  def reads_target_features(self) -> bool:
+    return True  # ``init`` gets the prompt's features, ``observe`` each accepted path's
+
+  def init(self, draft_params, tokens, prompt_lens, features=None) -> EagleState:
     """Feeds the prompt's pairs 0…P−2; pair P−1 is pending for the first ``propose``."""
     b, s = tokens.shape
     state = EagleState(cache=kvc.init_cache(self.cfg, b, s), features=features)
@@ -121,18 +137,10 @@ class EagleDrafter:
         hidden.astype(state.features.dtype), mode="drop")
     return state.replace(features=feats)
 
-  def propose(self, draft_params, state: EagleState, tokens, seq_lens, key, sampler: Sampler,
-              gamma: int):
+  def propose_chain(self, draft_params, state: EagleState, tokens, seq_lens, key,
+                    sampler: Sampler, gamma: int):
     b, s = tokens.shape
-    c = state.cache.lengths  # pairs c … seq_lens − 1 are pending (1 … γ+1 of them)
-    pos = c[:, None] + jnp.arange(gamma + 1)[None, :]
-    pair_tokens = jnp.take_along_axis(tokens, jnp.clip(pos, 0, s - 1), axis=1)
-    feats = jnp.take_along_axis(state.features, jnp.clip(pos - 1, 0, s - 1)[:, :, None], axis=1)
-    feats = jnp.where((pos >= 1)[:, :, None], feats, 0.0)
-    num_valid = seq_lens - c
-    h, cache = self.hidden(draft_params, feats, pair_tokens, pos, state.cache, num_valid)
-    last = jnp.clip(num_valid - 1, 0, gamma)[:, None, None]
-    h_last = jnp.take_along_axis(h, last, axis=1)[:, 0]
+    h_last, cache = self._catch_up(draft_params, state, tokens, seq_lens, gamma + 1)
     keys = jax.random.split(key, gamma)
     d1, q1 = self._sample(draft_params, sampler, keys[0], h_last)
 
@@ -148,7 +156,47 @@ class EagleDrafter:
     # Only pairs < seq_lens were built from true features; the rest is scratch.
     return drafts, q, state.replace(cache=cache.with_lengths(seq_lens))
 
-  def rollback(self, state: EagleState, seq_lens) -> EagleState:
+  def _catch_up(self, dp, state: EagleState, tokens, seq_lens, window: int):
+    """Feeds the pending pairs (true features): (ĥ of the last committed position, cache)."""
+    s = tokens.shape[1]
+    c = state.cache.lengths  # pairs c … seq_lens − 1 are pending (1 … window of them)
+    pos = c[:, None] + jnp.arange(window)[None, :]
+    pair_tokens = jnp.take_along_axis(tokens, jnp.clip(pos, 0, s - 1), axis=1)
+    feats = jnp.take_along_axis(state.features, jnp.clip(pos - 1, 0, s - 1)[:, :, None], axis=1)
+    feats = jnp.where((pos >= 1)[:, :, None], feats, 0.0)
+    num_valid = seq_lens - c
+    h, cache = self.hidden(dp, feats, pair_tokens, pos, state.cache, num_valid)
+    last = jnp.clip(num_valid - 1, 0, window - 1)[:, None, None]
+    return jnp.take_along_axis(h, last, axis=1)[:, 0], cache
+
+  def propose(self, draft_params, state: EagleState, tokens, seq_lens, key, sampler: Sampler,
+              topology: TreeTopology | DynamicTree):
+    if topology.is_chain:
+      return super().propose(draft_params, state, tokens, seq_lens, key, sampler, topology)
+    dp = draft_params
+    b = tokens.shape[0]
+    h_root, cache = self._catch_up(dp, state, tokens, seq_lens, topology.max_depth + 1)
+
+    def expand(level_tokens, parent_h, depth, mask):
+      nonlocal cache
+      t, w = mask.shape[-2:]  # [T, W] (static trees) or [B, T, W] (dynamic)
+      positions = jnp.broadcast_to((seq_lens - 1 + depth)[:, None], (b, t))
+      h, cache = self.hidden(dp, parent_h, level_tokens, positions, cache,
+                             num_valid=jnp.zeros((b,), jnp.int32),
+                             mask=jnp.broadcast_to(jnp.asarray(mask), (b, t, w)))
+      return self.head_logits(dp, h), h
+
+    to_target, lift_q = vocab_maps(dp.get("vocab_map"), self.vocab_size)
+    if isinstance(topology, DynamicTree):  # no slot map needed: tree pairs are dropped below
+      proposal, _ = grow_dynamic(topology, self.head_logits(dp, h_root), h_root, expand,
+                                 to_target)
+    else:
+      proposal = grow(topology, sampler, key, self.head_logits(dp, h_root), h_root, expand,
+                      to_target, lift_q, self.tree_draw)
+    # Tree pairs were built from predicted features: only pairs < seq_lens stay.
+    return proposal, state.replace(cache=cache.with_lengths(seq_lens))
+
+  def rollback(self, state: EagleState, seq_lens, accepted: AcceptedPath) -> EagleState:
     return state  # the cache already stops at the last pair of true features
 
 

@@ -18,20 +18,22 @@ them, so the drafter never leaves anything behind: its state is empty.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
+from specjax.drafters.base import Drafter
 from specjax.generate import last_tokens
 from specjax.model import Params, forward
 from specjax.sampling import Sampler
+from specjax.speculative.tree_acceptance import AcceptedPath
 
 
 @dataclasses.dataclass(frozen=True)
-class EarlyExitDrafter:
+class EarlyExitDrafter(Drafter):
   """Drafts with the first ``cfg.num_layers`` layers of the target.
 
   Attributes:
@@ -39,18 +41,19 @@ class EarlyExitDrafter:
   """
 
   cfg: ModelConfig
-  # The decoder hands ``propose`` the target's KV cache as its state.
-  shares_target_cache: ClassVar[bool] = True
 
   @property
   def vocab_size(self) -> int:
     return self.cfg.vocab_size
 
-  def init(self, draft_params, tokens, prompt_lens) -> tuple:
+  def shares_target_cache(self) -> bool:
+    return True  # ``propose`` gets the target's KV cache as its state
+
+  def init(self, draft_params, tokens, prompt_lens, features=None) -> tuple:
     return ()
 
-  def propose(self, draft_params: Params, target_cache: kvc.KVCache, tokens: jax.Array,
-              seq_lens: jax.Array, key: jax.Array, sampler: Sampler, gamma: int):
+  def propose_chain(self, draft_params: Params, target_cache: kvc.KVCache, tokens: jax.Array,
+                    seq_lens: jax.Array, key: jax.Array, sampler: Sampler, gamma: int):
     """Drafts over the target cache's first k layers; returns that k-layer cache as state."""
     k = self.cfg.num_layers
     cache = kvc.KVCache(k=target_cache.k[:k], v=target_cache.v[:k],
@@ -67,7 +70,7 @@ class EarlyExitDrafter:
                                                jax.random.split(key, gamma))
     return drafts.T, jnp.moveaxis(qs, 0, 1), cache
 
-  def rollback(self, state: Any, seq_lens: jax.Array) -> tuple:
+  def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> tuple:
     return ()
 
 

@@ -11,6 +11,12 @@ logits over V_d ids and carries ``vocab_map`` [V_d] of target ids. It samples
 over its V_d rows and lifts q to the target vocabulary with zeros elsewhere
 (``sampling.sample_subset``; the same as warping logits lifted with -inf), so
 tokens outside the map have q = 0 — verification remains exact.
+
+Trees: a static topology is grown by ``tree_draft.grow`` (node i at draft
+slot root + 1 + i, the target's layout); an EAGLE-2 ``DynamicTree`` by
+``tree_draft.grow_dynamic``, whose propose returns a ``DynamicDraftState``
+(the cache plus where each node was written) that ``rollback`` compacts
+back into a plain cache, so the state between steps is always a KVCache.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,23 +32,52 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
+from specjax.drafters.base import Drafter
+from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import prefill
 from specjax.model import Params, forward
 from specjax.sampling import Sampler, sample_subset
+from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree_acceptance import AcceptedPath
+
+
+@flax.struct.dataclass(kw_only=True)
+class DynamicDraftState:
+  """What ``ModelDrafter.propose`` returns for a ``DynamicTree`` (``rollback`` undoes it).
+
+  Attributes:
+    cache: the draft cache, the fed tree nodes written past the root.
+    slots: [B, N] each node's draft-cache slot offset from the root (-1: never fed).
+  """
+
+  cache: kvc.KVCache
+  slots: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(Drafter):
   """A draft model.
 
   Attributes:
     cfg: the draft's config.
     target_vocab_size: when set (reduced vocabulary), the size of the target
       vocabulary; draft_params must then come from ``make_params`` with a map.
+    tree_draw: how a tree's children are chosen: "point_mass" (the top-c
+      draft tokens) or "without_replacement" (c draws from the warped draft,
+      verified with the real q); see ``tree_draft``. Dynamic trees always
+      take the top-k (point mass).
   """
 
   cfg: ModelConfig
   target_vocab_size: Optional[int] = None
+  tree_draw: str = "point_mass"
+
+  def __post_init__(self):
+    if self.tree_draw not in TREE_DRAWS:
+      raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
+
+  def supports(self, topology: TreeTopology | DynamicTree) -> bool:
+    return True  # any static tree (``tree_draft.grow``) or EAGLE-2 tree (``grow_dynamic``)
 
   @property
   def vocab_size(self) -> int:
@@ -95,11 +131,20 @@ class ModelDrafter:
     """Target ids -> draft embedding rows (identity without a reduced vocabulary)."""
     return tokens if "inverse_map" not in dp else dp["inverse_map"][tokens]
 
-  def _forward(self, dp, tokens, positions, cache, num_valid=None):
+  def _forward(self, dp, tokens, positions, cache, num_valid=None, mask=None):
     """Logits over the draft's own rows (Vd) and the new cache."""
-    out = forward(dp["model"], self.cfg, self._draft_ids(dp, tokens), positions, cache,
+    out = forward(dp["model"], self.cfg, self._draft_ids(dp, tokens), positions, cache, mask,
                   num_valid=num_valid)
     return out.logits, out.cache
+
+  def _catch_up(self, dp, state: kvc.KVCache, tokens, seq_lens):
+    """Feeds the 1–2 committed tokens the cache lacks: (logits after the last [B, Vd], cache)."""
+    start = state.lengths  # seq_lens - 2 <= start <= seq_lens - 1
+    idx = start[:, None] + jnp.arange(2)[None, :]
+    pair = jnp.take_along_axis(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)
+    num_valid = seq_lens - start
+    logits, cache = self._forward(dp, pair, idx, state, num_valid)
+    return jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0], cache
 
   def _sample(self, dp, sampler: Sampler, key, logits):
     """(target ids, q over the target vocabulary) from draft-row logits."""
@@ -107,21 +152,16 @@ class ModelDrafter:
       return sample_subset(sampler, key, logits, dp["vocab_map"], self.target_vocab_size)
     return sampler.sample(key, logits)
 
-  def init(self, draft_params, tokens, prompt_lens) -> kvc.KVCache:
+  def init(self, draft_params, tokens, prompt_lens, features=None) -> kvc.KVCache:
     b, s = tokens.shape
     return prefill(draft_params["model"], self.cfg, self._draft_ids(draft_params, tokens),
                    prompt_lens - 1,
                    kvc.init_cache(self.cfg, b, s))
 
-  def propose(self, draft_params, state: kvc.KVCache, tokens, seq_lens, key, sampler: Sampler,
-              gamma: int):
+  def propose_chain(self, draft_params, state: kvc.KVCache, tokens, seq_lens, key,
+                    sampler: Sampler, gamma: int):
     b = tokens.shape[0]
-    start = state.lengths  # seq_lens - 2 <= start <= seq_lens - 1
-    idx = start[:, None] + jnp.arange(2)[None, :]
-    pair = jnp.take_along_axis(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)
-    num_valid = seq_lens - start
-    logits, cache = self._forward(draft_params, pair, idx, state, num_valid)
-    last_logits = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
+    last_logits, cache = self._catch_up(draft_params, state, tokens, seq_lens)
     keys = jax.random.split(key, gamma)
     d1, q1 = self._sample(draft_params, sampler, keys[0], last_logits)
 
@@ -136,6 +176,47 @@ class ModelDrafter:
     q = jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     return drafts, q, cache
 
-  def rollback(self, state: kvc.KVCache, seq_lens) -> kvc.KVCache:
-    # The cache never holds the newest committed token (the next propose feeds it).
-    return state.rollback(seq_lens - 1)
+  def propose(self, draft_params, state: kvc.KVCache, tokens, seq_lens, key, sampler: Sampler,
+              topology: TreeTopology | DynamicTree):
+    if topology.is_chain:
+      return super().propose(draft_params, state, tokens, seq_lens, key, sampler, topology)
+    dp = draft_params
+    root_logits, cache = self._catch_up(dp, state, tokens, seq_lens)  # lengths = seq_lens
+    b = tokens.shape[0]
+
+    def expand(level_tokens, _, depth, mask):
+      nonlocal cache
+      t, w = mask.shape[-2:]  # [T, W] (static trees) or [B, T, W] (dynamic)
+      positions = jnp.broadcast_to((seq_lens - 1 + depth)[:, None], (b, t))
+      logits, cache = self._forward(dp, level_tokens, positions, cache,
+                                    num_valid=jnp.zeros((b,), jnp.int32),
+                                    mask=jnp.broadcast_to(jnp.asarray(mask), (b, t, w)))
+      return logits, None
+
+    to_target, lift_q = vocab_maps(dp.get("vocab_map"), self.vocab_size)
+    if isinstance(topology, DynamicTree):
+      proposal, slots = grow_dynamic(topology, root_logits, None, expand, to_target)
+      return proposal, DynamicDraftState(cache=cache, slots=slots)
+    proposal = grow(topology, sampler, key, root_logits, None, expand, to_target, lift_q,
+                    self.tree_draw)
+    return proposal, cache
+
+  def rollback(self, state: kvc.KVCache | DynamicDraftState, seq_lens,
+               accepted: AcceptedPath) -> kvc.KVCache:
+    if isinstance(state, DynamicDraftState):
+      # Node j was written at slot root + slots[j]; every accepted node but
+      # possibly the last has children, so was fed (a frontier node).
+      node = jnp.maximum(accepted.path[:, 1:] - 1, 0)
+      src = jnp.where(accepted.path[:, 1:] >= 0,
+                      jnp.take_along_axis(state.slots, node, axis=1), -1)
+      fed = jnp.sum(src >= 0, axis=1)
+      src = jnp.concatenate([jnp.zeros_like(src[:, :1]), src], axis=1)  # the root stays put
+      return kvc.compact(state.cache, accepted.start, src).with_lengths(
+          jnp.minimum(seq_lens - 1, accepted.start + 1 + fed))
+    # The draft wrote node i at slot root + 1 + i (``tree_draft``), the target's
+    # layout: the same compaction applies. It fed every depth but the last, and
+    # never the newest committed token (the next propose feeds it).
+    depth = accepted.path.shape[1] - 1
+    fed = accepted.start + 1 + jnp.minimum(accepted.num_accepted, depth - 1)
+    return kvc.compact(state, accepted.start, accepted.path).with_lengths(
+        jnp.minimum(seq_lens - 1, fed))

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafters.base import Drafter
 from specjax.sampling import Sampler
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(Drafter):
   """Order-1 (unigram) or order-2 (bigram) draft; tables live in ``draft_params``."""
 
   vocab_size: int
@@ -30,11 +31,8 @@ class NgramDrafter:
     if self.order not in (1, 2):
       raise ValueError(f"order must be 1 (unigram) or 2 (bigram), got {self.order}")
 
-  def init(self, draft_params, tokens, prompt_lens):
+  def init(self, draft_params, tokens, prompt_lens, features=None):
     return ()
-
-  def rollback(self, state, seq_lens):
-    return state
 
   def log_q(self, draft_params, prev: jax.Array) -> jax.Array:
     """[B, V] draft log-probabilities given the previous token [B]."""
@@ -46,7 +44,8 @@ class NgramDrafter:
       q = q.at[rows, draft_params["next_ids"][prev]].add(lam * draft_params["next_probs"][prev])
     return jnp.log(jnp.maximum(q, 1e-30))
 
-  def propose(self, draft_params, state, tokens, seq_lens, key, sampler: Sampler, gamma: int):
+  def propose_chain(self, draft_params, state, tokens, seq_lens, key, sampler: Sampler,
+                    gamma: int):
     prev = jnp.take_along_axis(tokens, (seq_lens - 1)[:, None], axis=1)[:, 0]
 
     def step(prev, k):

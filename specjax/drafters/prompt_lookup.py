@@ -16,11 +16,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.base import Drafter
 from specjax.sampling import Sampler
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
   """n-gram lookup over the context (no weights, no state)."""
 
   vocab_size: int
@@ -31,11 +32,8 @@ class PromptLookupDrafter:
     if not 1 <= self.min_ngram <= self.max_ngram:
       raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
-  def init(self, draft_params, tokens, prompt_lens):
+  def init(self, draft_params, tokens, prompt_lens, features=None):
     return ()
-
-  def rollback(self, state, seq_lens):
-    return state
 
   def lookup(self, tokens: jax.Array, seq_lens: jax.Array, gamma: int) -> jax.Array:
     """[B, γ] proposals from the latest earlier match of the longest matching suffix."""
@@ -59,7 +57,8 @@ class PromptLookupDrafter:
     usable = (best_start[:, None] >= 0) & (idx < seq_lens[:, None])
     return jnp.where(usable, cont, last).astype(jnp.int32)
 
-  def propose(self, draft_params, state, tokens, seq_lens, key, sampler: Sampler, gamma: int):
+  def propose_chain(self, draft_params, state, tokens, seq_lens, key, sampler: Sampler,
+                    gamma: int):
     del draft_params, key, sampler  # deterministic: q is one-hot whatever the sampler
     drafts = self.lookup(tokens, seq_lens, gamma)
     return drafts, jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32), state

@@ -1,19 +1,25 @@
-"""The draft–verify loop: propose → verify → accept → commit/rollback, one jitted while loop.
+"""The draft–verify loop: propose → verify → accept → commit → rollback, one jitted while loop.
 
-γ, the sampler, the drafter and the model configs are static (fields of the
-frozen ``SpeculativeDecoder``); prompt lengths, acceptance counts and budgets
-are arrays, so nothing recompiles across prompts or acceptance patterns.
+The step is the same for chains and token trees: a chain of γ drafts is the
+topology ``TreeTopology.chain(γ)``. The topology, the sampler, the drafter
+and the model configs are static (fields of the frozen
+``SpeculativeDecoder``); prompt lengths, acceptance, budgets and the
+contents of dynamic trees are arrays, so nothing recompiles across prompts,
+acceptance patterns or trees.
 
 Step, for a row with committed length s (the target cache holds s − 1):
-  propose: the drafter samples d₁…d_γ with distributions q₁…q_γ;
-  verify:  the target runs [x_{s−1}, d₁…d_γ] at positions s−1…s−1+γ in one
-           forward, giving p₁…p_{γ+1};
-  accept:  modified rejection sampling keeps n drafts and draws one more
-           token (``acceptance.accept``);
-  observe: a feature drafter (EAGLE) receives the target's hidden states of
-           the verified block;
-  commit:  d₁…dₙ and the extra token are appended (trimmed at EOS/budget);
-  rollback: both caches are cut back to the new committed length − 1.
+  propose: the drafter builds a ``Proposal`` of the topology's N nodes;
+  verify:  the target runs the block [x_{s−1}, nodes...] in one forward at
+           positions s − 1 + depth under the tree's ancestor mask, giving p at
+           every block entry (``TargetScores``);
+  accept:  a lossless rule picks the accepted path (n nodes) and draws one
+           more token (``tree_acceptance.accept_tree``);
+  commit:  the path's tokens and the extra token are appended, trimmed at
+           EOS/budget (``sequences.append``); the path's keys and values move
+           to contiguous slots (``kv_cache.compact``, skipped for chains,
+           where the path already is contiguous); a feature drafter (EAGLE)
+           receives the target's features along the path;
+  rollback: both models forget everything past the new committed length.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,114 +35,169 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax import validation
+from specjax.attention import resolve_impl
 from specjax.config import ModelConfig
-from specjax.drafters.base import Drafter
-from specjax.generate import check_sampler, is_eos, last_tokens, prefill
+from specjax.generate import check_sampler, last_tokens, prefill
 from specjax.model import Params, forward
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
-from specjax.speculative.acceptance import Acceptance, accept
+from specjax.sequences import append
 from specjax.speculative.metrics import SpecResult, summarize
+from specjax.speculative.proposal import Proposal
 from specjax.speculative.state import SpecCounters, SpecState
+from specjax.speculative.tree import (DynamicTree, TreeTopology, block_mask_from_parents,
+                                      depth_from_parents)
+from specjax.speculative.tree_acceptance import (AcceptedPath, TreeAcceptance, accept_tree,
+                                                 accepted_tokens)
+
+if TYPE_CHECKING:
+  from specjax.drafters.base import Drafter
+
+
+class TargetScores(NamedTuple):
+  """What verification returns.
+
+  Attributes:
+    p: [B, N + 1, V] the target's warped distributions at every block entry.
+    cache: the target cache with the block written at slots s − 1 … s − 1 + N.
+    hidden: [B, N + 1, D] the target's features of the block (for EAGLE).
+  """
+
+  p: jax.Array
+  cache: kvc.KVCache
+  hidden: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeDecoder:
-  """Lossless speculative decoding of a target with any drafter.
+  """Lossless speculative decoding of a target with any drafter, over chains or trees.
 
   Attributes:
     target_cfg: the target's config.
-    drafter: proposes γ tokens (see ``specjax.drafters``).
-    gamma: draft length γ >= 1 (static).
+    drafter: builds proposals (see ``specjax.drafters``); must support ``tree``.
+    gamma: draft length γ >= 1 of a chain (static); with ``tree`` given it
+      defaults to, and must equal, the tree's depth D.
     sampler: Greedy() or Sampling(...), applied identically to target and draft.
     eos_ids: stop tokens (any sequence of ints, stored as a tuple); default the target's.
+    tree: the static topology (``TreeTopology``), default the chain of γ; or
+      an EAGLE-2 ``DynamicTree`` (N nodes of depth <= D, per-row parents).
+    attention_impl: the target's attention in verification (``specjax.attention``:
+      "auto", "reference", "pallas", "pallas_tpu_interpret", ...).
+
+  Example::
+
+      dec = SpeculativeDecoder(cfg, drafter, tree=TreeTopology.from_choices(
+          [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]))
+      out = dec.generate(target_params, draft_params, prompts, max_new_tokens=64)
   """
 
   target_cfg: ModelConfig
-  drafter: Drafter
-  gamma: int = 4
+  drafter: "Drafter"
+  gamma: Optional[int] = None
   sampler: Sampler = Greedy()
   eos_ids: Optional[tuple[int, ...]] = None
+  tree: Optional[TreeTopology | DynamicTree] = None
+  attention_impl: str = "auto"
 
   def __post_init__(self):
-    object.__setattr__(self, "gamma", validation.as_int(self.gamma, "gamma", 1))
+    if self.tree is None:
+      gamma = validation.as_int(4 if self.gamma is None else self.gamma, "gamma", 1)
+      object.__setattr__(self, "tree", TreeTopology.chain(gamma))
+    elif not isinstance(self.tree, (TreeTopology, DynamicTree)):
+      raise TypeError(f"tree must be a TreeTopology or DynamicTree, got "
+                      f"{type(self.tree).__name__}")
+    elif self.gamma is not None and self.gamma != self.tree.max_depth:
+      raise ValueError(f"gamma={self.gamma} disagrees with the tree's depth "
+                       f"{self.tree.max_depth}; leave gamma unset with a tree")
+    object.__setattr__(self, "gamma", self.tree.max_depth)
     check_sampler(self.sampler)
     if self.drafter.vocab_size != self.target_cfg.vocab_size:
       raise ValueError(
           f"vocabulary mismatch: the drafter proposes over {self.drafter.vocab_size} tokens but "
           f"the target has {self.target_cfg.vocab_size}; speculative decoding needs one vocabulary")
+    if not self.drafter.supports(self.tree):
+      raise ValueError(f"{type(self.drafter).__name__} cannot build {self.tree} (see its "
+                       "supports()); drafters that build chains only take gamma or "
+                       "TreeTopology.chain(γ)")
+    resolve_impl(self.attention_impl)  # unknown names fail here, not at trace time
     eos = self.target_cfg.eos_token_ids if self.eos_ids is None else self.eos_ids
     object.__setattr__(self, "eos_ids", validation.token_ids(eos, "eos_ids"))
 
   # --- the algorithm's steps -------------------------------------------------
 
-  def propose(self, draft_params: Any, state: SpecState, key: jax.Array):
-    """Draft γ tokens: (drafts [B, γ], q [B, γ, V], new draft state)."""
+  def propose(self, draft_params: Any, state: SpecState, key: jax.Array) -> tuple[Proposal, Any]:
+    """The drafter's proposal of the tree's nodes, and its new state."""
     # A drafter that shares the target's KV cache (early exit) reads it as its
     # state; it only writes scratch slots, which verify overwrites.
-    draft_state = (state.target_cache if getattr(self.drafter, "shares_target_cache", False)
+    draft_state = (state.target_cache if self.drafter.shares_target_cache()
                    else state.draft_state)
     return self.drafter.propose(draft_params, draft_state, state.tokens, state.seq_lens,
-                                key, self.sampler, self.gamma)
+                                key, self.sampler, self.tree)
 
-  def verify(self, target_params: Params, state: SpecState, drafts: jax.Array):
-    """One target forward over the last committed token and the drafts.
+  def verify(self, target_params: Params, state: SpecState, proposal: Proposal) -> TargetScores:
+    """One target forward over the root (the last committed token) and the tree's nodes."""
+    b = proposal.tokens.shape[0]
+    t = self.tree.num_nodes + 1
+    block = jnp.concatenate([last_tokens(state.tokens, state.seq_lens), proposal.tokens], axis=1)
+    if proposal.parents is None:
+      depth = jnp.asarray(self.tree.block_depth)[None, :]
+      mask = jnp.broadcast_to(jnp.asarray(self.tree.block_mask), (b, t, t))
+    else:
+      depth = depth_from_parents(proposal.parents, self.tree.max_depth)
+      mask = block_mask_from_parents(proposal.parents, self.tree.max_depth)
+    positions = (state.seq_lens - 1)[:, None] + depth
+    out = forward(target_params, self.target_cfg, block, positions, state.target_cache, mask,
+                  num_valid=jnp.full((b,), t, jnp.int32), attention_impl=self.attention_impl)
+    return TargetScores(p=self.sampler.probs(out.logits), cache=out.cache, hidden=out.hidden)
 
-    Returns (p [B, γ+1, V], the new target cache, hidden [B, γ+1, D]: the
-    target's features of the block, for feature drafters).
+  def accept(self, key: jax.Array, proposal: Proposal, scores: TargetScores) -> TreeAcceptance:
+    return accept_tree(key, proposal, scores.p, self.tree,
+                       greedy=isinstance(self.sampler, Greedy))
+
+  def commit(self, state: SpecState, proposal: Proposal, acc: TreeAcceptance,
+             scores: TargetScores, draft_state: Any) -> tuple[SpecState, jax.Array]:
+    """Appends the path and the extra token; compacts the cache; hands EAGLE the path's features.
+
+    Returns (the new state, with both caches cut back to the new committed
+    length − 1, and [B] tokens appended).
     """
-    b = drafts.shape[0]
-    block = jnp.concatenate([last_tokens(state.tokens, state.seq_lens), drafts], axis=1)
-    positions = (state.seq_lens - 1)[:, None] + jnp.arange(self.gamma + 1)[None, :]
-    out = forward(target_params, self.target_cfg, block, positions, state.target_cache,
-                  num_valid=jnp.full((b,), self.gamma + 1, jnp.int32))
-    return self.sampler.probs(out.logits), out.cache, out.hidden
+    start = state.seq_lens - 1  # the root's position and slot
+    new, n_emit = append(state, accepted_tokens(proposal, acc), acc.num_accepted + 1,
+                         self.eos_ids)
+    cache = scores.cache
+    if not (self.tree.is_chain and proposal.parents is None):  # a chain is already in place
+      cache = kvc.compact(cache, start, acc.path)
+    if self.drafter.reads_target_features():
+      levels = jnp.arange(acc.path.shape[1])[None, :]
+      along = jnp.where(acc.path >= 0, acc.path, levels)
+      hidden = jnp.take_along_axis(scores.hidden, along[:, :, None], axis=1)
+      draft_state = self.drafter.observe(draft_state, hidden, start)
+    accepted = AcceptedPath(start=start, path=acc.path, num_accepted=acc.num_accepted)
+    new = new.replace(target_cache=cache.with_lengths(new.seq_lens - 1),
+                      draft_state=self.drafter.rollback(draft_state, new.seq_lens, accepted))
+    return new, n_emit
 
-  def observe(self, state: SpecState, draft_state: Any, hidden: jax.Array) -> Any:
-    """Hands a feature drafter the target's features of the verified block (positions s−1…)."""
-    if not getattr(self.drafter, "reads_target_features", False):
-      return draft_state
-    return self.drafter.observe(draft_state, hidden, state.seq_lens - 1)
-
-  def accept(self, key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) -> Acceptance:
-    return accept(key, drafts, q, p)
-
-  def commit(self, state: SpecState, drafts: jax.Array, acc: Acceptance) -> SpecState:
-    """Appends accepted drafts + the extra token, trimmed at EOS and at the budget."""
-    b, s = state.tokens.shape
-    g = self.gamma
-    active = ~state.done
-    j = jnp.arange(g + 1)[None, :]
-    emitted = jnp.where(j < acc.num_accepted[:, None],
-                        jnp.concatenate([drafts, drafts[:, :1]], axis=1),
-                        acc.next_token[:, None])  # [B, γ+1]; valid for j <= n
-    n_emit = acc.num_accepted + 1
-    eos_at = jnp.where(is_eos(emitted, self.eos_ids) & (j < n_emit[:, None]), j, g + 1)
-    first_eos = jnp.min(eos_at, axis=1)
-    n_emit = jnp.minimum(jnp.minimum(n_emit, first_eos + 1), state.max_lens - state.seq_lens)
-    n_emit = jnp.where(active, n_emit, 0)
-    slots = jnp.where(j < n_emit[:, None], state.seq_lens[:, None] + j, s)  # s: dropped
-    tokens = state.tokens.at[jnp.arange(b)[:, None], slots].set(emitted, mode="drop")
-    seq_lens = state.seq_lens + n_emit
-    done = state.done | (active & ((first_eos < n_emit) | (seq_lens >= state.max_lens)))
-    return state.replace(tokens=tokens, seq_lens=seq_lens, done=done)
-
-  def rollback(self, state: SpecState, target_cache: kvc.KVCache, draft_state: Any) -> SpecState:
-    """Both models forget everything past the new committed length (a length update)."""
-    return state.replace(target_cache=target_cache.with_lengths(state.seq_lens - 1),
-                         draft_state=self.drafter.rollback(draft_state, state.seq_lens))
-
-  def count(self, counters: SpecCounters, active: jax.Array, acc: Acceptance,
-            n_emit: jax.Array) -> SpecCounters:
-    g = self.gamma
+  def count(self, counters: SpecCounters, active: jax.Array, proposal: Proposal,
+            acc: TreeAcceptance, n_emit: jax.Array) -> SpecCounters:
+    d = self.tree.max_depth
     a = active.astype(jnp.int32)
-    scored = (jnp.arange(g)[None, :] <= acc.num_accepted[:, None]) & active[:, None]
-    return counters.replace(
-        target_calls=counters.target_calls + a, drafted=counters.drafted + g * a,
+    levels = jnp.arange(d)[None, :]
+    accepted_at = (levels < acc.num_accepted[:, None]) & active[:, None]  # [B, D]
+    rank = _node_ranks(proposal, self.tree)  # [B, N]
+    path_rank = jnp.take_along_axis(rank, jnp.maximum(acc.path[:, 1:] - 1, 0), axis=1)  # [B, D]
+    rank_hit = jax.nn.one_hot(path_rank, counters.accepted_rank.shape[-1], dtype=jnp.int32)
+    counters = counters.replace(
+        target_calls=counters.target_calls + a,
+        drafted=counters.drafted + self.tree.num_nodes * a,
         accepted=counters.accepted + acc.num_accepted * a, emitted=counters.emitted + n_emit,
-        accepted_at=counters.accepted_at + (acc.accepted & active[:, None]),
+        accepted_at=counters.accepted_at + accepted_at,
         accept_len_hist=counters.accept_len_hist
-        + jax.nn.one_hot(acc.num_accepted, g + 1, dtype=jnp.int32) * a[:, None],
+        + jax.nn.one_hot(acc.num_accepted, d + 1, dtype=jnp.int32) * a[:, None],
+        accepted_rank=counters.accepted_rank + rank_hit * accepted_at[:, :, None])
+    if not (self.tree.is_chain and proposal.draw == "sampled"):
+      return counters  # β = Σ min(p, q) is defined for chains of sampled drafts only
+    scored = (levels <= acc.num_accepted[:, None]) & active[:, None]
+    return counters.replace(
         beta_sum=counters.beta_sum + jnp.sum(jnp.where(scored, acc.beta, 0.0), axis=1),
         beta_count=counters.beta_count + jnp.sum(scored, axis=1))
 
@@ -145,16 +206,14 @@ class SpeculativeDecoder:
   def step(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
     """One full speculative step (pure)."""
     rng, k_draft, k_accept = jax.random.split(state.rng, 3)
-    drafts, q, draft_state = self.propose(draft_params, state, k_draft)
-    p, target_cache, hidden = self.verify(target_params, state, drafts)
-    acc = self.accept(k_accept, drafts, q, p)
-    draft_state = self.observe(state, draft_state, hidden)
-    return self._finish(state, drafts, acc, target_cache, draft_state, rng)
+    proposal, draft_state = self.propose(draft_params, state, k_draft)
+    scores = self.verify(target_params, state, proposal)
+    return self._finish(state, proposal, scores, k_accept, draft_state, rng)
 
-  def _finish(self, state, drafts, acc, target_cache, draft_state, rng) -> SpecState:
-    new = self.commit(state, drafts, acc)
-    new = self.rollback(new, target_cache, draft_state)
-    counters = self.count(state.counters, ~state.done, acc, new.seq_lens - state.seq_lens)
+  def _finish(self, state, proposal, scores, key, draft_state, rng) -> SpecState:
+    acc = self.accept(key, proposal, scores)
+    new, n_emit = self.commit(state, proposal, acc, scores, draft_state)
+    counters = self.count(state.counters, ~state.done, proposal, acc, n_emit)
     return new.replace(rng=rng, steps=state.steps + 1, counters=counters)
 
   @functools.partial(jax.jit, static_argnames=("self",))
@@ -163,7 +222,7 @@ class SpeculativeDecoder:
     """Prefills both models with each prompt minus its last token."""
     b, s = tokens.shape
     empty = kvc.init_cache(self.target_cfg, b, s)
-    if getattr(self.drafter, "reads_target_features", False):
+    if self.drafter.reads_target_features():
       target_cache, hidden = prefill(target_params, self.target_cfg, tokens, prompt_lens - 1,
                                      empty, return_hidden=True)
       draft_state = self.drafter.init(draft_params, tokens, prompt_lens, features=hidden)
@@ -175,7 +234,8 @@ class SpeculativeDecoder:
                      done=prompt_lens >= max_lens, target_cache=target_cache,
                      draft_state=draft_state, rng=rng,
                      steps=jnp.zeros((), jnp.int32),
-                     counters=SpecCounters.zeros(b, self.gamma))
+                     counters=SpecCounters.zeros(b, self.tree.max_depth,
+                                                 self.tree.max_children))
 
   @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
   def run(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
@@ -190,10 +250,11 @@ class SpeculativeDecoder:
               cache_size: Optional[int] = None) -> tuple[SpecState, np.ndarray]:
     """Validates parameters and prompts and packs them (before any compilation), then prefills."""
     validation.check_params(target_params, self.target_cfg, "target_params")
-    if hasattr(self.drafter, "check_params"):
-      self.drafter.check_params(draft_params)
+    self.drafter.check_params(draft_params)
     cfg = self.target_cfg
-    tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, headroom=self.gamma,
+    # Verification (and tree drafting) writes past the committed prefix.
+    tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size,
+                                   headroom=self.tree.cache_headroom,
                                    vocab_size=cfg.vocab_size, max_cache_size=cfg.max_cache_size,
                                    max_positions=cfg.max_position_embeddings,
                                    cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
@@ -245,23 +306,26 @@ class SpeculativeDecoder:
     while not bool(jnp.all(state.done)):
       t0 = time.perf_counter()
       rng, k_draft, k_accept = jax.random.split(state.rng, 3)
-      drafts, q, draft_state = jax.block_until_ready(propose(draft_params, state, k_draft))
+      proposal, draft_state = jax.block_until_ready(propose(draft_params, state, k_draft))
       t1 = time.perf_counter()
-      p, target_cache, hidden = jax.block_until_ready(verify(target_params, state, drafts))
+      scores = jax.block_until_ready(verify(target_params, state, proposal))
       t2 = time.perf_counter()
-      state = jax.block_until_ready(
-          finish(state, drafts, q, p, k_accept, target_cache, hidden, draft_state, rng))
+      state = jax.block_until_ready(finish(state, proposal, scores, k_accept, draft_state, rng))
       t3 = time.perf_counter()
       yield state, {"draft": t1 - t0, "verify": t2 - t1, "other": t3 - t2}
+
+
+def _node_ranks(proposal: Proposal, tree: TreeTopology) -> jax.Array:
+  """[B, N] each node's rank among its siblings (static trees: the topology's)."""
+  b, n = proposal.tokens.shape
+  if proposal.parents is None:
+    return jnp.broadcast_to(jnp.asarray(tree.ranks, jnp.int32), (b, n))
+  par = proposal.parents
+  earlier = jnp.tril(jnp.ones((n, n), bool), -1)[None]  # earlier[i, j]: j < i
+  return jnp.sum(earlier & (par[:, :, None] == par[:, None, :]), axis=-1).astype(jnp.int32)
 
 
 @functools.lru_cache(maxsize=32)
 def _phase_fns(dec: SpeculativeDecoder):
   """Separately jitted phases of one step (for ``stream``)."""
-
-  def finish(state, drafts, q, p, key, target_cache, hidden, draft_state, rng):
-    draft_state = dec.observe(state, draft_state, hidden)
-    return dec._finish(state, drafts, dec.accept(key, drafts, q, p), target_cache, draft_state,
-                       rng)
-
-  return jax.jit(dec.propose), jax.jit(dec.verify), jax.jit(finish)
+  return jax.jit(dec.propose), jax.jit(dec.verify), jax.jit(dec._finish)

@@ -2,8 +2,13 @@
 
 Conventions:
   * α (``alpha``) is the paper's E[β], β = Σₓ min(p(x), q(x)), averaged over
-    draft positions up to and including the first rejection of each step.
-  * ``acceptance_rate`` is accepted drafts / proposed drafts (γ per step).
+    draft positions up to and including the first rejection of each step;
+    defined for chains of sampled drafts only (NaN for trees and point-mass drafts).
+  * ``acceptance_rate`` is accepted drafts / proposed drafts (γ per step for a
+    chain, the N nodes for a tree, of which at most D can be accepted).
+  * ``accepted_at[d]`` counts steps that accepted a node at depth d + 1 and
+    ``accepted_rank[d, r]`` those whose accepted depth-(d + 1) node had sibling
+    rank r: the per-depth, per-rank acceptance of ``tree_builders``.
   * ``tokens_per_call`` counts every emitted token, including the corrected or
     bonus token drawn from the target, per target forward: it estimates the
     paper's E[#tokens per iteration] = (1 − α^{γ+1}) / (1 − α) (before EOS or
@@ -27,7 +32,7 @@ class SpecResult:
     prompt_lens, seq_lens: [B].
     steps: speculative steps (= target verify forwards) of the batch.
     seconds: wall time of the call.
-    gamma: the draft length.
+    gamma: the draft length (a tree's depth D).
     per_row: dict of [B] / [B, γ(+1)] arrays (see ``SpecCounters``).
     timing: seconds in draft / verify / other, when generated with ``profile=True``.
   """

@@ -17,12 +17,17 @@ class SpecCounters:
 
   Attributes:
     target_calls: [B] verification forwards (one per step) that served the row.
-    drafted: [B] draft tokens proposed (γ per step).
+    drafted: [B] draft tokens proposed (N tree nodes per step; γ for a chain).
     accepted: [B] draft tokens accepted by the rule (before EOS/budget trimming).
     emitted: [B] tokens appended to the output (accepted + corrected/bonus,
       trimmed at EOS and at the budget).
-    accepted_at: [B, γ] how often draft position i was accepted.
-    accept_len_hist: [B, γ+1] how often exactly n drafts were accepted.
+    accepted_at: [B, D] how often a node at depth i + 1 was accepted (for a
+      chain, draft position i).
+    accept_len_hist: [B, D+1] how often exactly n drafts were accepted.
+    accepted_rank: [B, D, R] how often the accepted node at depth d + 1 was
+      its parent's child of rank r (R = the most children a node has); with
+      ``accept_len_hist`` this gives the per-depth, per-rank acceptance that
+      ``tree_builders`` turns into the best static tree.
     beta_sum: [B] Σ β over scored positions (positions up to the first
       rejection, whose prefix is a target sample — the paper's E[β] protocol).
     beta_count: [B] number of such positions.
@@ -34,15 +39,17 @@ class SpecCounters:
   emitted: jax.Array
   accepted_at: jax.Array
   accept_len_hist: jax.Array
+  accepted_rank: jax.Array
   beta_sum: jax.Array
   beta_count: jax.Array
 
   @classmethod
-  def zeros(cls, batch_size: int, gamma: int) -> "SpecCounters":
+  def zeros(cls, batch_size: int, max_depth: int, max_rank: int = 1) -> "SpecCounters":
     z = lambda *s: jnp.zeros(s, jnp.int32)
     return cls(target_calls=z(batch_size), drafted=z(batch_size), accepted=z(batch_size),
-               emitted=z(batch_size), accepted_at=z(batch_size, gamma),
-               accept_len_hist=z(batch_size, gamma + 1),
+               emitted=z(batch_size), accepted_at=z(batch_size, max_depth),
+               accept_len_hist=z(batch_size, max_depth + 1),
+               accepted_rank=z(batch_size, max_depth, max_rank),
                beta_sum=jnp.zeros((batch_size,), jnp.float32), beta_count=z(batch_size))
 
 

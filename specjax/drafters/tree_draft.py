@@ -1,0 +1,190 @@
+"""One skeleton that grows a static token tree from any model-like draft, one depth per forward.
+
+A drafter supplies two things:
+  * the draft's logits at the root (after it has caught up with the
+    committed sequence), plus any per-entry carry it needs (EAGLE: the
+    predicted feature ĥ; a token draft: nothing);
+  * ``expand(tokens, carry, depth, mask)``: one draft forward over the T nodes
+    of one depth, whose tokens sit at the end of a window of W = (nodes so
+    far) slots after the root; ``mask`` [T, W] says which earlier nodes each
+    sees (its ancestors and itself). It returns the nodes' logits and carry.
+
+The skeleton picks each node's children from its logits: the top-c tokens
+("point_mass", the EAGLE-2 / Medusa choice: deterministic, so verification
+treats each as a point mass), or c draws without replacement from the warped
+distribution by the Gumbel-top-k trick ("without_replacement", SpecInfer
+style, verified with the real q). Nodes of the deepest level are never fed.
+
+Node i of the topology is written by the draft at slot ``root + 1 + i``, the
+same layout as the target's verify block, so ``kv_cache.compact`` with the
+accepted path serves both caches.
+
+Dynamic trees (EAGLE-2, ``grow_dynamic``) keep the same ``expand`` but choose
+the shape per row: each depth feeds a frontier of the k best nodes so far (by
+cumulative draft log-probability) under a per-row mask [B, k, W], and the N
+best of all candidates become the proposal with per-row ``parents``.
+
+Example (a two-level tree, point mass)::
+
+    tree = TreeTopology((-1, -1, 0))      # the root's top-2, then node 0's top-1
+    proposal, carry = grow(tree, sampler, key, root_logits, None, expand, draft_to_target)
+    # proposal.tokens[b] = [top1(root), top2(root), top1(node 0)]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.sampling import Greedy, Sampler
+from specjax.speculative.proposal import Proposal
+from specjax.speculative.tree import DynamicTree, TreeTopology
+
+TREE_DRAWS = ("point_mass", "without_replacement")
+
+# expand(tokens [B, T] target ids, carry of the nodes' parents [B, T, ...], depth,
+#        mask [T, W]) -> (logits [B, T, Vd], carry [B, T, ...])
+Expand = Callable[[jax.Array, Any, int, np.ndarray], tuple[jax.Array, Any]]
+
+
+def vocab_maps(vocab_map: Optional[jax.Array], vocab_size: int):
+  """(draft row ids -> target ids, draft probabilities [..., Vd] -> [..., V]) for ``grow``.
+
+  Identities without a reduced vocabulary (``vocab_map`` None).
+  """
+  if vocab_map is None:
+    return (lambda ids: ids), (lambda q: q)
+  lift = lambda q: jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., vocab_map].set(q)
+  return (lambda ids: vocab_map[ids]), lift
+
+
+def _take(x: Any, idx: np.ndarray) -> Any:
+  """Entries ``idx`` along axis 1 of every leaf of a carry pytree."""
+  return jax.tree.map(lambda a: a[:, idx], x)
+
+
+def grow(tree: TreeTopology, sampler: Sampler, key: jax.Array, root_logits: jax.Array,
+         root_carry: Any, expand: Expand, to_target: Callable[[jax.Array], jax.Array],
+         lift_q: Optional[Callable[[jax.Array], jax.Array]] = None,
+         draw: str = "point_mass") -> Proposal:
+  """Grows ``tree`` from the root's draft logits; returns the proposal.
+
+  Args:
+    tree: the static topology.
+    sampler: the decoder's sampler (Greedy always gives point-mass children).
+    key: PRNG key (used by "without_replacement" only).
+    root_logits: [B, Vd] the draft's logits after the root.
+    root_carry: pytree of [B, ...] arrays at the root (None if unused).
+    expand: one draft forward per depth (see the module docstring).
+    to_target: draft row ids -> target ids (identity without a reduced vocabulary).
+    lift_q: warped draft probabilities [..., Vd] -> [..., V] (needed for
+      "without_replacement").
+    draw: one of ``TREE_DRAWS``.
+  """
+  if draw not in TREE_DRAWS:
+    raise ValueError(f"unknown tree draw {draw!r}; expected one of {TREE_DRAWS}")
+  sampled = draw == "without_replacement" and not isinstance(sampler, Greedy)
+  bp = tree.block_parents
+  ranks = np.asarray(tree.ranks)
+  levels = tree.level_ranges
+  logits = root_logits[:, None]  # [B, 1, Vd]: the logits of the previous level's entries
+  carry = jax.tree.map(lambda a: a[:, None], root_carry)
+  prev_start = -1  # block index of the previous level's first entry, minus one (root: 0)
+  tokens, qs = [], []
+  keys = jax.random.split(key, len(levels))
+  for d, (start, stop) in enumerate(levels, start=1):
+    local = bp[1 + start:1 + stop] - (prev_start + 1)  # parent's index within its level
+    k = int(ranks[start:stop].max()) + 1
+    if sampled:
+      logq = jnp.log(sampler.probs(logits))  # [B, T_prev, Vd]; -inf outside the support
+      perturbed = logq + jax.random.gumbel(keys[d - 1], logq.shape)
+      ids = jax.lax.top_k(perturbed, k)[1]
+      qs.append(lift_q(jnp.exp(logq))[:, local])
+    else:
+      ids = jax.lax.top_k(logits, k)[1]  # [B, T_prev, k]
+    level_tokens = to_target(ids[:, local, ranks[start:stop]]).astype(jnp.int32)  # [B, T]
+    tokens.append(level_tokens)
+    if d < len(levels):
+      mask = tree.block_mask[1 + start:1 + stop, 1:1 + stop]  # [T, W]: earlier nodes + itself
+      logits, carry = expand(level_tokens, _take(carry, local), d, mask)
+    prev_start = start
+  tokens = jnp.concatenate(tokens, axis=1)
+  if sampled:
+    return Proposal(tokens=tokens, q=jnp.concatenate(qs, axis=1), draw="without_replacement")
+  return Proposal(tokens=tokens, draw="point_mass")
+
+
+def grow_dynamic(tree: DynamicTree, root_logits: jax.Array, root_carry: Any, expand: Expand,
+                 to_target: Callable[[jax.Array], jax.Array]) -> tuple[Proposal, jax.Array]:
+  """Grows an EAGLE-2 dynamic tree from the root's draft logits.
+
+  Scores are cumulative log-probabilities of the *raw* draft logits
+  (temperature 1, as EAGLE-2): the tree is a deterministic function of the
+  context, verified as point masses, so it is lossless under any sampler.
+  Candidates ("the pool", P = k + (D - 1) k² entries, depth-major): the root's
+  top-k (depth 1), then for each depth d < D the top-k children of each of
+  the k frontier nodes of depth d (k² entries, score = parent's + log p). The
+  frontier of depth 1 is the root's top-k; that of depth d + 1 the k best of
+  depth d + 1's k² candidates. Frontier nodes of depth d < D are fed in one
+  ``expand`` over window slots (d - 1) k … d k - 1 (W = d k; frontier node f
+  of depth d sits at draft-cache slot root + 1 + (d - 1) k + f), each seeing
+  its ancestors and itself. Finally the N best candidates (ties: smaller pool
+  index, so a node's parent, which scores at least as high, always comes
+  first) are kept in pool order, which is breadth-first.
+
+  Args:
+    tree: the static sizes (k, D, N).
+    root_logits: [B, Vd] the draft's logits after the root.
+    root_carry: pytree of [B, ...] arrays at the root (None if unused).
+    expand: one draft forward per depth (module docstring), here with a per-row
+      mask [B, k, W].
+    to_target: draft row ids -> target ids.
+
+  Returns:
+    (the point-mass proposal with per-row ``parents`` [B, N], slots [B, N]:
+    each node's draft-cache slot offset from the root, 1 + (d - 1) k + f, or
+    -1 for a node that was never fed).
+  """
+  k, depth, n = tree.top_k, tree.max_depth, tree.num_nodes
+  b, vd = root_logits.shape
+  if k > vd:
+    raise ValueError(f"DynamicTree top_k={k} exceeds the draft's {vd} rows")
+  rows = jnp.arange(b)[:, None]
+  front_scores, front_ids = jax.lax.top_k(jax.nn.log_softmax(root_logits.astype(jnp.float32)), k)
+  scores, ids, pool_parent = [front_scores], [front_ids], [jnp.full((b, k), -1, jnp.int32)]
+  slots = jnp.full((b, tree.pool_size), -1, jnp.int32)
+  front_pool = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # pool index per node
+  carry = jax.tree.map(lambda a: jnp.repeat(a[:, None], k, axis=1), root_carry)
+  mask = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))  # [B, k, W]: ancestors + itself
+  for d in range(1, depth):
+    base = k + (d - 1) * k * k  # pool index of depth d + 1's first candidate
+    logits, out_carry = expand(to_target(front_ids).astype(jnp.int32), carry, d, mask)
+    slots = slots.at[rows, front_pool].set(1 + (d - 1) * k + jnp.arange(k, dtype=jnp.int32))
+    child_logp, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
+    child_scores = (front_scores[:, :, None] + child_logp).reshape(b, k * k)
+    child_ids = child_ids.reshape(b, k * k)
+    scores.append(child_scores)
+    ids.append(child_ids)
+    pool_parent.append(jnp.repeat(front_pool, k, axis=1))
+    if d + 1 < depth:  # the next frontier (the deepest level is never fed)
+      front_scores, best = jax.lax.top_k(child_scores, k)
+      front_ids = jnp.take_along_axis(child_ids, best, axis=1)
+      front_pool = (base + best).astype(jnp.int32)
+      parent = best // k  # index of each new frontier node's parent in the old frontier
+      carry = jax.tree.map(lambda a: jnp.take_along_axis(
+          a, parent.reshape(parent.shape + (1,) * (a.ndim - 2)), axis=1), out_carry)
+      mask = jnp.concatenate([jnp.take_along_axis(mask, parent[:, :, None], axis=1),
+                              jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))], axis=2)
+  scores, ids = jnp.concatenate(scores, axis=1), jnp.concatenate(ids, axis=1)
+  pool_parent = jnp.concatenate(pool_parent, axis=1)
+  chosen = jnp.sort(jax.lax.top_k(scores, n)[1], axis=1)  # [B, N] pool indices, breadth-first
+  node_of = jnp.full((b, tree.pool_size), -1, jnp.int32).at[rows, chosen].set(
+      jnp.arange(n, dtype=jnp.int32))
+  par = jnp.take_along_axis(pool_parent, chosen, axis=1)
+  parents = jnp.where(par >= 0, jnp.take_along_axis(node_of, jnp.maximum(par, 0), axis=1), -1)
+  tokens = to_target(jnp.take_along_axis(ids, chosen, axis=1)).astype(jnp.int32)
+  proposal = Proposal(tokens=tokens, parents=parents.astype(jnp.int32), draw="point_mass")
+  return proposal, jnp.take_along_axis(slots, chosen, axis=1)

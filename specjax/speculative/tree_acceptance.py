@@ -1,0 +1,241 @@
+"""Lossless acceptance of a token tree: which path the target keeps, and the next token.
+
+Inputs: a ``Proposal`` of N nodes (tokens, how they were drawn) and the
+target's warped distributions ``p`` [B, N + 1, V] at every block entry
+(p[:, 0] after the root, p[:, i + 1] after node i). Output: the accepted path
+from the root, its length n (draft tokens accepted, 0..D) and one more token
+drawn from the target's (residual) distribution, so every step emits n + 1
+tokens (the "+1 bonus/correction" convention of ``metrics``).
+
+The rules (all exact: the emitted tokens are distributed as the target's):
+
+  chain, "sampled"     Leviathan/Chen modified rejection sampling
+                       (``acceptance.accept``), bit-identical to the chain loop.
+  greedy (one-hot p)   the deepest node whose path equals the target's argmax
+                       at every step (ties: smallest index), then the argmax.
+  recursive rejection  walk from the root; at each node try its children in
+                       index order. Child x (drawn from q) is accepted with
+                       probability min(1, r(x) / q(x)), where r is the current
+                       residual; on acceptance the walk moves to x and r = p
+                       there; on rejection r <- norm(max(r - q, 0)) and, for
+                       siblings drawn without replacement, q <- norm(q with x
+                       removed) (SpecInfer's multi-step speculative sampling;
+                       Sequoia's without-replacement fix). Point-mass q makes
+                       this the EAGLE/SGLang rule: accept x with probability
+                       r(x), else remove x from r. When no child is accepted
+                       the next token is drawn from r.
+
+Worked example (point mass, V = 3): the root's children propose tokens 0 then
+1 and p_root = (0.5, 0.3, 0.2). Token 0 is kept with probability 0.5; else r =
+(0, 0.6, 0.4) and token 1 is kept with probability 0.6; else r = (0, 0, 1) and
+token 2 is emitted. P(0) = 0.5, P(1) = 0.5·0.6 = 0.3, P(2) = 0.2 — exactly p.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sampling import sample_from
+from specjax.speculative import acceptance as chain_rule
+from specjax.speculative.proposal import Proposal
+from specjax.speculative.tree import TreeTopology, block_mask_from_parents, depth_from_parents
+
+
+class TreeAcceptance(NamedTuple):
+  """Outcome of verifying one tree.
+
+  Attributes:
+    path: [B, D + 1] block indices of the accepted path, root (0) first,
+      -1 past its end (entries 1..n are accepted draft nodes, node = index - 1).
+    num_accepted: [B] n, draft tokens accepted (0..D).
+    next_token: [B] the token drawn after the path (correction or bonus).
+    beta: [B, D] β = Σ min(p, q) per depth for chains of sampled drafts (the
+      paper's α = E[β]); zeros for other trees, where no single q applies.
+  """
+
+  path: jax.Array
+  num_accepted: jax.Array
+  next_token: jax.Array
+  beta: jax.Array
+
+
+class AcceptedPath(NamedTuple):
+  """What ``rollback`` learns about a verification.
+
+  Attributes:
+    start: [B] position of the root (the committed length − 1 before the step).
+    path: [B, D + 1] block indices of the accepted path (root 0 first, -1 past n).
+    num_accepted: [B] accepted draft nodes n.
+  """
+
+  start: jax.Array
+  path: jax.Array
+  num_accepted: jax.Array
+
+
+def _valid(x: jax.Array) -> jax.Array:
+  return jnp.where((x >= 0) & (x < jnp.inf), x, 0.0)  # NaN/±inf/negative -> 0
+
+
+def _tree_arrays(proposal: Proposal, topology: TreeTopology):
+  """(block parents of the nodes [B, N], block mask [B, N+1, N+1], block depth [B, N+1])."""
+  b, n = proposal.tokens.shape
+  if proposal.parents is None:
+    par = jnp.broadcast_to(jnp.asarray(topology.block_parents[1:]), (b, n))
+    mask = jnp.broadcast_to(jnp.asarray(topology.block_mask), (b, n + 1, n + 1))
+    depth = jnp.broadcast_to(jnp.asarray(topology.block_depth), (b, n + 1))
+    return par, mask, depth
+  d = topology.max_depth
+  return (proposal.parents.astype(jnp.int32) + 1, block_mask_from_parents(proposal.parents, d),
+          depth_from_parents(proposal.parents, d))
+
+
+def _path_to(best: jax.Array, mask: jax.Array, depth: jax.Array, max_depth: int) -> jax.Array:
+  """[B, D + 1] the ancestors of block entry ``best`` [B] by depth (-1 past its depth)."""
+  anc = jnp.take_along_axis(mask, best[:, None, None], axis=1)[:, 0]  # [B, N+1]
+  levels = jnp.arange(max_depth + 1)
+  hit = anc[:, None, :] & (depth[:, None, :] == levels[None, :, None])  # [B, D+1, N+1]
+  return jnp.where(jnp.any(hit, -1), jnp.argmax(hit, -1), -1).astype(jnp.int32)
+
+
+def accept_greedy(proposal: Proposal, p: jax.Array, topology: TreeTopology) -> TreeAcceptance:
+  """The deepest path agreeing with the target's argmax (``p`` one-hot or not)."""
+  b, n = proposal.tokens.shape
+  par, mask, depth = _tree_arrays(proposal, topology)
+  target = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [B, N+1]
+  match = proposal.tokens == jnp.take_along_axis(target, par, axis=1)  # [B, N]
+  match = jnp.concatenate([jnp.ones((b, 1), bool), match], axis=1)
+  ok = ~jnp.any(mask & ~match[:, None, :], axis=-1)  # every ancestor-or-self matches
+  score = jnp.where(ok, depth * (n + 2) - jnp.arange(n + 1)[None, :], -1)
+  best = jnp.argmax(score, axis=1).astype(jnp.int32)
+  path = _path_to(best, mask, depth, topology.max_depth)
+  n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]
+  next_token = jnp.take_along_axis(target, best[:, None], axis=1)[:, 0]
+  return TreeAcceptance(path=path, num_accepted=n_acc, next_token=next_token,
+                        beta=jnp.zeros((b, topology.max_depth), jnp.float32))
+
+
+def _accept_point_mass(key, proposal, p, topology) -> TreeAcceptance:
+  """Recursive rejection with point-mass q: O(N^2) scalar work plus one [B, V] draw."""
+  b, n = proposal.tokens.shape
+  par, mask, depth = _tree_arrays(proposal, topology)
+  u_key, s_key = jax.random.split(key)
+  u = jax.random.uniform(u_key, (b, n))
+  tok = proposal.tokens
+  rows = jnp.arange(b)
+  # p at each node's parent, of the node's own token: [B, N+1, N] (entry, node) is
+  # all the rule ever reads, besides the final draw.
+  p_tok = jnp.take_along_axis(p, jnp.broadcast_to(tok[:, None, :], (b, n + 1, n)), axis=2)
+  total = jnp.sum(p, axis=-1)  # [B, N+1]
+
+  def body(carry, j):
+    cur, mass, rejected = carry
+    t = tok[:, j]
+    is_child = par[:, j] == cur
+    excluded = jnp.any(rejected & (tok == t[:, None]), axis=1)
+    pt = jnp.where(excluded, 0.0, p_tok[rows, cur, j])
+    ok = u[:, j] * mass < pt
+    acc, rej = is_child & ok, is_child & ~ok
+    cur = jnp.where(acc, j + 1, cur)
+    mass = jnp.where(acc, total[rows, j + 1], jnp.where(rej, mass - pt, mass))
+    rejected = jnp.where(acc[:, None], False, rejected.at[:, j].set(rejected[:, j] | rej))
+    return (cur, mass, rejected), None
+
+  init = (jnp.zeros((b,), jnp.int32), total[:, 0], jnp.zeros((b, n), bool))
+  (cur, _, rejected), _ = jax.lax.scan(body, init, jnp.arange(n))
+  residual = jnp.take_along_axis(p, cur[:, None, None], axis=1)[:, 0]
+  drop = jnp.where(rejected, tok, p.shape[-1])  # rejected siblings of the final node
+  residual = residual.at[rows[:, None], drop].set(0.0, mode="drop")
+  path = _path_to(cur, mask, depth, topology.max_depth)
+  n_acc = jnp.take_along_axis(depth, cur[:, None], axis=1)[:, 0]
+  return TreeAcceptance(path=path, num_accepted=n_acc, next_token=sample_from(s_key, residual),
+                        beta=jnp.zeros((b, topology.max_depth), jnp.float32))
+
+
+def _normalize(x: jax.Array, fallback: jax.Array) -> jax.Array:
+  mass = jnp.sum(x, axis=-1, keepdims=True)
+  return jnp.where(mass > 0, x / jnp.where(mass > 0, mass, 1.0), fallback)
+
+
+def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
+  """Recursive rejection with the drafter's real q (SpecInfer; without replacement: Sequoia)."""
+  b, n = proposal.tokens.shape
+  par, mask, depth = _tree_arrays(proposal, topology)
+  u_key, s_key = jax.random.split(key)
+  u = jax.random.uniform(u_key, (b, n))
+  without = proposal.draw == "without_replacement"
+  q = _valid(proposal.q)
+
+  def body(carry, xs):
+    cur, r, q_run, fresh = carry
+    j, t, q_j, p_next, u_j, par_j = xs
+    if without:  # later siblings are drawn from q minus the earlier siblings' tokens
+      q_j = jnp.where(fresh[:, None], q_j, q_run)
+    q_t = jnp.take_along_axis(q_j, t[:, None], axis=1)[:, 0]
+    # A node with q = 0 was never a draw (e.g. padding past q's support): skip it.
+    is_child = (par_j == cur) & (q_t > 0)
+    r_t = jnp.take_along_axis(r, t[:, None], axis=1)[:, 0]
+    ok = u_j * q_t < r_t
+    acc, rej = is_child & ok, is_child & ~ok
+    cur = jnp.where(acc, j + 1, cur)
+    r = jnp.where(acc[:, None], p_next,
+                  jnp.where(rej[:, None], _normalize(jnp.maximum(r - q_j, 0.0), r), r))
+    if without:
+      removed = q_j.at[jnp.arange(b), t].set(0.0)
+      q_run = jnp.where(rej[:, None], _normalize(removed, jnp.zeros_like(removed)), q_run)
+      fresh = jnp.where(acc, True, jnp.where(rej, False, fresh))
+    return (cur, r, q_run, fresh), None
+
+  xs = (jnp.arange(n), proposal.tokens.T, jnp.moveaxis(q, 1, 0), jnp.moveaxis(p[:, 1:], 1, 0),
+        u.T, par.T)
+  init = (jnp.zeros((b,), jnp.int32), p[:, 0], jnp.zeros_like(p[:, 0]), jnp.ones((b,), bool))
+  (cur, r, _, _), _ = jax.lax.scan(body, init, xs)
+  path = _path_to(cur, mask, depth, topology.max_depth)
+  n_acc = jnp.take_along_axis(depth, cur[:, None], axis=1)[:, 0]
+  return TreeAcceptance(path=path, num_accepted=n_acc, next_token=sample_from(s_key, r),
+                        beta=jnp.zeros((b, topology.max_depth), jnp.float32))
+
+
+def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: TreeTopology,
+                *, greedy: bool = False) -> TreeAcceptance:
+  """Runs the lossless rule that matches the proposal (see the module docstring).
+
+  Args:
+    key: PRNG key (unused by the greedy rule).
+    proposal: the drafter's nodes; ``proposal.tokens`` is [B, N] with N =
+      ``topology.num_nodes``.
+    p: [B, N + 1, V] the target's warped distributions at each block entry.
+    topology: the static topology (for dynamic trees: N and the maximum depth).
+    greedy: the target decodes greedily (p one-hot): take the argmax rule.
+  """
+  b, n = proposal.tokens.shape
+  if n != topology.num_nodes or p.shape[:2] != (b, n + 1):
+    raise ValueError(f"proposal of {n} nodes and p of shape {p.shape} do not match the topology "
+                     f"of {topology.num_nodes} nodes")
+  p = _valid(p)
+  if proposal.parents is None and topology.is_chain and proposal.draw == "sampled":
+    acc = chain_rule.accept(key, proposal.tokens, proposal.q, p)
+    levels = jnp.arange(n + 1)[None, :]
+    path = jnp.where(levels <= acc.num_accepted[:, None], levels, -1).astype(jnp.int32)
+    return TreeAcceptance(path=path, num_accepted=acc.num_accepted, next_token=acc.next_token,
+                          beta=acc.beta)
+  if greedy:
+    return accept_greedy(proposal, p, topology)
+  if proposal.draw == "point_mass":
+    return _accept_point_mass(key, proposal, p, topology)
+  return _accept_sampled(key, proposal, p, topology)
+
+
+def accepted_tokens(proposal: Proposal, acc: TreeAcceptance) -> jax.Array:
+  """[B, D + 1]: the accepted draft tokens in order, then ``next_token`` at index n.
+
+  Entries past n are undefined (the next token repeated).
+  """
+  node = jnp.maximum(acc.path[:, 1:] - 1, 0)  # [B, D]
+  drafted = jnp.take_along_axis(proposal.tokens, node, axis=1)
+  levels = jnp.arange(drafted.shape[1] + 1)[None, :]
+  padded = jnp.concatenate([drafted, drafted[:, :1]], axis=1)
+  return jnp.where(levels < acc.num_accepted[:, None], padded, acc.next_token[:, None])
