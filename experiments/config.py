@@ -11,7 +11,7 @@ import math
 import os
 from typing import Optional
 
-EXPERIMENTS = ("gamma_sweep", "temperature_sweep", "drafts_alpha")
+EXPERIMENTS = ("gamma_sweep", "temperature_sweep", "drafts_alpha", "tree_sweep")
 DRAFT_NAMES = ("default", "eagle", "bigram", "unigram", "prompt_lookup", "tiny")
 
 
@@ -51,6 +51,11 @@ class ExperimentConfig:
       exactly max_new_tokens with both methods, so speedups are plain time ratios.
     fresh: ignore a partial run of the same config in ``out`` and start over
       (the old log is kept beside, renamed; see ``progress.py``).
+    tree_budgets: node budgets N of the tree sweep's best static trees.
+    calibration_tree: branching of the full tree whose counters, on
+      training-side prompts (never the evaluated ones), give the per-depth,
+      per-rank acceptance the tree sweep builds its best trees from.
+    calibration_prompts: how many training-side prompts calibrate.
   """
 
   experiments: tuple[str, ...] = EXPERIMENTS
@@ -72,6 +77,9 @@ class ExperimentConfig:
   repeats: int = 3
   stop_at_eos: bool = False
   fresh: bool = False
+  tree_budgets: tuple[int, ...] = (4, 8, 16)
+  calibration_tree: tuple[int, ...] = (6, 3, 2, 1)
+  calibration_prompts: int = 8
 
   def __post_init__(self):
     unknown = [e for e in self.experiments if e not in EXPERIMENTS]
@@ -88,7 +96,11 @@ class ExperimentConfig:
         make_sampler(t)
       except ValueError as e:
         raise ValueError(f"--temperatures: {t:g}: {e}") from None
-    for name in ("gammas", "temperatures"):
+    for name in ("tree_budgets", "calibration_tree"):
+      values = getattr(self, name)
+      if not values or any(int(v) != v or v < 1 for v in values):
+        raise ValueError(f"--{name} must be integers >= 1, got {values}")
+    for name in ("gammas", "temperatures", "tree_budgets"):
       values = getattr(self, name)
       if len(set(values)) != len(values):
         raise ValueError(f"--{name} lists a value twice: {values}")
@@ -96,7 +108,7 @@ class ExperimentConfig:
     for spec in self.alpha_drafts:
       check_draft(spec, "alpha_drafts")
     for name in ("num_prompts", "max_new_tokens", "batch_size", "alpha_gamma", "cost_steps",
-                 "repeats"):
+                 "repeats", "calibration_prompts"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
     if self.max_new_tokens < 2:
@@ -108,6 +120,16 @@ class ExperimentConfig:
   def all_gammas(self) -> tuple[int, ...]:
     """Every γ any experiment may use (sizes the shared KV cache)."""
     return tuple(sorted(set(self.gammas) | {self.alpha_gamma, self.temperature_gamma or 1}))
+
+  @property
+  def max_draft_nodes(self) -> int:
+    """The most draft nodes one step may verify (sizes the shared KV cache)."""
+    nodes = max(self.all_gammas)
+    if "tree_sweep" in self.experiments:
+      calibration = sum(math.prod(self.calibration_tree[:d + 1])
+                        for d in range(len(self.calibration_tree)))
+      nodes = max(nodes, max(self.tree_budgets), calibration)
+    return nodes
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

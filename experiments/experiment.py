@@ -81,7 +81,14 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
     notes.update({d.name: d.note for d in drafts if d.name != draft.name})
     rows += sweeps.drafts_alpha(bench, drafts)
     timings["drafts_alpha"] = time.perf_counter() - t
-  temps = sorted({r["temperature"] for r in rows if r["speedup"] is not None})
+  calibration = {}
+  if "tree_sweep" in config.experiments:
+    t = time.perf_counter()
+    tree_rows, calibration = sweeps.tree_sweep(bench, draft)
+    rows += tree_rows
+    timings["tree_sweep"] = time.perf_counter() - t
+  temps = sorted({r["temperature"] for r in rows if r["speedup"] is not None
+                  and r["tree"] is None})
   corpus_info = {}
   if "corpus" in built:
     c = built["corpus"]
@@ -97,7 +104,7 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
       num_prompts=len(items), categories=categories(batches),
       prompts=[dict(category=p.category, source=p.source, text=p.text,
                     tokens=len(target.encode(p.text))) for p in items],
-      cache_size=bench.cache_size, best_gamma=best,
+      cache_size=bench.cache_size, best_gamma=best, tree_calibration=calibration,
       verify_cost_curves={f"{t:g}": verify_cost_curve(rows, t) for t in temps},
       plain_compile_seconds={f"{t:g}": s for t, s in bench.plain_compile_seconds.items()},
       runs=[report.run_summary(r) for r in bench.runs()], rows=rows)

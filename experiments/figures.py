@@ -115,7 +115,31 @@ def verify_cost_figure(results: dict) -> Optional[plt.Figure]:
   return fig
 
 
-FIGURES = {"speedup_vs_gamma.png": speedup_vs_gamma, "temperature.png": temperature_figure,
+def tree_figure(results: dict) -> Optional[plt.Figure]:
+  """Speedup and tokens per call vs the number of draft nodes: chains against best trees."""
+  rows = _rows(results, "tree_sweep")
+  if not rows:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+  for t in sorted({r["temperature"] for r in rows}):
+    for shape in sorted({r["shape"] for r in rows}):
+      style = "o-" if shape == "chain" else "s--" if shape == "best tree" else "^:"
+      sub = [r for r in rows if r["temperature"] == t and r["shape"] == shape]
+      label = f"{shape} T={t:g}"
+      for ax, field in zip(axes, ("speedup", "tokens_per_call")):
+        ax.plot(*_series(sub, "num_nodes", field), style, label=label)
+  axes[0].axhline(1.0, color="grey", lw=0.8)
+  axes[0].set(xlabel="draft nodes per step (N; γ for a chain)", ylabel="speedup over plain")
+  axes[1].set(xlabel="draft nodes per step (N; γ for a chain)", ylabel="tokens per target call")
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+  fig.suptitle(f"token trees vs chains, draft {results['draft']['name']}")
+  fig.tight_layout()
+  return fig
+
+
+FIGURES = {"speedup_vs_gamma.png": speedup_vs_gamma, "trees.png": tree_figure, "temperature.png": temperature_figure,
            "accept_len_hist.png": accept_len_histogram, "verify_cost.png": verify_cost_figure}
 
 

@@ -38,6 +38,8 @@ from absl import logging
 import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree_builders import estimate_rank_accept, full_tree
 
 from experiments import checks
 from experiments.config import ExperimentConfig
@@ -46,14 +48,17 @@ from experiments.progress import ProgressLog
 from experiments.prompts import Batch, merge_batches
 
 COUNTERS = ("target_calls", "drafted", "accepted", "emitted", "accepted_at", "accept_len_hist",
-            "beta_sum", "beta_count")
+            "accepted_rank", "beta_sum", "beta_count")
 
 
 @dataclasses.dataclass
 class SpecRun:
-  """Speculative decoding of every batch with one (draft, γ, temperature).
+  """Speculative decoding of every batch with one (draft, γ or tree, temperature).
 
   Attributes:
+    gamma: the chain's γ, or the tree's depth D.
+    tree: the static tree's parents; ("dynamic", k, D, N) for an EAGLE-2
+      dynamic tree; None for a chain.
     counters: per batch, ``SpecCounters`` arrays of the real rows.
     generated: per batch, generated ids of each real row.
     steps: per batch, speculative steps.
@@ -83,10 +88,15 @@ class SpecRun:
   compile_seconds: Optional[float] = None
   load_average: Optional[list[Optional[list[float]]]] = None
   first_flags: list[str] = dataclasses.field(default_factory=list)
+  tree: Optional[tuple] = None
 
   @property
   def key(self) -> tuple:
-    return (self.draft, self.gamma, self.temperature)
+    return (self.draft, self.gamma, self.temperature, self.tree)
+
+  @property
+  def num_nodes(self) -> int:
+    return tree_shape(self.tree, self.gamma).num_nodes
 
   @property
   def timed(self) -> bool:
@@ -101,7 +111,18 @@ class SpecRun:
   @classmethod
   def from_record(cls, rec: dict[str, Any]) -> "SpecRun":
     rec = dict(rec, counters=[{k: np.asarray(v) for k, v in c.items()} for c in rec["counters"]])
+    if rec.get("tree") is not None:
+      rec["tree"] = tuple(rec["tree"])
     return cls(**rec)
+
+
+def tree_shape(tree: Optional[tuple], gamma: int):
+  """``SpecRun.tree`` (None, parents, or ("dynamic", k, D, N)) -> the decoder's topology."""
+  if tree is None:
+    return TreeTopology.chain(gamma)
+  if tree[0] == "dynamic":
+    return DynamicTree(*tree[1:])
+  return TreeTopology(tree)
 
 
 def load_average() -> Optional[list[float]]:
@@ -120,8 +141,9 @@ def round_speedups(run: SpecRun, batch_indices: Sequence[int]) -> list[float]:
 
 def costs(run: SpecRun) -> tuple[Optional[float], Optional[float]]:
   """(c, verify cost T(γ+1)/T(1)) of a timed run, relative to t₁; the verify cost is as
-  measured (possibly impossible: see ``checks``)."""
-  if run.costs is None or not run.step_seconds:
+  measured (possibly impossible: see ``checks``). None for a tree, whose draft phase is
+  not γ single-token forwards."""
+  if run.costs is None or not run.step_seconds or run.tree is not None:
     return None, None
   t1 = float(np.median(run.plain_step_seconds))
   c = run.costs["draft"] / (run.costs["gamma"] * run.costs["t1"])
@@ -140,7 +162,7 @@ def run_flags(run: SpecRun, batch_indices: Optional[Sequence[int]] = None) -> li
 def cache_size_for(batches: Sequence[Batch], config: ExperimentConfig) -> int:
   """One cache size for every call (so shapes, hence compiles, are shared)."""
   longest = max(len(ids) for b in batches for ids in b.ids)
-  need = longest + config.max_new_tokens + max(config.all_gammas) + 1
+  need = longest + config.max_new_tokens + config.max_draft_nodes + 1
   return -(-need // 64) * 64
 
 
@@ -185,15 +207,18 @@ class Bench:
       self.plain_compile_seconds[temperature] = time.perf_counter() - start
     return call
 
-  def decoder(self, draft: Draft, gamma: int, temperature: float) -> SpeculativeDecoder:
-    return SpeculativeDecoder(self.target.cfg, draft.drafter, gamma=gamma,
-                              sampler=make_sampler(temperature), eos_ids=self.eos_ids)
+  def decoder(self, draft: Draft, gamma: int, temperature: float,
+              tree: Optional[tuple] = None) -> SpeculativeDecoder:
+    return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
+                              eos_ids=self.eos_ids, tree=tree_shape(tree, gamma))
 
-  def spec(self, draft: Draft, gamma: int, temperature: float, timed: bool = True) -> SpecRun:
-    cached = self._specs.get((draft.name, gamma, temperature))
+  def spec(self, draft: Draft, gamma: int, temperature: float, timed: bool = True,
+           tree: Optional[tuple] = None) -> SpecRun:
+    """Runs (or returns the cached) chain of ``gamma``, or ``tree`` (see ``SpecRun.tree``)."""
+    cached = self._specs.get((draft.name, gamma, temperature, tree))
     if cached is not None and (cached.timed or not timed):
       return cached
-    dec, tp = self.decoder(draft, gamma, temperature), self.target.params
+    dec, tp = self.decoder(draft, gamma, temperature, tree), self.target.params
     call = lambda b, n, s: dec.generate(tp, draft.params, b.ids, n, seed=s,
                                         cache_size=self.cache_size)
     if timed:
@@ -202,6 +227,7 @@ class Bench:
       outs = [call(b, self.config.max_new_tokens, self.config.seed + i)
               for i, b in enumerate(self.untimed_batches)]
       run = SpecRun(draft.name, gamma, temperature, **_spec_outputs(outs, self.untimed_batches))
+    run.tree = tree
     self._store(run)
     if self.log is not None:
       self.log.append({"run": run.to_record()})
@@ -278,8 +304,35 @@ class Bench:
     out = {k: float(np.median([t[k] for t in times])) for k in ("draft", "verify", "other")}
     return dict(out, draft_spread=checks.quartile_spread([t["draft"] for t in times]))
 
+  def calibrate(self, draft: Draft, temperature: float,
+                prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Per-depth, per-rank acceptance of ``draft`` from the calibration full tree's counters.
+
+    Decodes ``prompts`` (training-side, never the evaluated ones) one at a
+    time with ``config.calibration_tree``; returns the table and its counts.
+    """
+    branching = self.config.calibration_tree
+    tree = full_tree(branching)
+    dec = SpeculativeDecoder(self.target.cfg, draft.drafter, tree=tree,
+                             sampler=make_sampler(temperature), eos_ids=self.eos_ids)
+    accepted = np.zeros((tree.max_depth, max(branching)), np.int64)
+    hist = np.zeros(tree.max_depth + 1, np.int64)
+    for i, p in enumerate(prompts):
+      out = dec.generate(self.target.params, draft.params, [p], self.config.max_new_tokens,
+                         seed=self.config.seed + i, cache_size=self.cache_size)
+      accepted += out.per_row["accepted_rank"][0][:, :accepted.shape[1]]
+      hist += out.per_row["accept_len_hist"][0]
+    # A node of depth d and rank r < branching[d - 1] is offered whenever its
+    # parent is on the accepted path: in steps that accepted >= d - 1 nodes.
+    reached = np.cumsum(hist[::-1])[::-1]
+    offered = np.zeros_like(accepted)
+    for d, b in enumerate(branching):
+      offered[d, :b] = reached[d]
+    return dict(table=estimate_rank_accept(accepted, offered), accepted=accepted,
+                offered=offered, branching=branching, prompts=len(prompts))
+
   def has_timed(self, draft: Draft, gamma: int, temperature: float) -> bool:
-    run = self._specs.get((draft.name, gamma, temperature))
+    run = self._specs.get((draft.name, gamma, temperature, None))
     return run is not None and run.timed
 
   def runs(self) -> list[SpecRun]:

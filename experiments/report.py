@@ -129,12 +129,20 @@ def _f3(load: Optional[Sequence[float]]) -> str:
   return "unknown" if not load else "/".join(f"{x:.2f}" for x in load)
 
 
+def _shape(row: dict) -> str:
+  """"γ = 4" for a chain, "tree N = 8, D = 3" for a tree."""
+  if row.get("tree") is None:
+    return f"γ = {row['gamma']}"
+  return f"{row['shape']} N = {row['num_nodes']}, D = {row['gamma']}"
+
+
 def _flag_section(rows: Sequence[dict]) -> list[str]:
   """Every setting still flagged after its re-measurement, with the rule."""
   settings = {}  # one row per measured setting, whichever experiments reuse it
   for r in rows:
     if r["category"] == ALL and r["speedup"] is not None:
-      settings.setdefault((r["draft"], r["gamma"], r["temperature"]), r)
+      settings.setdefault((r["draft"], r["gamma"], r["temperature"],
+                           r["tree"] and tuple(r["tree"])), r)
   flagged = [r for r in settings.values() if r["flags"]]
   lines = ["## Checks", "",
            f"A setting is flagged when its verify cost T(γ+1)/T(1) lies outside (0, γ+1] "
@@ -148,7 +156,7 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
     return lines + [f"No setting is flagged ({remeasured} re-measured).", ""]
   lines += [f"**{len(flagged)} setting(s) flagged** ({remeasured} re-measured); treat their "
             "timing figures with caution:", ""]
-  lines += [f"- draft {r['draft']}, γ = {r['gamma']}, T = "
+  lines += [f"- draft {r['draft']}, {_shape(r)}, T = "
             f"{r['temperature']:g}: {'; '.join(r['flags'])}" for r in flagged]
   return lines + [""]
 
@@ -215,6 +223,7 @@ def tables_markdown(results: dict) -> str:
                    f"{_f(get(0.0, 'tokens_per_call'))} | {_f(get(1.0, 'tokens_per_call'))} | "
                    f"{notes.get(name, '')} |")
     lines.append("")
+  lines += _tree_section(results)
   lines += ["## The paper's numbers, for reference", "", paper.SETUP, "",
             "Table 2 (empirical speedups):", ""] + _paper_table2() + [
             "", "Table 3 (α, T=0 / T=1):", "", "| target | draft | α T=0 | α T=1 |",
@@ -224,6 +233,40 @@ def tables_markdown(results: dict) -> str:
             "| task | draft | c | expected | empirical |", "|---|---|---|---|---|"]
   lines += [f"| {a} | {b} | {c} | {e}× | {m}× |" for a, b, c, e, m in paper.TABLE4]
   return "\n".join(lines) + "\n"
+
+
+def _tree_section(results: dict) -> list[str]:
+  """The tree sweep: chains and the best static trees, tokens per call and speedup."""
+  rows = [r for r in results["rows"] if r["experiment"] == "tree_sweep" and r["category"] == ALL]
+  if not rows:
+    return []
+  lines = ["## Token trees vs chains (tree sweep)", "",
+           "Trees: `tree_builders.best_static_tree` for each node budget N, from the per-depth, "
+           "per-rank acceptance measured with a full tree on training-side prompts "
+           "(calibration below); dynamic: EAGLE-2 trees (frontier k, the static tree's depth, "
+           "N nodes kept by cumulative draft log-probability). Tokens/call counts the +1 "
+           "correction or bonus token.", ""]
+  for t in sorted({r["temperature"] for r in rows}):
+    sub = [r for r in rows if r["temperature"] == t]
+    chains = [r["tokens_per_call"] for r in sub if r["tree"] is None and r["tokens_per_call"]]
+    best_chain = max(chains) if chains else None
+    lines += [f"### T = {t:g}", "",
+              "| shape | N | D | tokens/call | × best chain | measured speedup | spread | check |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(sub, key=lambda r: (r["shape"], r["num_nodes"])):
+      shape = f"chain γ={r['gamma']}" if r["tree"] is None else r["shape"]
+      ratio = (r["tokens_per_call"] / best_chain) if best_chain and r["tokens_per_call"] else None
+      lines.append(f"| {shape} | {r['num_nodes']} | {r['gamma']} | {_f(r['tokens_per_call'])} "
+                   f"| {_f(ratio)} | **{_f(r['speedup'], suffix='×')}** | "
+                   f"{_f(r['speedup_spread'], '{:.0%}')} | {_check(r)} |")
+    cal = results.get("tree_calibration", {}).get(f"{t:g}")
+    if cal:
+      lines += ["", f"Calibration: full tree {tuple(cal['branching'])} on {cal['prompts']} "
+                "training-side prompts; P(rank r accepted | parent accepted), rows = depth 1…:",
+                "", "```"] + ["  ".join(f"{x:.3f}" for x in row) for row in cal["table"]] + ["```"]
+    trees = [r for r in sub if r["shape"] == "best tree"]
+    lines += [""] + [f"- N={r['num_nodes']}: parents {tuple(r['tree'])}" for r in trees] + [""]
+  return lines
 
 
 def _resumed(results: dict) -> str:

@@ -55,6 +55,13 @@ def _finite(x: Optional[float]) -> Optional[float]:
   return None if x is None or not np.isfinite(x) else float(x)
 
 
+def shape_name(tree, gamma: int) -> str:
+  """"chain", "best tree" (static parents) or "dynamic k=4" (EAGLE-2)."""
+  if tree is None:
+    return "chain"
+  return f"dynamic k={tree[1]}" if tree[0] == "dynamic" else "best tree"
+
+
 def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
              category: str = ALL) -> dict[str, Any]:
   """One table row; an untimed run leaves the timing columns empty."""
@@ -64,6 +71,8 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
   g = run.gamma
   row = dict(
       experiment=experiment, draft=run.draft, gamma=g, temperature=run.temperature,
+      tree=None if run.tree is None else list(run.tree), num_nodes=run.num_nodes,
+      shape=shape_name(run.tree, g),
       category=category, prompts=int(sum(row_mask(batches[i], category).sum() for i in sel)),
       alpha=_finite(alpha), acceptance_rate=_finite(_div(c["accepted"], c["drafted"])),
       tokens_per_call=_finite(_div(c["emitted"], c["target_calls"])),
@@ -88,7 +97,9 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
              rounds=len(ratios),
              ar_generated_tokens=int(sum(len(t) for i in sel for t in run.plain_generated[i])),
              step_seconds=float(np.median(run.plain_step_seconds)))
-  cc, verify = costs(run)
+  # c and the verify cost are defined from a chain's γ draft forwards; a tree
+  # row reports its measured speedup and tokens per call only.
+  cc, verify = costs(run) if run.tree is None else (None, None)
   row["flags"] = run_flags(run, sel)
   if cc is not None and row["alpha"] is not None:
     a = min(row["alpha"], 1.0)

@@ -1,7 +1,9 @@
-"""Reproduce the speedup-vs-γ and speedup-vs-temperature tables of Leviathan et al. (2023).
+"""Reproduce the speedup-vs-γ and speedup-vs-temperature tables of Leviathan et al. (2023),
+and compare token trees with chains.
 
   python -m experiments.run                       # everything, embedded target + default draft
   python -m experiments.run --experiment=gamma_sweep --gammas=1,4 --max_new_tokens=32
+  python -m experiments.run --experiment=tree_sweep --tree_budgets=4,8,16,32,64
   python -m experiments.run --target=tiny --draft=tiny --out=/tmp/smoke   # seconds, for tests
 
 Writes results.json, results.csv, tables.md and PNG figures to --out.
@@ -17,7 +19,8 @@ from absl import app, flags, logging
 from experiments import config as config_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("experiment", "all", "gamma_sweep, temperature_sweep, drafts_alpha, all "
+flags.DEFINE_string("experiment", "all", "gamma_sweep, temperature_sweep, drafts_alpha, "
+                    "tree_sweep, all "
                     "(or a comma-separated list).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "default", "default (distilled token draft) | eagle (EAGLE feature "
@@ -49,6 +52,12 @@ flags.DEFINE_integer("repeats", 3, "Interleaved timing rounds per setting (plain
                      "speculative on every batch); the median round is reported with the "
                      "spread.")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
+flags.DEFINE_string("tree_budgets", "4,8,16", "Node budgets N of the tree sweep's best static "
+                    "trees.")
+flags.DEFINE_string("calibration_tree", "6,3,2,1", "Branching of the full tree that measures the "
+                    "per-depth, per-rank acceptance the best trees are built from.")
+flags.DEFINE_integer("calibration_prompts", 8, "Training-side prompts that calibrate the trees "
+                     "(never the evaluated ones).")
 flags.DEFINE_bool("fresh", False, "Start over even if OUT/progress.jsonl holds a partial run "
                   "of the same config (the old log is kept, renamed).")
 
@@ -64,7 +73,10 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       early_exit_layers=FLAGS.early_exit_layers,
       alpha_drafts=tuple(s.strip() for s in FLAGS.alpha_drafts.split(",") if s.strip()),
       cost_steps=FLAGS.cost_steps, repeats=FLAGS.repeats,
-      stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh)
+      stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh,
+      tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
+      calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),
+      calibration_prompts=FLAGS.calibration_prompts)
 
 
 def main(argv):

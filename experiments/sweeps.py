@@ -1,23 +1,25 @@
-"""The three experiments; each returns table rows (overall and per category)."""
+"""The four experiments; each returns table rows (overall and per category)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import tqdm
 
 from experiments.measure import Bench
 from experiments.models import Draft
-from experiments.prompts import categories
+from experiments.prompts import categories, training_prompts
 from experiments.rows import ALL, make_row
+from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree_builders import best_static_tree
 
 SWEEP_TEMPERATURES = (0.0, 1.0)  # the paper's T=0 (argmax) and T=1 (standard sampling)
 
 
 def _rows(bench: Bench, experiment: str, draft: Draft, gamma: int, temperature: float,
-          timed: bool = True) -> list[dict]:
-  run = bench.spec(draft, gamma, temperature, timed=timed)
+          timed: bool = True, tree: Optional[tuple] = None) -> list[dict]:
+  run = bench.spec(draft, gamma, temperature, timed=timed, tree=tree)
   cats = [ALL] + categories(bench.batches)
   return [make_row(experiment, run, bench.batches_of(run), c) for c in cats]
 
@@ -58,3 +60,35 @@ def drafts_alpha(bench: Bench, drafts: Sequence[Draft]) -> list[dict]:
   for d, t in tqdm.tqdm(jobs, desc=f"drafts alpha (γ={g})", unit="run"):
     rows += _rows(bench, "drafts_alpha", d, g, t, timed=bench.has_timed(d, g, t))
   return rows
+
+
+def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]:
+  """Chains of every γ against static and dynamic trees of each node budget, at T=0 and T=1.
+
+  The static trees come from ``tree_builders.best_static_tree`` over the
+  per-depth, per-rank acceptance that ``Bench.calibrate`` measures on
+  training-side prompts (so the evaluated prompts never shape the trees). The
+  EAGLE-2 dynamic tree of budget N has the static tree's depth D and a
+  frontier of k = min(4, N) (when the drafter builds dynamic trees). Returns
+  the rows and, per temperature, the calibration (table and counts).
+  """
+  cfg = bench.config
+  if not draft.drafter.supports(TreeTopology((-1, -1))):
+    return [], {}
+  cal_prompts = [bench.target.encode(t) for t in training_prompts(cfg.calibration_prompts)]
+  rows, calibration = [], {}
+  for t in SWEEP_TEMPERATURES:
+    cal = bench.calibrate(draft, t, cal_prompts)
+    calibration[f"{t:g}"] = {k: (v.tolist() if hasattr(v, "tolist") else v)
+                             for k, v in cal.items()}
+    jobs = [(g, None) for g in cfg.gammas]
+    for n in cfg.tree_budgets:
+      static = best_static_tree(cal["table"], n)
+      if not static.is_chain:
+        jobs.append((static.max_depth, static.parents))
+      k, d = min(4, n), max(static.max_depth, 2)
+      if d <= n <= k + (d - 1) * k * k and draft.drafter.supports(DynamicTree(k, d, n)):
+        jobs.append((d, ("dynamic", k, d, n)))
+    for g, tree in tqdm.tqdm(jobs, desc=f"tree sweep (T={t:g})", unit="setting"):
+      rows += _rows(bench, "tree_sweep", draft, g, t, tree=tree)
+  return rows, calibration

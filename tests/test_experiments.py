@@ -39,14 +39,14 @@ def test_results_json_records_config_revision_and_machine(smoke):
   assert timed and all(len(r["load_average"]) == 2 for r in timed)
   assert len(saved["rows"]) == len(results["rows"])
   assert {r["experiment"] for r in saved["rows"]} == {"gamma_sweep", "temperature_sweep",
-                                                      "drafts_alpha"}
+                                                      "drafts_alpha", "tree_sweep"}
 
 
 def test_token_counts_agree_with_accepted_counts(smoke):
   rows = smoke[0]["rows"]
   for r in rows:
-    g, hist = r["gamma"], np.asarray(r["accept_len_hist"])
-    assert r["drafted"] == g * r["target_calls"]
+    g, hist = r["gamma"], np.asarray(r["accept_len_hist"])  # γ, or a tree's depth D
+    assert r["drafted"] == r["num_nodes"] * r["target_calls"]
     assert hist.sum() == r["target_calls"]
     assert (hist * np.arange(g + 1)).sum() == r["accepted"]
     # emitted = accepted + one target token per call, minus what the budget cut off
@@ -54,7 +54,8 @@ def test_token_counts_agree_with_accepted_counts(smoke):
     assert r["emitted"] == r["generated_tokens"] == r["prompts"] * NEW  # EOS ignored
     assert r["tokens_per_call"] == pytest.approx(r["emitted"] / r["target_calls"])
     assert r["acceptance_rate"] == pytest.approx(r["accepted"] / r["drafted"])
-    assert 0.0 <= r["alpha"] <= 1.0
+    # α = E[β] is defined for chains of sampled drafts only
+    assert (0.0 <= r["alpha"] <= 1.0) if r["tree"] is None else r["alpha"] is None
 
 
 def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
@@ -68,8 +69,9 @@ def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
       continue
     assert len(run["seconds"]) == len(run["plain_seconds"]) == 3  # default --repeats
     ratios = [sum(p) / sum(s) for p, s in zip(run["plain_seconds"], run["seconds"])]
-    key = (run["draft"], run["gamma"], run["temperature"])
-    overall = [r for r in timed if (r["draft"], r["gamma"], r["temperature"]) == key
+    key = (run["draft"], run["gamma"], run["temperature"], run["tree"])
+    overall = [r for r in timed if (r["draft"], r["gamma"], r["temperature"],
+                                    r["tree"] and tuple(r["tree"])) == key
                and r["category"] == "all"]
     assert overall
     for r in overall:
@@ -114,7 +116,9 @@ def test_csv_and_tables(smoke):
     assert heading in text
   for r in results["rows"]:
     if r["category"] == "all" and r["flags"]:
-      assert f"γ = {r['gamma']}, T = {r['temperature']:g}: {'; '.join(r['flags'])}" in text
+      shape = (f"γ = {r['gamma']}" if r["tree"] is None
+               else f"{r['shape']} N = {r['num_nodes']}, D = {r['gamma']}")
+      assert f"{shape}, T = {r['temperature']:g}: {'; '.join(r['flags'])}" in text
 
 
 def test_padding_rows_are_left_out_of_statistics(smoke):
@@ -428,3 +432,28 @@ def test_eagle_drafts_resolve_by_name_and_by_directory(tmp_path):
   drafts.save_eagle(str(tmp_path / "e"), target.cfg, weights, None, tokenizer_sha256="-")
   d = load_draft(str(tmp_path / "e"), target, lambda: [])
   assert isinstance(d.drafter, EagleDrafter) and d.name == "e"
+
+
+def test_tree_sweep_rows_and_calibration(smoke):
+  """Chains and best static trees at T=0 and T=1; trees built from the training-side
+  calibration table; greedy tree outputs equal plain greedy decoding."""
+  results, out = smoke
+  rows = [r for r in results["rows"] if r["experiment"] == "tree_sweep" and r["category"] == "all"]
+  assert {r["temperature"] for r in rows} == {0.0, 1.0}
+  trees = [r for r in rows if r["shape"] == "best tree"]
+  assert trees and all(r["num_nodes"] == len(r["tree"]) and r["speedup"] for r in trees)
+  dynamic = [r for r in rows if r["shape"].startswith("dynamic")]
+  assert dynamic and all(r["num_nodes"] == r["tree"][3] and r["speedup"] for r in dynamic)
+  for t in ("0", "1"):
+    cal = results["tree_calibration"][t]
+    table = np.asarray(cal["table"])
+    assert table.shape == (len(cal["branching"]), max(cal["branching"]))
+    assert np.all((table >= 0) & (table <= 1))
+  from specjax.speculative.tree_builders import best_static_tree
+  for r in trees:
+    table = results["tree_calibration"][f"{r['temperature']:g}"]["table"]
+    assert best_static_tree(table, r["num_nodes"]).parents == tuple(r["tree"])
+  greedy = [r for r in trees + dynamic if r["temperature"] == 0]
+  assert greedy and all(r["greedy_match"] == 1.0 for r in greedy)
+  assert "Token trees vs chains" in open(os.path.join(out, "tables.md")).read()
+  assert os.path.exists(os.path.join(out, "trees.png"))
