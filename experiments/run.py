@@ -19,8 +19,8 @@ from absl import app, flags, logging
 from experiments import config as config_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("experiment", "all", "gamma_sweep, temperature_sweep, drafts_alpha, "
-                    "tree_sweep, all "
+flags.DEFINE_string("experiment", "default", "gamma_sweep, temperature_sweep, drafts_alpha, "
+                    "tree_sweep, default (the first three), all "
                     "(or a comma-separated list).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "default", "default (distilled token draft) | eagle (EAGLE feature "

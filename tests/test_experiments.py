@@ -457,3 +457,10 @@ def test_tree_sweep_rows_and_calibration(smoke):
   assert greedy and all(r["greedy_match"] == 1.0 for r in greedy)
   assert "Token trees vs chains" in open(os.path.join(out, "tables.md")).read()
   assert os.path.exists(os.path.join(out, "trees.png"))
+
+
+def test_default_run_is_the_papers_tables_and_all_adds_the_tree_sweep():
+  from experiments.config import DEFAULT_EXPERIMENTS, EXPERIMENTS, parse_experiments
+  assert parse_experiments("default") == DEFAULT_EXPERIMENTS == ExperimentConfig().experiments
+  assert "tree_sweep" not in DEFAULT_EXPERIMENTS
+  assert parse_experiments("all") == EXPERIMENTS and "tree_sweep" in EXPERIMENTS
