@@ -34,7 +34,8 @@ from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import (best_static_tree, estimate_rank_accept,
-                                               expected_tokens_per_step, full_tree)
+                                               expected_tokens_per_step, full_tree,
+                                               full_tree_counts)
 
 PROMPTS = flags.DEFINE_integer("prompts", 20, "held-out prompts (round-robin over categories)")
 CAL_PROMPTS = flags.DEFINE_integer("calibration_prompts", 8, "training-side calibration prompts")
@@ -55,19 +56,11 @@ def calibrate(target, draft, sampler, prompts, branching):
   """[D, K] per-depth, per-rank acceptance from a full tree's counters."""
   tree = full_tree(branching)
   dec = SpeculativeDecoder(target.cfg, draft.drafter, tree=tree, sampler=sampler, eos_ids=())
-  accepted = np.zeros((tree.max_depth, max(branching)), np.int64)
-  hist = np.zeros(tree.max_depth + 1, np.int64)
-  for p in prompts:
-    out = dec.generate(target.params, draft.params, [p], NEW.value, cache_size=CACHE)
-    accepted += out.per_row["accepted_rank"][0][:, :accepted.shape[1]]
-    hist += out.per_row["accept_len_hist"][0]
-  # A node of depth d and rank r < branching[d-1] is offered whenever its parent
-  # (depth d - 1) is on the accepted path: in steps that accepted >= d - 1 nodes.
-  reached = np.cumsum(hist[::-1])[::-1]  # reached[m] = steps with n >= m
-  offered = np.zeros_like(accepted)
-  for d, b in enumerate(branching):
-    offered[d, :b] = reached[d]
-  return estimate_rank_accept(accepted, offered), tree
+  outs = [dec.generate(target.params, draft.params, [p], NEW.value, cache_size=CACHE)
+          for p in prompts]
+  counts = full_tree_counts(branching, sum(o.per_row["accepted_rank"][0] for o in outs),
+                            sum(o.per_row["accept_len_hist"][0] for o in outs))
+  return estimate_rank_accept(*counts), tree
 
 
 def methods_for(draft, table):

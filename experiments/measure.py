@@ -39,7 +39,8 @@ import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.tree import DynamicTree, TreeTopology
-from specjax.speculative.tree_builders import estimate_rank_accept, full_tree
+from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
+                                               full_tree_counts)
 
 from experiments import checks
 from experiments.config import ExperimentConfig
@@ -315,19 +316,12 @@ class Bench:
     tree = full_tree(branching)
     dec = SpeculativeDecoder(self.target.cfg, draft.drafter, tree=tree,
                              sampler=make_sampler(temperature), eos_ids=self.eos_ids)
-    accepted = np.zeros((tree.max_depth, max(branching)), np.int64)
-    hist = np.zeros(tree.max_depth + 1, np.int64)
-    for i, p in enumerate(prompts):
-      out = dec.generate(self.target.params, draft.params, [p], self.config.max_new_tokens,
+    outs = [dec.generate(self.target.params, draft.params, [p], self.config.max_new_tokens,
                          seed=self.config.seed + i, cache_size=self.cache_size)
-      accepted += out.per_row["accepted_rank"][0][:, :accepted.shape[1]]
-      hist += out.per_row["accept_len_hist"][0]
-    # A node of depth d and rank r < branching[d - 1] is offered whenever its
-    # parent is on the accepted path: in steps that accepted >= d - 1 nodes.
-    reached = np.cumsum(hist[::-1])[::-1]
-    offered = np.zeros_like(accepted)
-    for d, b in enumerate(branching):
-      offered[d, :b] = reached[d]
+            for i, p in enumerate(prompts)]
+    accepted, offered = full_tree_counts(
+        branching, sum(o.per_row["accepted_rank"][0] for o in outs),
+        sum(o.per_row["accept_len_hist"][0] for o in outs))
     return dict(table=estimate_rank_accept(accepted, offered), accepted=accepted,
                 offered=offered, branching=branching, prompts=len(prompts))
 

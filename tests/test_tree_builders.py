@@ -321,3 +321,33 @@ CHAIN = TreeTopology.chain(2)
 def test_invalid_inputs_raise(call):
   with pytest.raises(ValueError):
     call()
+
+
+def test_full_tree_counts_equal_the_counts_from_paths():
+  """The decoder's counters of a full tree give the same table as its accepted paths."""
+  from specjax.speculative.tree_builders import full_tree_counts, rank_accept_counts
+  tree = tb.full_tree((3, 2, 1))
+  rng = np.random.default_rng(0)
+  paths = []
+  for _ in range(200):
+    path, node = [0], 0
+    for _ in range(tree.max_depth):
+      kids = [i + 1 for i, p in enumerate(tree.block_parents[1:]) if p == node]
+      if not kids or rng.random() < 0.3:
+        break
+      node = int(rng.choice(kids))
+      path.append(node)
+    paths.append(path + [-1] * (tree.max_depth + 1 - len(path)))
+  acc, off = rank_accept_counts(tree, np.asarray(paths))
+  rank_hits = np.zeros((tree.max_depth, 3), np.int64)
+  hist = np.zeros(tree.max_depth + 1, np.int64)
+  for path in paths:
+    n = sum(b > 0 for b in path)
+    hist[n] += 1
+    for b in path[1:n + 1]:
+      rank_hits[tree.depth[b - 1] - 1, tree.ranks[b - 1]] += 1
+  got_acc, got_off = full_tree_counts((3, 2, 1), rank_hits, hist)
+  np.testing.assert_array_equal(got_acc, acc)
+  np.testing.assert_array_equal(got_off, off)
+  with pytest.raises(ValueError, match="full_tree"):
+    full_tree_counts((3, 2), rank_hits, hist)

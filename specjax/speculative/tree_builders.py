@@ -42,6 +42,7 @@ __all__ = [
     "expected_accepted_length",
     "expected_tokens_per_step",
     "full_tree",
+    "full_tree_counts",
     "path_probabilities",
     "rank_accept_counts",
 ]
@@ -390,6 +391,36 @@ def rank_accept_counts(topology: TreeTopology, paths) -> tuple[np.ndarray, np.nd
       for c in children[b]:
         offered[topology.depth[c] - 1, topology.ranks[c]] += 1
       prev = b
+  return accepted, offered
+
+
+def full_tree_counts(branching: Sequence[int], accepted_rank,
+                     accept_len_hist) -> tuple[np.ndarray, np.ndarray]:
+  """(accepted, offered) [D, K] of a ``full_tree(branching)`` from the decoder's counters.
+
+  In a full tree every node of depth d - 1 has ``branching[d - 1]`` children,
+  so a node of depth d and rank r < branching[d - 1] is offered exactly when
+  its parent is on the accepted path: in every step that accepted >= d - 1
+  nodes. ``accepted_rank`` [D, R >= K] and ``accept_len_hist`` [D + 1] are
+  ``SpecCounters`` fields summed over rows.
+
+  Example::
+
+    >>> acc, off = full_tree_counts((2, 1), [[3, 1], [2, 0]], [1, 2, 2])
+    >>> acc.tolist(), off.tolist()
+    ([[3, 1], [2, 0]], [[5, 5], [4, 0]])
+  """
+  branching = tuple(int(b) for b in branching)
+  k = max(branching)
+  accepted = np.asarray(accepted_rank, np.int64)[:, :k]
+  hist = np.asarray(accept_len_hist, np.int64)
+  if accepted.shape != (len(branching), k) or hist.shape != (len(branching) + 1,):
+    raise ValueError(f"counters of shapes {np.shape(accepted_rank)}, {hist.shape} do not "
+                     f"belong to full_tree({branching})")
+  reached = np.cumsum(hist[::-1])[::-1]  # reached[m] = steps that accepted >= m nodes
+  offered = np.zeros_like(accepted)
+  for d, b in enumerate(branching):
+    offered[d, :b] = reached[d]
   return accepted, offered
 
 
