@@ -148,6 +148,10 @@ def sample_subset(sampler: Sampler, key: jax.Array, logits: jax.Array, ids: jax.
   the random draw over Vd instead of V ids. Reduced-vocabulary drafters use it.
   """
   tok, q = sampler.sample(key, logits)
-  full = jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., ids].set(q)
-  return ids[tok], full
+  return ids[tok], lift_probs(q, ids, vocab_size)
+
+
+def lift_probs(q: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+  """Probabilities over a subset [..., Vd] -> over the vocabulary [..., V], zero elsewhere."""
+  return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., ids].set(q)
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.sampling import Greedy, Sampler
+from specjax.sampling import Greedy, Sampler, lift_probs
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import DynamicTree, TreeTopology
 
@@ -57,8 +57,7 @@ def vocab_maps(vocab_map: Optional[jax.Array], vocab_size: int):
   """
   if vocab_map is None:
     return (lambda ids: ids), (lambda q: q)
-  lift = lambda q: jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., vocab_map].set(q)
-  return (lambda ids: vocab_map[ids]), lift
+  return (lambda ids: vocab_map[ids]), (lambda q: lift_probs(q, vocab_map, vocab_size))
 
 
 def _take(x: Any, idx: np.ndarray) -> Any:
