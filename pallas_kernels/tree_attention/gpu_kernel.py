@@ -48,6 +48,9 @@ def _kernel(lengths_ref,  # [B] int32
   split_start = pl.program_id(2) * split_len
   split_end = split_start + split_len
   q = q_ref[...]
+  # f32 operands are multiplied in full precision (Triton's default for an f32 dot is tf32,
+  # ~1e-3 off the reference on an H100); bf16 operands use the tensor cores as they are.
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   words = [bits_ref[:, pl.ds(w, 1)] for w in range(bits_ref.shape[1])]  # W x [block_q, 1]
   chunk = jnp.arange(block_kv, dtype=jnp.int32)
 
@@ -58,7 +61,7 @@ def _kernel(lengths_ref,  # [B] int32
     in_cache = slot < size
     k = plgpu.load(k_ref.at[pl.ds(start, block_kv), :], mask=in_cache[:, None], other=0.0)
     v = plgpu.load(v_ref.at[pl.ds(start, block_kv), :], mask=in_cache[:, None], other=0.0)
-    s = plgpu.dot(q, k, trans_b=True) * sm_scale  # [block_q, block_kv] f32
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [block_q, block_kv] f32
     if masked:
       rel = (slot - length)[None, :]
       visible = (rel < 0) | (tree_bits_visible(words, rel, num_tokens) & in_cache[None, :])
@@ -67,7 +70,7 @@ def _kernel(lengths_ref,  # [B] int32
     m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # nothing seen yet: p = 0, not NaN
     alpha = jnp.exp(m_prev - m_safe)
     p = jnp.exp(s - m_safe[:, None])
-    acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
+    acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
   carry = (jnp.zeros((block_q, h), jnp.float32),
