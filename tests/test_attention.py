@@ -73,6 +73,15 @@ def test_every_impl_matches_the_kernel_reference(impl):
                              atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threshold", (0, 1 << 40))  # K q^T order always / q K^T always
+def test_reference_score_orders_match_the_kernel_reference(monkeypatch, threshold):
+  monkeypatch.setattr(attention, "CACHE_MAJOR_SCORES_BYTES", threshold)
+  args = _inputs()
+  got = attention.attention(*args, impl="reference")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(tree_attention_reference(*args)),
+                             atol=1e-5, rtol=1e-5)
+
+
 def _tree_verify(cfg, params, impls, *, prompt_lengths=(13, 29), size=50):
   """Prefills rows of different lengths, then one tree-verify forward per impl."""
   b = len(prompt_lengths)
