@@ -9,6 +9,7 @@ import specjax
 from specjax.drafters import NgramDrafter, PromptLookupDrafter, early_exit_drafter, fit_ngram
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.tree import TreeTopology
 from specjax.testing import DRAFTER_KINDS as KINDS, make_drafter, tiny_model
 
 PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9, 10, 7], [3]]
@@ -41,6 +42,29 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
   props = np.asarray(d.lookup(tokens, jnp.array([13, 4]), 4))
   assert props[0].tolist() == [6, 1, 2, 3]  # latest earlier [1,2,3] is at 6..8
   assert props[1].tolist() == [8, 8, 8, 8]  # no match: repeat the last token
+
+
+def test_prompt_lookup_ranks_matches_longest_then_latest():
+  d = PromptLookupDrafter(16, max_ngram=2)
+  # Suffix [..., 2, 3]: [2, 3] occurs at 1..2 (then 7) and 4..5 (then 8); [3] alone at 9 (then 4).
+  tokens = jnp.array([[1, 2, 3, 7, 2, 3, 8, 5, 3, 4, 2, 3, 0, 0]])
+  starts = np.asarray(d.match_starts(tokens, jnp.array([12]), 4))[0]
+  assert starts.tolist() == [6, 3, 9, -1]  # both 2-gram matches (latest first), then the 1-gram
+  assert tokens[0, starts[:3]].tolist() == [8, 7, 4]
+
+
+def test_prompt_lookup_tree_puts_one_match_per_branch():
+  d = PromptLookupDrafter(16, max_ngram=2)
+  tokens = jnp.array([[1, 2, 3, 7, 2, 3, 8, 5, 3, 4, 2, 3, 0, 0]])
+  topo = TreeTopology((-1, -1, -1, 0, 1, 3))  # three branches: depths 3, 2 and 1
+  assert d.supports(topo) and not d.supports(TreeTopology((-1, 0, 0)))
+  proposal, _ = d.propose((), (), tokens, jnp.array([12]), None, Greedy(), topo)
+  assert proposal.draw == "point_mass" and proposal.q is None
+  # Branch 0 continues after the latest [2, 3] (8, 5, 3), branch 1 after the older (7, 2),
+  # branch 2 after [3] (4).
+  assert np.asarray(proposal.tokens)[0].tolist() == [8, 7, 4, 5, 2, 3]
+  with pytest.raises(ValueError, match="only at the root"):
+    d.propose((), (), tokens, jnp.array([12]), None, Greedy(), TreeTopology((-1, 0, 0)))
 
 
 def test_bigram_fit_normalises_and_prefers_seen_successors():

@@ -136,6 +136,18 @@ def test_greedy_equality_with_reduced_vocabulary_and_eagle(target, drafts, refer
     assert out.metrics()["acceptance_rate"] > 0
 
 
+ROOT_BRANCHING = TreeTopology((-1, -1, -1, 0, 1, 3))  # three matches: depths 3, 2, 1
+
+
+@pytest.mark.parametrize("tree", [ROOT_BRANCHING, TREES["wide"], TREES["chain"]],
+                         ids=["branches", "wide", "chain"])
+def test_greedy_prompt_lookup_trees_equal_plain_greedy(target, reference, tree):
+  cfg, params = target
+  drafter, dp = make_drafter("prompt_lookup", cfg, params, CORPUS)
+  out = _decoder(cfg, drafter, tree).generate(params, dp, PROMPTS, NEW, cache_size=CACHE)
+  _assert_same_generations(out, reference, len(PROMPTS))
+
+
 @pytest.mark.parametrize("tree", ["branchy", "medusa"])
 @pytest.mark.parametrize("which", ["self", "noisy"])
 def test_greedy_with_eos_equals_plain_greedy_with_eos(target, drafts, reference, tree, which):
@@ -358,6 +370,20 @@ def test_tree_decoding_samples_the_exact_joint_edge_cases(small_models, case):
   assert 0.5 * np.abs(counts / ROWS - exact).sum() < 0.02
 
 
+@pytest.mark.parametrize("sampler", [Sampling(temperature=1.0), Sampling(temperature=0.8, top_k=3)],
+                         ids=["t1", "topk3"])
+def test_prompt_lookup_trees_sample_the_exact_joint(small_models, sampler):
+  """Repeated suffixes give the root several distinct matches (2 -> 5, 6 or 7)."""
+  target, _ = small_models
+  prompt = [1, 2, 5, 2, 6, 2, 7, 2]
+  drafter = make_drafter("prompt_lookup", *target, CORPUS)[0]
+  dec = _decoder(target[0], drafter, ROOT_BRANCHING, sampler)
+  counts = empirical_joint(dec, target, (), prompt, ROWS)
+  exact = exact_joint(*target, sampler, prompt)
+  assert chi_square_pvalue(counts, exact) > 1e-3
+  assert 0.5 * np.abs(counts / ROWS - exact).sum() < 0.02
+
+
 @dataclasses.dataclass(frozen=True)
 class _RawQDrafter(ModelDrafter):
   """Wrong: draws siblings without replacement but labels them "sampled", so verification
@@ -403,11 +429,12 @@ def test_from_parents_and_from_choices_reject_bad_trees():
     TreeTopology.from_choices([])
 
 
-@pytest.mark.parametrize("kind", ["prompt_lookup", "bigram"])
-def test_chain_only_drafters_refuse_trees(target, kind):
+@pytest.mark.parametrize("kind,match", [("prompt_lookup", "only at the root"),
+                                        ("bigram", "chains only")])
+def test_drafters_refuse_trees_they_cannot_build(target, kind, match):
   cfg, params = target
   drafter, _ = make_drafter(kind, cfg, params, CORPUS)
-  with pytest.raises(ValueError, match="chains only"):
+  with pytest.raises(ValueError, match=match):
     _decoder(cfg, drafter, TREES["branchy"])
   _decoder(cfg, drafter, TreeTopology.chain(3))  # a chain is fine
 

@@ -17,7 +17,8 @@ Contract, for rows whose committed sequence is ``tokens[b, :seq_lens[b]]``:
 Capabilities are explicit methods with conservative defaults, so the decoder
 never probes attributes:
   * ``supports(topology)``: which trees the drafter can build (default:
-    chains only). The decoder refuses a topology the drafter does not support.
+    chains only), and ``buildable()`` says so in words. The decoder refuses a
+    topology the drafter does not support.
   * ``shares_target_cache()`` (early exit): ``propose`` gets the target's KV
     cache, holding the committed length − 1, as ``state``; it may write only
     slots at or past that length (verification overwrites them) and keeps no
@@ -66,6 +67,10 @@ class Drafter:
   def supports(self, topology: TreeTopology) -> bool:
     """Whether ``propose`` can build this topology (default: chains only)."""
     return topology.is_chain
+
+  def buildable(self) -> str:
+    """Which trees ``supports`` accepts, in words (for error messages)."""
+    return "chains only (pass gamma or TreeTopology.chain(γ))"
 
   def shares_target_cache(self) -> bool:
     return False

@@ -116,9 +116,8 @@ class SpeculativeDecoder:
           f"vocabulary mismatch: the drafter proposes over {self.drafter.vocab_size} tokens but "
           f"the target has {self.target_cfg.vocab_size}; speculative decoding needs one vocabulary")
     if not self.drafter.supports(self.tree):
-      raise ValueError(f"{type(self.drafter).__name__} cannot build {self.tree} (see its "
-                       "supports()); drafters that build chains only take gamma or "
-                       "TreeTopology.chain(γ)")
+      raise ValueError(f"{type(self.drafter).__name__} cannot build {self.tree}: it builds "
+                       f"{self.drafter.buildable()}")
     resolve_impl(self.attention_impl)  # unknown names fail here, not at trace time
     eos = self.target_cfg.eos_token_ids if self.eos_ids is None else self.eos_ids
     object.__setattr__(self, "eos_ids", validation.token_ids(eos, "eos_ids"))
