@@ -11,8 +11,12 @@ Batch 1, SmolLM2-135M-Instruct in f32, every output forced to ``new_tokens``
   HF prompt lookup (greedy, γ tokens); specjax autoregressive greedy and
   sampled; specjax speculative with the shipped draft (greedy and T = 1), with
   the shipped EAGLE drafter (greedy and T = 1; HF has no counterpart) and
-  with prompt lookup (greedy). Each is warmed up once, then timed over all
-  prompts. Reports tokens/s and ratios.
+  with prompt lookup (greedy); and the same drafters with token trees of
+  ``--tree_nodes`` nodes (HF has none): an EAGLE-2 dynamic tree of depth γ
+  and frontier 4 for the draft model and the EAGLE drafter, and a
+  prompt-lookup tree of ``--lookup_branches`` matches (chains of γ from the
+  root). Each is warmed up once, then timed over all prompts. Reports
+  tokens/s, ratios, and target calls per token for the speculative rows.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from specjax.drafters import PromptLookupDrafter
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer, smollm2_gguf_path
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.tree import DynamicTree, TreeTopology
 
 TEXTS = ["Write a Python function that merges two sorted lists.",
          "Summarise the plot of Romeo and Juliet in three sentences.",
@@ -49,6 +54,10 @@ GAMMA = flags.DEFINE_integer("gamma", 4, "draft length for every speculative met
 NEW = flags.DEFINE_integer("new_tokens", 96, "tokens generated per prompt", lower_bound=1)
 NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 6, "prompts (batch 1 each)", lower_bound=1,
                                    upper_bound=len(TEXTS))
+TREE_NODES = flags.DEFINE_integer("tree_nodes", 8, "nodes of the dynamic trees (depth γ, "
+                                  "frontier 4)", lower_bound=2)
+LOOKUP_BRANCHES = flags.DEFINE_integer("lookup_branches", 3, "matches (root branches) of the "
+                                       "prompt-lookup tree", lower_bound=2)
 OUT = flags.DEFINE_string("out", "benchmarks/results/peer.md", "markdown output; its directory "
                           "is created and probed for writing before anything loads")
 
@@ -61,6 +70,18 @@ def _timed(fn, prompts) -> float:
   return time.perf_counter() - start
 
 
+def lookup_tree(branches: int, depth: int) -> TreeTopology:
+  """``branches`` chains of ``depth`` nodes from the root, breadth-first."""
+  return TreeTopology(tuple(-1 if i < branches else i - branches
+                            for i in range(branches * depth)))
+
+
+def dynamic_tree(num_nodes: int, depth: int) -> DynamicTree:
+  """An EAGLE-2 tree of ``num_nodes`` nodes, depth <= γ (at most the nodes), frontier 4."""
+  k, d = min(4, num_nodes), min(depth, num_nodes)
+  return DynamicTree(k, d, min(num_nodes, k + (d - 1) * k * k))
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -70,35 +91,56 @@ def main(argv):
     probe_output_dir(os.path.dirname(OUT.value) or ".", "--out")
   except OutputError as e:
     raise app.UsageError(str(e))
-  n, g = NEW.value, GAMMA.value
+  n, g, nodes = NEW.value, GAMMA.value, TREE_NODES.value
   cfg, params = load_model()
   tok = load_model_tokenizer()
   prompts = [chat_prompt(tok, t) for t in TEXTS[:NUM_PROMPTS.value]]
   drafter, dp = drafts.default_drafter(tok, cfg.vocab_size)
   eagle, eagle_dp = drafts.default_eagle_drafter(cfg, params, tok)
-  cache = max(len(p) for p in prompts) + n + g + 8
+  dyn, lookup = dynamic_tree(nodes, g), lookup_tree(LOOKUP_BRANCHES.value, g)
+  cache = max(len(p) for p in prompts) + n + max(g, dyn.cache_headroom,
+                                                lookup.cache_headroom) + 8
+  calls = {}  # speculative rows: target calls per generated token
 
   def sj_ar(sampler):
     return lambda p: specjax.generate(params, cfg, [p], n, sampler, eos_ids=(), cache_size=cache)
 
-  def sj_spec(d, d_params, sampler):
-    dec = SpeculativeDecoder(cfg, d, gamma=g, sampler=sampler, eos_ids=())
-    return lambda p: dec.generate(params, d_params, [p], n, cache_size=cache)
+  def sj_spec(d, d_params, sampler, tree=None, name=None):
+    dec = SpeculativeDecoder(cfg, d, gamma=None if tree else g, tree=tree, sampler=sampler,
+                             eos_ids=())
+
+    def run(p):
+      out = dec.generate(params, d_params, [p], n, cache_size=cache)
+      if name:
+        calls.setdefault(name, []).append(int(out.steps) / n)
+      return out
+    return run
+
+  tree_name = f"EAGLE-2 tree N={dyn.num_nodes} (depth {dyn.depth}, top-{dyn.top_k})"
+  lookup_name = f"{LOOKUP_BRANCHES.value}-branch tree (depth {g})"
+  spec_rows = {
+      f"specjax speculative, shipped draft, greedy (γ={g})": (drafter, dp, Greedy(), None),
+      f"specjax speculative, shipped draft, T=1 (γ={g})": (drafter, dp, Sampling(1.0), None),
+      f"specjax speculative, shipped draft, {tree_name}, greedy": (drafter, dp, Greedy(), dyn),
+      f"specjax speculative, shipped draft, {tree_name}, T=1": (drafter, dp, Sampling(1.0), dyn),
+      f"specjax speculative, EAGLE drafter, greedy (γ={g})": (eagle, eagle_dp, Greedy(), None),
+      f"specjax speculative, EAGLE drafter, T=1 (γ={g})": (eagle, eagle_dp, Sampling(1.0), None),
+      f"specjax speculative, EAGLE drafter, {tree_name}, greedy": (eagle, eagle_dp, Greedy(), dyn),
+      f"specjax speculative, EAGLE drafter, {tree_name}, T=1": (
+          eagle, eagle_dp, Sampling(1.0), dyn),
+      f"specjax speculative, prompt lookup, greedy (γ={g})": (
+          PromptLookupDrafter(cfg.vocab_size), (), Greedy(), None),
+      f"specjax speculative, prompt lookup, {lookup_name}, greedy": (
+          PromptLookupDrafter(cfg.vocab_size), (), Greedy(), lookup),
+  }
 
   times = {
       "specjax autoregressive, greedy": _timed(sj_ar(Greedy()), prompts),
       "specjax autoregressive, T=1": _timed(sj_ar(Sampling(1.0)), prompts),
-      f"specjax speculative, shipped draft, greedy (γ={g})": _timed(
-          sj_spec(drafter, dp, Greedy()), prompts),
-      f"specjax speculative, shipped draft, T=1 (γ={g})": _timed(
-          sj_spec(drafter, dp, Sampling(1.0)), prompts),
-      f"specjax speculative, EAGLE drafter, greedy (γ={g})": _timed(
-          sj_spec(eagle, eagle_dp, Greedy()), prompts),
-      f"specjax speculative, EAGLE drafter, T=1 (γ={g})": _timed(
-          sj_spec(eagle, eagle_dp, Sampling(1.0)), prompts),
-      f"specjax speculative, prompt lookup, greedy (γ={g})": _timed(
-          sj_spec(PromptLookupDrafter(cfg.vocab_size), (), Greedy()), prompts),
   }
+  for name, (d, d_params, sampler, tree) in spec_rows.items():
+    times[name] = _timed(sj_spec(d, d_params, sampler, tree, name), prompts)
+    calls[name] = calls[name][1:]  # drop the warm-up call's count
 
   import torch
   from transformers import AutoModelForCausalLM
@@ -138,7 +180,9 @@ def main(argv):
   total = n * len(prompts)
   tps = {k: total / v for k, v in times.items()}
   base = tps["HF generate, greedy"]
-  rows = [f"| {k} | {v:.1f} | {v / base:.2f}x |" for k, v in tps.items()]
+  rows = [f"| {k} | {v:.1f} | {v / base:.2f}x | "
+          f"{sum(calls[k]) / len(calls[k]):.2f} |" if k in calls else
+          f"| {k} | {v:.1f} | {v / base:.2f}x | |" for k, v in tps.items()]
   spec = tps[f"specjax speculative, shipped draft, greedy (γ={g})"]
   goals = [
       f"- specjax speculative / HF assisted generation (same draft, greedy): "
@@ -147,6 +191,8 @@ def main(argv):
       f"**{spec / tps['specjax autoregressive, greedy']:.2f}x** (goal ≥ 2x)",
       f"- specjax speculative with the EAGLE drafter / specjax autoregressive (greedy): "
       f"**{tps[f'specjax speculative, EAGLE drafter, greedy (γ={g})'] / tps['specjax autoregressive, greedy']:.2f}x**",
+      f"- best specjax tree row / specjax autoregressive (greedy): "
+      f"**{max(v for k, v in tps.items() if 'tree' in k and 'greedy' in k) / tps['specjax autoregressive, greedy']:.2f}x**",
       f"- specjax autoregressive / HF generate (greedy): "
       f"**{tps['specjax autoregressive, greedy'] / base:.2f}x**",
   ]
@@ -154,14 +200,16 @@ def main(argv):
       "# Peer benchmark: specjax vs HF transformers (SmolLM2-135M-Instruct, f32, batch 1, CPU)",
       "",
       f"Command: `python -m benchmarks.peer --gamma {g} --new_tokens {n} "
-      f"--num_prompts {len(prompts)}` ({provenance()}, torch {torch.__version__}).",
+      f"--num_prompts {len(prompts)} --tree_nodes {nodes} --lookup_branches "
+      f"{LOOKUP_BRANCHES.value}` ({provenance()}, torch {torch.__version__}).",
       f"specjax matmul: {matmul_path(params)}.",
       "",
       f"{len(prompts)} chat prompts x {n} new tokens each (EOS ignored), one warm-up call per "
-      "method, then all prompts timed.",
+      "method, then all prompts timed. Target calls per token: verify forwards per generated "
+      "token (1.00 for plain decoding; lower is better).",
       "",
-      "| method | tokens/s | vs HF greedy |",
-      "|---|---|---|",
+      "| method | tokens/s | vs HF greedy | target calls / token |",
+      "|---|---|---|---|",
       *rows,
       "",
       *goals,
