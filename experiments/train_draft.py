@@ -66,6 +66,9 @@ flags.DEFINE_enum("draft_kind", "token", ["token", "eagle"], "A token draft mode
 flags.DEFINE_integer("eagle_layers", 1, "EAGLE: decoder layers (initialised from the target's last).")
 flags.DEFINE_float("feature_weight", 0.1, "EAGLE: weight of the feature regression loss.")
 flags.DEFINE_float("feature_noise", 0.05, "EAGLE: uniform noise on input features (× their RMS).")
+flags.DEFINE_integer("eagle_ttt_steps", 1, "EAGLE: draft steps unrolled on the drafter's own "
+                     "predictions in training (EAGLE-3's training-time test; 1 = off).",
+                     lower_bound=1)
 
 
 def corpus_dir() -> str:
@@ -166,6 +169,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
   if eagle_run:
     setup.update(draft_kind="eagle", draft_layers=FLAGS.eagle_layers,
                  feature_weight=FLAGS.feature_weight, feature_noise=FLAGS.feature_noise)
+    if FLAGS.eagle_ttt_steps > 1:  # (absent when off, so earlier runs still resume)
+      setup.update(ttt_steps=FLAGS.eagle_ttt_steps)
   if os.path.exists(setup_file):  # resuming: the corpus and the draft must be the same
     with open(setup_file) as f:
       old = json.load(f)
@@ -197,7 +202,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
       features.corpus_features(directory, split, recs, params, cfg)
     drafter = EagleDrafter(eagle_config(cfg, FLAGS.eagle_layers))
     dparams = init_eagle_weights(cfg, params, FLAGS.eagle_layers)
-    objective = eagle.EagleObjective(drafter, FLAGS.feature_weight, FLAGS.feature_noise)
+    objective = eagle.EagleObjective(drafter, FLAGS.feature_weight, FLAGS.feature_noise,
+                                     ttt_steps=FLAGS.eagle_ttt_steps)
     frozen = eagle.frozen_arrays(cfg, params, vocab_map)
     dcfg = dataclasses.replace(drafter.cfg, vocab_size=FLAGS.draft_vocab or cfg.vocab_size)
   else:

@@ -101,11 +101,12 @@ def toy(toy_corpus):
   return cfg, params, with_features(train_recs), with_features(held)
 
 
-def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path):
+@pytest.mark.parametrize("ttt_steps", [1, 3])
+def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_steps):
   cfg, params, recs, held = toy
   vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
   drafter = EagleDrafter(eagle_config(cfg, 1))
-  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.05)
+  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.05, ttt_steps=ttt_steps)
   frozen = eagle.frozen_arrays(cfg, params, vm)
   draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
                       target_vocab_size=cfg.vocab_size, vocab_map=vm)
@@ -129,6 +130,44 @@ def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path):
     out = dec.generate(params, dp, [r["prompt"] for r in held[:8]], 12)
     accepted.append(out.metrics()["acceptance_rate"])
   assert accepted[1] > accepted[0]
+
+
+def test_ttt_mask_sees_the_committed_prefix_and_its_own_path():
+  m = eagle.ttt_mask(4, 3)  # L = 4, step 3: slots 0-3 step 1, 4-7 step 2, 8-11 step 3
+  assert np.flatnonzero(m[3]).tolist() == [0, 1, 6, 11]  # true pairs <= 1, step 2 at 2, itself
+  assert np.flatnonzero(m[1]).tolist() == [4, 9]  # no committed prefix yet
+  assert np.flatnonzero(eagle.ttt_mask(4, 2)[2]).tolist() == [0, 1, 6]
+
+
+def test_training_time_test_steps_read_their_own_predictions():
+  """Step k of the unroll at position i equals decoding's k-th draft step after committing
+  positions <= i − k + 1 with teacher-forced tokens: prefill the true-feature pairs, then
+  feed the drafter's own ĥ forward one position at a time."""
+  cfg, params = tiny_model(seed=0)
+  drafter = EagleDrafter(eagle_config(cfg, 1))
+  dp = eagle.frozen_arrays(cfg, params) | random_eagle_weights(cfg, 1, jax.random.PRNGKey(3))
+  objective = eagle.EagleObjective(drafter, ttt_steps=3)
+  l = 12
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, l), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(l), (2, l))
+  feats = forward(params, cfg, tokens, pos, init_cache(cfg, 2, l)).hidden
+  hs = objective.unroll(random_eagle_weights(cfg, 1, jax.random.PRNGKey(3)),
+                        eagle.frozen_arrays(cfg, params), dict(tokens=tokens, features=feats))
+  assert hs.shape == (3, 2, l, cfg.dim)
+  shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
+  i = 8
+  for k in (2, 3):
+    committed = i - k + 2  # pairs 0 .. i - k + 1 carry true features
+    _, cache = drafter.hidden(dp, shifted[:, :committed], tokens[:, :committed],
+                              pos[:, :committed], init_cache(drafter.cfg, 2, l))
+    h = hs[0][:, committed - 1:committed]  # step 1's prediction at the last committed pair
+    for j in range(committed, i + 1):  # draft steps 2 .. k along the path
+      h, cache = drafter.hidden(dp, h, tokens[:, j:j + 1], pos[:, j:j + 1], cache)
+    np.testing.assert_allclose(np.asarray(h[:, 0]), np.asarray(hs[k - 1][:, i]),
+                               rtol=1e-4, atol=1e-4)
+  # Step 1 is teacher forcing on the true features (the unroll's cache is 3x longer: rounding).
+  h1, _ = drafter.hidden(dp, shifted, tokens, pos, init_cache(drafter.cfg, 2, l))
+  np.testing.assert_allclose(np.asarray(h1), np.asarray(hs[0]), rtol=1e-4, atol=1e-4)
 
 
 def test_save_and_load_round_trip_and_refusals(tmp_path):

@@ -174,11 +174,22 @@ def _coarsened(draft_logp, topk_ids, topk_logp, vocab_map, in_map):
 
 
 def loss_fn(params, objective, kind, vocab_map, in_map, frozen, batch, key=None):
+  """Weighted divergence to the target at ``pred_pos`` plus the objective's auxiliary loss.
+
+  An objective that unrolls K draft steps (EAGLE-3's training-time test)
+  returns [K, B, R, Vd] log-probs; the loss is the mean over steps, step k
+  (from 0) weighing only positions ``pred_pos >= k`` (ones with a committed
+  prefix at that draft step).
+  """
   logp, aux = objective.logp_and_aux(params, frozen, in_map, batch, key)
-  p, q, _, _ = _coarsened(logp, batch["topk_ids"], batch["topk_logp"], vocab_map, in_map)
-  d = losses.divergence(kind, p, q).reshape(batch["weight"].shape)
-  w = batch["weight"]
-  return jnp.sum(d * w) / jnp.maximum(jnp.sum(w), 1.0) + aux
+  steps = logp if logp.ndim == 4 else logp[None]
+  total = 0.0
+  for k in range(steps.shape[0]):
+    p, q, _, _ = _coarsened(steps[k], batch["topk_ids"], batch["topk_logp"], vocab_map, in_map)
+    d = losses.divergence(kind, p, q).reshape(batch["weight"].shape)
+    w = batch["weight"] * (batch["pred_pos"] >= k)
+    total += jnp.sum(d * w) / jnp.maximum(jnp.sum(w), 1.0)
+  return total / steps.shape[0] + aux
 
 
 @functools.partial(jax.jit, static_argnames=("objective",))
@@ -190,6 +201,8 @@ def alpha_stats(params, objective, vocab_map, in_map, frozen, batch) -> dict[str
   (lower bound) and β ≤ that + min(p_rest, q_rest) (upper bound).
   """
   logp, _ = objective.logp_and_aux(params, frozen, in_map, batch, None)
+  if logp.ndim == 4:  # unrolled steps: α is the first draft step's (teacher-forced) agreement
+    logp = logp[0]
   w = batch["weight"]
   draft_top = vocab_map[jnp.argmax(logp, axis=-1)]
   beta0 = (draft_top == batch["topk_ids"][..., 0]).astype(jnp.float32)
