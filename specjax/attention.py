@@ -125,8 +125,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     v: [B, K, S, H] the layer's values.
     lengths: [B] int committed slots per row (before the new tokens).
     mask: [T, T] or [B, T, T] bool, which new tokens each new token sees; or
-      [B, T, W], W > T (reference only): the new tokens are the last T of a
-      window of W slots from lengths[b], and see window slot j iff mask.
+      [B, T, W], W > T (reference only; "auto" picks it on every backend): the
+      new tokens are the last T of a window of W slots from lengths[b], and see
+      window slot j iff mask.
     impl: static implementation name (see the module docstring).
     block_sizes: ``pallas_kernels.tree_attention.BlockSizes`` for the kernels.
 
@@ -138,14 +139,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     mismatched shapes or head counts, a mask of the wrong shape or dtype, an
     unsupported dtype or T over the kernels' budget.
   """
-  resolved = resolve_impl(impl)
   t = q.shape[1]
-  if mask.shape[-1] != t:  # a window of W > T slots (tree drafting): reference only
+  if mask.shape[-1] != t:  # a window of W > T slots (tree drafting, EAGLE's training-time
+    # test): the kernels take none, so "auto" means the reference on every backend.
+    resolved = "reference" if impl == "auto" else resolve_impl(impl)
     if resolved != "reference" or mask.shape[-2] != t or mask.shape[-1] < t:
       raise ValueError(f"a [.., T, W] window mask needs W >= T={t} and the reference "
                        f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
     return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),
                                                k.shape[2]))
+  resolved = resolve_impl(impl)
   if resolved == "reference":
     check_inputs(q, k, v, lengths, mask, dtypes=None)
     return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),

@@ -73,6 +73,22 @@ def test_every_impl_matches_the_kernel_reference(impl):
                              atol=1e-5, rtol=1e-5)
 
 
+def test_auto_takes_window_masks_to_the_reference_on_every_backend(monkeypatch):
+  """Tree drafting and EAGLE's training-time test pass [B, T, W] window masks, which no
+  kernel takes: "auto" must not send them to a kernel on a GPU or TPU."""
+  q, k, v, lengths, _ = _inputs()
+  b, t = q.shape[:2]
+  window = jnp.ones((b, t, t + 2), bool)
+  want = attention.attention(q, k, v, lengths, window, impl="reference")
+  for backend in ("gpu", "tpu"):
+    monkeypatch.setattr(attention.jax, "default_backend", lambda backend=backend: backend)
+    assert attention.resolve_impl("auto") == "pallas_" + backend
+    np.testing.assert_array_equal(np.asarray(attention.attention(q, k, v, lengths, window)),
+                                  np.asarray(want))
+    with pytest.raises(ValueError, match="window mask"):
+      attention.attention(q, k, v, lengths, window, impl="pallas")
+
+
 @pytest.mark.parametrize("threshold", (0, 1 << 40))  # K q^T order always / q K^T always
 def test_reference_score_orders_match_the_kernel_reference(monkeypatch, threshold):
   monkeypatch.setattr(attention, "CACHE_MAJOR_SCORES_BYTES", threshold)
