@@ -370,8 +370,10 @@ def test_tree_decoding_samples_the_exact_joint_edge_cases(small_models, case):
   assert 0.5 * np.abs(counts / ROWS - exact).sum() < 0.02
 
 
-@pytest.mark.parametrize("sampler", [Sampling(temperature=1.0), Sampling(temperature=0.8, top_k=3)],
-                         ids=["t1", "topk3"])
+@pytest.mark.parametrize("sampler", [
+    Sampling(temperature=1.0),
+    pytest.param(Sampling(temperature=0.8, top_k=3), marks=pytest.mark.heavy),
+], ids=["t1", "topk3"])
 def test_prompt_lookup_trees_sample_the_exact_joint(small_models, sampler):
   """Repeated suffixes give the root several distinct matches (2 -> 5, 6 or 7)."""
   target, _ = small_models

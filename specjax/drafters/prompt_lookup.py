@@ -75,7 +75,7 @@ class PromptLookupDrafter(Drafter):
     b, s = tokens.shape
     i = jnp.arange(s)[None, :]  # candidate start of an earlier occurrence
     score = jnp.full((b, s), -1)  # per continuation start c = i + n
-    for n in range(self.max_ngram, self.min_ngram - 1, -1):
+    for n in range(min(self.max_ngram, s - 1), self.min_ngram - 1, -1):  # a match needs n + 1
       suffix_at = seq_lens[:, None] - n + jnp.arange(n)[None, :]  # [B, n]
       suffix = jnp.take_along_axis(tokens, jnp.clip(suffix_at, 0, s - 1), axis=1)
       match = jnp.ones((b, s), bool)
