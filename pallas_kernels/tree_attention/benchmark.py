@@ -97,7 +97,7 @@ def main(_):
           rows.append(f"| {name} | {b} | {s} | {t} | {t_ref * 1e6:.1f} | {t_ker * 1e6:.1f} | "
                       f"{t_ref / t_ker:.2f}x | {gbytes / t_ker:.0f} | {spread:.0%} |")
           print(rows[-1], flush=True)
-          del args
+          args = None  # free the device buffers before the next shape
   device = jax.devices()[0].device_kind
   out = OUT.value or f"pallas_kernels/tree_attention/results_{backend}.md"
   write_markdown(out, [

@@ -21,13 +21,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.tree_attention.block_sizes import BlockSizes
-from pallas_kernels.tree_attention.reference import (batched_mask, check_inputs, pack_mask,
-                                                     tree_bits_visible)
+from pallas_kernels.tree_attention.reference import from_rows, kernel_rows, tree_bits_visible
 
 
 def _next_pow2(x: int) -> int:
@@ -111,25 +109,24 @@ def tree_attention_gpu(q, k, v, lengths, mask, *, sm_scale: float | None = None,
     [B, T, N, H] in q's dtype.
   """
   block_sizes = block_sizes or BlockSizes.get_default()
-  check_inputs(q, k, v, lengths, mask, max_tree_tokens=block_sizes.max_tree_tokens)
-  b, t, n, h = q.shape
-  kh, s = k.shape[1], k.shape[2]
-  g = n // kh
-  m = t * g
-  sm_scale = 1.0 / np.sqrt(h) if sm_scale is None else sm_scale
+  rows = kernel_rows(q, k, v, lengths, mask, max_tree_tokens=block_sizes.max_tree_tokens,
+                     sm_scale=sm_scale)
+  t = rows.num_tokens
+  b, kh, m, h = rows.q.shape
+  s = k.shape[2]
   block_q = min(block_sizes.block_q_gpu, max(16, _next_pow2(m)))
   m_pad = pl.cdiv(m, block_q) * block_q
   block_kv = min(block_sizes.block_kv_gpu, max(16, _next_pow2(s)))
   split_len = pl.cdiv(pl.cdiv(s, block_sizes.num_kv_splits), block_kv) * block_kv
   num_splits = pl.cdiv(s, split_len)
 
-  bits = jnp.repeat(pack_mask(batched_mask(mask, b)), g, axis=1)  # [B, M, W]
-  w = _next_pow2(bits.shape[-1])
-  bits = jnp.pad(bits, ((0, 0), (0, m_pad - m), (0, w - bits.shape[-1])))
-  qm = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, m, h)
-  qm = jnp.pad(qm, ((0, 0), (0, 0), (0, m_pad - m), (0, 0)))
+  # Triton blocks are powers of two: pad the rows to block_q and the mask words to a power.
+  w = _next_pow2(rows.bits.shape[-1])
+  bits = jnp.pad(rows.bits, ((0, 0), (0, m_pad - m), (0, w - rows.bits.shape[-1])))
+  qm = jnp.pad(rows.q, ((0, 0), (0, 0), (0, m_pad - m), (0, 0)))
 
-  kernel = functools.partial(_kernel, sm_scale=sm_scale, block_kv=block_kv, split_len=split_len,
+  kernel = functools.partial(_kernel, sm_scale=rows.sm_scale, block_kv=block_kv,
+                             split_len=split_len,
                              num_tokens=t, size=s)
   acc, m_i, l_i = pl.pallas_call(
       kernel,
@@ -161,5 +158,4 @@ def tree_attention_gpu(q, k, v, lengths, mask, *, sm_scale: float | None = None,
   scale = jnp.exp(m_i - peak)  # [B, K, splits, M_pad]
   denom = jnp.sum(l_i * scale, axis=2)
   out = jnp.sum(acc * scale[..., None], axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
-  out = out[:, :, :m].astype(q.dtype)
-  return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+  return from_rows(out[:, :, :m].astype(q.dtype), rows)

@@ -20,6 +20,7 @@ that sees itself never hits that case.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,46 @@ def tree_bits_visible(words, rel, num_tokens: int):
     hit = (jnp.bitwise_and(jnp.right_shift(word, bit), 1) == 1) & (word_index == w)
     seen = hit if seen is None else seen | hit
   return seen & (rel >= 0) & (rel < num_tokens)
+
+
+class KernelRows(NamedTuple):
+  """What both kernels start from: queries regrouped into rows, and the packed tree mask.
+
+  Rows are the T tokens x G query heads of one kv head, token-major (M = T*G),
+  so one (row, kv head) is a single [M, H] x [S, H]^T product.
+
+  Attributes:
+    q: [B, K, M, H] the regrouped queries.
+    bits: [B, M, W] int32 ancestor bitmask of each row's token (``pack_mask``).
+    num_tokens: T.
+    group: G.
+    sm_scale: the score scale (1 / sqrt(H) unless given).
+  """
+
+  q: jax.Array
+  bits: jax.Array
+  num_tokens: int
+  group: int
+  sm_scale: float
+
+
+def kernel_rows(q, k, v, lengths, mask, *, max_tree_tokens: int,
+                sm_scale: float | None = None) -> KernelRows:
+  """Checks the inputs (``check_inputs``) and regroups them for a kernel (``KernelRows``)."""
+  check_inputs(q, k, v, lengths, mask, max_tree_tokens=max_tree_tokens)
+  b, t, n, h = q.shape
+  kh = k.shape[1]
+  g = n // kh
+  bits = jnp.repeat(pack_mask(batched_mask(mask, b)), g, axis=1)
+  qm = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
+  return KernelRows(qm, bits, t, g, 1.0 / np.sqrt(h) if sm_scale is None else sm_scale)
+
+
+def from_rows(out: jax.Array, rows: KernelRows) -> jax.Array:
+  """[B, K, M, H] kernel output rows -> [B, T, N, H] (the inverse of the regrouping)."""
+  b, kh, _, h = out.shape
+  t, g = rows.num_tokens, rows.group
+  return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, kh * g, h)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))

@@ -18,13 +18,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tree_attention.block_sizes import BlockSizes
-from pallas_kernels.tree_attention.reference import (batched_mask, check_inputs, pack_mask,
-                                                     tree_bits_visible)
+from pallas_kernels.tree_attention.reference import from_rows, kernel_rows, tree_bits_visible
 
 LANES = 128  # m and l scratch are lane-replicated, as in the upstream TPU kernels
 
@@ -105,24 +103,20 @@ def tree_attention_tpu(q, k, v, lengths, mask, *, sm_scale: float | None = None,
     [B, T, N, H] in q's dtype.
   """
   block_sizes = block_sizes or BlockSizes.get_default()
-  check_inputs(q, k, v, lengths, mask, max_tree_tokens=block_sizes.max_tree_tokens)
-  b, t, n, h = q.shape
-  kh, s = k.shape[1], k.shape[2]
-  g = n // kh
-  m = t * g
-  sm_scale = 1.0 / np.sqrt(h) if sm_scale is None else sm_scale
+  rows = kernel_rows(q, k, v, lengths, mask, max_tree_tokens=block_sizes.max_tree_tokens,
+                     sm_scale=sm_scale)
+  qm, bits, t = rows.q, rows.bits, rows.num_tokens  # [B, K, M, H], [B, M, W]
+  b, kh, m, h = qm.shape
+  s, w = k.shape[2], bits.shape[-1]
   block_kv = min(block_sizes.block_kv, s)
   num_blocks = pl.cdiv(s, block_kv)
-  bits = jnp.repeat(pack_mask(batched_mask(mask, b)), g, axis=1)  # [B, M, W]
-  w = bits.shape[-1]
-  qm = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, m, h)
 
   def kv_index(bi, hi, ci, lengths_ref):
     # Clamp to the last block the row needs: repeated indices issue no new DMA.
     last = jnp.maximum(pl.cdiv(jnp.minimum(lengths_ref[bi] + t, s), block_kv) - 1, 0)
     return bi, hi, jnp.minimum(ci, last), 0
 
-  kernel = functools.partial(_kernel, sm_scale=sm_scale, block_kv=block_kv, num_tokens=t,
+  kernel = functools.partial(_kernel, sm_scale=rows.sm_scale, block_kv=block_kv, num_tokens=t,
                              size=s)
   out = pl.pallas_call(
       kernel,
@@ -146,4 +140,4 @@ def tree_attention_tpu(q, k, v, lengths, mask, *, sm_scale: float | None = None,
       interpret=interpret,
       name="tree_attention_tpu",
   )(lengths.astype(jnp.int32), qm, k, v, bits)
-  return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+  return from_rows(out, rows)

@@ -77,7 +77,7 @@ def main(_):
                 f"block_kv_gpu={block_kv}, num_kv_splits={splits}, warps={warps}, "
                 f"stages={stages} | {t_ker * 1e6:.1f} | {min(t_ref, t_ref2) / t_ker:.2f}x |")
     print(best[-1], flush=True)
-    del args
+    args = None  # free the device buffers before the next shape
   write_markdown(TUNE_OUT.value, [
       f"# GPU tree-attention kernel: tiling sweep on {jax.devices()[0].device_kind}",
       "",
