@@ -55,11 +55,10 @@ def _case(layers, b, s, t, kh, g, h, dtype, seed=0):
   return q, k, v, jnp.full((b,), s - t, jnp.int32), mask
 
 
-def _scanned(impl: str):
-  """jit of ``layers`` attentions over stacked caches, unrolled (no device loop per layer)."""
+def unrolled(attend):
+  """jit of ``attend`` over each layer of stacked q/k/v, unrolled (no device loop per layer)."""
   def run(q, k, v, lengths, mask):
-    return jnp.stack([attention.attention(q[i], k[i], v[i], lengths, mask, impl=impl)
-                      for i in range(q.shape[0])])
+    return jnp.stack([attend(q[i], k[i], v[i], lengths, mask) for i in range(q.shape[0])])
   return jax.jit(run)
 
 
@@ -77,7 +76,8 @@ def main(_):
   layers = 2 if SMOKE.value else LAYERS.value
   resolved = attention.resolve_impl(kernel_impl)
   dtype = jnp.dtype(DTYPE.value)
-  ref, ker = _scanned("reference"), _scanned(kernel_impl)
+  ref = unrolled(lambda *a: attention.attention(*a, impl="reference"))
+  ker = unrolled(lambda *a: attention.attention(*a, impl=kernel_impl))
   rows = []
   for name, (kh, g, h) in geometries.items():
     for b in batches:

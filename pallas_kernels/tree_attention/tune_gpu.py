@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import median_time, provenance, write_markdown
-from pallas_kernels.tree_attention.benchmark import LAYERS, REPEATS, TOL, _case
+from pallas_kernels.tree_attention.benchmark import LAYERS, REPEATS, TOL, _case, unrolled
 from pallas_kernels.tree_attention.block_sizes import BlockSizes
 from pallas_kernels.tree_attention.gpu_kernel import tree_attention_gpu
 from specjax import attention
@@ -38,16 +38,11 @@ SPLITS = (4, 8, 16, 32)
 WARPS_STAGES = ((4, 2), (4, 3))
 
 
-def _unrolled(fn):
-  return jax.jit(lambda q, k, v, lengths, mask: jnp.stack(
-      [fn(q[i], k[i], v[i], lengths, mask) for i in range(q.shape[0])]))
-
-
 def main(_):
   if jax.default_backend() != "gpu":
     raise SystemExit("tune_gpu needs a GPU (the Triton kernel cannot be timed in interpret mode)")
   layers, repeats = LAYERS.value, REPEATS.value
-  ref = _unrolled(lambda *a: attention.attention(*a, impl="reference"))
+  ref = unrolled(lambda *a: attention.attention(*a, impl="reference"))
   rows, best = [], []
   for b, s, t in SHAPES:
     args = _case(layers, b, s, t, 3, 3, 64, jnp.bfloat16)
@@ -58,7 +53,7 @@ def main(_):
     def compile_one(tiling):
       block_kv, splits, (warps, stages) = tiling
       sizes = BlockSizes(block_kv_gpu=block_kv, num_kv_splits=splits)
-      return _unrolled(lambda *a: tree_attention_gpu(
+      return unrolled(lambda *a: tree_attention_gpu(
           *a, block_sizes=sizes, num_warps=warps, num_stages=stages)).lower(*args).compile()
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiling is host work: overlap it
