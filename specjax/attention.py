@@ -91,11 +91,11 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
   The T new tokens and the G = N/K query heads sharing a kv head are merged
   into one M = T*G axis, so each (row, kv head) is one product against the
   cache as stored. Which product is a static choice by size: q [M, H] x
-  K^T is fastest while a layer's keys stay in cache, but it is a
-  "transposed-B" batched product that XLA:CPU runs ~3x slower once they do
-  not (B = 256, S = 320: 57 ms a layer, against 23 ms for K [S, H] x q^T
-  [H, M]; at B = 1 the q K^T order is ~20% faster; measured on an AMD EPYC,
-  see the batched corpus generation of ``specjax.distill``). Both agree to
+  K^T is a "transposed-B" batched product that XLA:CPU runs ~2.5x slower
+  once a layer's keys no longer fit in cache (B = 256, S = 320: 57 ms a
+  layer, against 24 ms for K [S, H] x q^T [H, M]); below 8 MiB of keys the
+  two orders are within a few percent of each other and q K^T is kept
+  (``python -m benchmarks.attention_layout``, AMD EPYC). Both agree to
   rounding.
   """
   b, t, n, h = q.shape
