@@ -5,6 +5,20 @@ import pytest
 TOY_TOPK = 8
 
 
+@pytest.fixture(scope="module")
+def target():
+  """The tiny random target of the decoding tests (modules may define their own)."""
+  from specjax.testing import tiny_model
+  return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+  """A smaller random model of the same vocabulary, as an independent draft."""
+  from specjax.testing import tiny_model
+  return tiny_model(seed=1, num_layers=1, dim=16, num_heads=2, num_kv_heads=1, ffn_dim=32)
+
+
 @pytest.fixture(scope="session")
 def toy_corpus():
   """A tiny target and its self-distillation corpus: (cfg, params, train records, held-out).

@@ -19,16 +19,6 @@ PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11, 12, 13], [3]]
 TREE = DynamicTree(top_k=3, depth=3, num_nodes=8)
 
 
-@pytest.fixture(scope="module")
-def target():
-  return tiny_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-  return tiny_model(seed=1, num_layers=1, dim=16, num_heads=2, num_kv_heads=1, ffn_dim=32)
-
-
 def _stable_top(x, k):
   """Indices of the k largest (ties: smaller index first), like ``lax.top_k``."""
   return np.argsort(-np.asarray(x), kind="stable")[:k]

@@ -12,16 +12,6 @@ from specjax.testing import tiny_model
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11, 12, 13], [3]]
 
 
-@pytest.fixture(scope="module")
-def target():
-  return tiny_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-  return tiny_model(seed=1, num_layers=1, dim=16, num_heads=2, num_kv_heads=1, ffn_dim=32)
-
-
 def _decoder(target_cfg, draft_cfg, gamma, sampler=Greedy(), eos_ids=()):
   drafter = ModelDrafter(draft_cfg)
   return SpeculativeDecoder(target_cfg, drafter, gamma=gamma, sampler=sampler, eos_ids=eos_ids)

@@ -35,9 +35,9 @@ def branch_layout(topology: TreeTopology) -> tuple[np.ndarray, np.ndarray]:
   """(branch [N], offset [N]): which child of the root each node descends from and its
   index along that chain (0 for the root's child). Needs every node to have <= 1 child."""
   branch, offset = [], []
-  for p in topology.parents:
-    if p < 0:
-      branch.append(sum(1 for q in topology.parents[:len(branch)] if q < 0))
+  for i, p in enumerate(topology.parents):
+    if p < 0:  # a child of the root: its rank among the root's children is its branch
+      branch.append(topology.ranks[i])
       offset.append(0)
     else:
       branch.append(branch[p])
