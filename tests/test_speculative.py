@@ -7,7 +7,7 @@ import specjax
 from specjax.drafters import ModelDrafter
 from specjax.sampling import Greedy, Sampling, make_sampler
 from specjax.speculative import SpeculativeDecoder
-from specjax.testing import tiny_model
+from specjax.testing import new_compiles_across_batches, tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11, 12, 13], [3]]
 
@@ -78,12 +78,7 @@ def test_cache_that_fills_exactly(target, draft):
 def test_no_recompilation_across_prompts_and_acceptance_patterns(target, draft):
   cfg, params = target
   dec = _decoder(cfg, draft[0], 2, Sampling(temperature=1.0))
-  dp = dec.drafter.make_params(draft[1])
-  dec.generate(params, dp, [[1], [2, 3]], 8, cache_size=64)
-  before = SpeculativeDecoder.run._cache_size()
-  for seed, prompts in enumerate([[[5, 6, 7, 8], [9]], [[1] * 30, [2] * 11], [[3, 4], [5]]]):
-    dec.generate(params, dp, prompts, 8 + seed, cache_size=64, seed=seed)
-  assert SpeculativeDecoder.run._cache_size() == before
+  assert new_compiles_across_batches(dec, params, dec.drafter.make_params(draft[1])) == 0
 
 
 def test_stream_twin_matches_fused_loop(target, draft):
