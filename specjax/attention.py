@@ -17,7 +17,9 @@ Implementations, chosen by the static ``impl`` name:
   "pallas_tpu_interpret", "pallas_gpu_interpret"
                           the same kernels in Pallas interpret mode, on CPU
                           (tests, debugging).
-  "auto"                  "reference" on CPU, "pallas" on TPU and GPU.
+  "auto"                  "reference" on CPU, "pallas" on TPU and GPU (the reference
+                          there too for window masks and for more new tokens than
+                          the kernels' tree budget: prefill, training).
 
 The choice is logged once per (name, backend).
 """
@@ -115,6 +117,11 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
   return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
+def _kernel_budget(block_sizes) -> int:
+  from pallas_kernels.tree_attention.block_sizes import BlockSizes
+  return (block_sizes or BlockSizes()).max_tree_tokens
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask: jax.Array,
               *, impl: str = "auto", block_sizes=None) -> jax.Array:
   """Attention of T new tokens over a layer's cache, through the chosen implementation.
@@ -148,6 +155,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
                        f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
     return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),
                                                k.shape[2]))
+  if impl == "auto" and t > _kernel_budget(block_sizes):  # prefill, training: the reference
+    impl = "reference"
   resolved = resolve_impl(impl)
   if resolved == "reference":
     check_inputs(q, k, v, lengths, mask, dtypes=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -87,6 +88,25 @@ def test_auto_takes_window_masks_to_the_reference_on_every_backend(monkeypatch):
                                   np.asarray(want))
     with pytest.raises(ValueError, match="window mask"):
       attention.attention(q, k, v, lengths, window, impl="pallas")
+
+
+def test_auto_takes_blocks_over_the_kernel_budget_to_the_reference(monkeypatch):
+  """Prefill and teacher-forced training run hundreds of new tokens at once, past the
+  kernels' tree budget: "auto" sends them to the reference on a GPU or TPU; naming a
+  kernel still refuses them."""
+  from pallas_kernels.tree_attention.block_sizes import BlockSizes
+  t = BlockSizes().max_tree_tokens + 1
+  q = jax.random.normal(jax.random.PRNGKey(0), (1, t, 4, 8))
+  k = jax.random.normal(jax.random.PRNGKey(1), (1, 2, t + 8, 8))
+  lengths = jnp.array([3])
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  want = attention.attention(q, k, k, lengths, causal, impl="reference")
+  for backend in ("gpu", "tpu"):
+    monkeypatch.setattr(attention.jax, "default_backend", lambda backend=backend: backend)
+    np.testing.assert_array_equal(np.asarray(attention.attention(q, k, k, lengths, causal)),
+                                  np.asarray(want))
+    with pytest.raises(ValueError, match="budget"):
+      attention.attention(q, k, k, lengths, causal, impl="pallas")
 
 
 @pytest.mark.parametrize("threshold", (0, 1 << 40))  # K q^T order always / q K^T always
