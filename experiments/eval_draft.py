@@ -33,10 +33,11 @@ flags.DEFINE_integer("timing_reps", 40, "Interleaved timing repetitions for c.")
 flags.DEFINE_string("results", None, "Write the results as JSON here.")
 
 
-def exact_alpha_t1(tparams, tcfg, records, draft_logits) -> float:
+def exact_alpha_t1(tparams, tcfg, records, draft_logits, layers=()) -> float:
   """Mean β at T=1 over the response positions of ``records``, with the full target
   distribution. ``draft_logits(tokens [1, n], positions, target_output)`` returns the
-  draft's [n, V] logits over the target vocabulary (−inf outside its own)."""
+  draft's [n, V] logits over the target vocabulary (−inf outside its own); the target's
+  output holds the outputs of ``layers`` (feature fusion)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -46,18 +47,29 @@ def exact_alpha_t1(tparams, tcfg, records, draft_logits) -> float:
   from specjax.sampling import Sampling
 
   sampler = Sampling(temperature=1.0)
-  fwd = jax.jit(forward, static_argnames=("cfg",))
+  fwd = jax.jit(forward, static_argnames=("cfg", "return_layers"))
   betas = []
   for r in records:
     seq = np.concatenate([r["prompt"], r["response"]])
     n = -(-len(seq) // 64) * 64
     toks = jnp.zeros((1, n), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
     pos = jnp.arange(n)[None]
-    out = fwd(tparams, tcfg, toks, pos, init_cache(tcfg, 1, n))
+    out = fwd(tparams, tcfg, toks, pos, init_cache(tcfg, 1, n), return_layers=tuple(layers))
     p = sampler.probs(out.logits[0])
     q = sampler.probs(draft_logits(toks, pos, out))
     betas.append(np.asarray(losses.beta(p, q))[len(r["prompt"]) - 1:len(seq) - 1])
   return float(np.mean(np.concatenate(betas)))
+
+
+def corpus_path(recorded: str) -> str:
+  """A draft's recorded corpus: ``$SPECJAX_CACHE/...`` expanded; a path from another machine
+  falls back to the same corpus key under this machine's cache."""
+  import os
+  from specjax.loaders.embedded import cache_dir
+  path = recorded.replace("$SPECJAX_CACHE", cache_dir())
+  if not os.path.isdir(path):
+    path = os.path.join(cache_dir(), "distill", os.path.basename(path.rstrip("/")))
+  return path
 
 
 def _token_stepper(tcfg, c, p, vm):
@@ -124,31 +136,40 @@ def eval_eagle(path: str, meta: dict, tok) -> dict:
   from specjax.drafters.eagle import split_params
   from specjax.kv_cache import init_cache
   from specjax.loaders import load_model
+  from specjax.model import target_features
 
   tcfg, tparams = load_model()
   drafter, dp = drafts.load_eagle(path, tcfg, tparams,
                                   tokenizer_sha256=drafts.tokenizer_fingerprint(tok))
-  corpus = FLAGS.corpus or meta["info"]["corpus"]
+  corpus = FLAGS.corpus or corpus_path(meta["info"]["corpus"])
   held = teacher.load_corpus(corpus, "heldout")
-  features.corpus_features(corpus, "heldout", held, tparams, tcfg)
+  layers = drafter.feature_layers
   k = meta["info"].get("topk", 64)
+  online = None
+  if meta["info"].get("teacher") == "online":  # an id-only corpus: the target recomputes
+    online = (train.Teacher(tcfg, k, layers), tparams)
+    held = [{f: r[f] for f in ("prompt", "response", "mode", "category")} for r in held]
+  else:
+    features.corpus_features(corpus, "heldout", held, tparams, tcfg, layers=layers)
+  seq_len = meta["info"].get("train_config", {}).get("seq_len", 288)
   vm = None if "vocab_map" not in dp else np.asarray(dp["vocab_map"])
   weights, frozen = split_params(dp)
   objective = eagle.EagleObjective(drafter)
   draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=dp["head"].shape[0]),
                       target_vocab_size=tcfg.vocab_size, vocab_map=vm)
-  alpha = lambda recs: train.heldout_alpha(weights, draft, recs, 288, k, objective=objective,
-                                           frozen=frozen)
+  alpha = lambda recs: train.heldout_alpha(weights, draft, recs, seq_len, k, objective=objective,
+                                           frozen=frozen, teacher=online)
   res = dict(kind="eagle", heldout=alpha(held), by_category={
       cat: alpha([r for r in held if r["category"] == cat])
       for cat in sorted({r["category"] for r in held})})
 
   def draft_logits(toks, pos, out):  # every pair reads the target's true features
-    shifted = jnp.concatenate([jnp.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], axis=1)
+    fused = drafter.fuse(dp, target_features(out, layers))
+    shifted = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
     h, _ = drafter.hidden(dp, shifted, toks, pos, init_cache(drafter.cfg, *toks.shape))
     return drafter.logits(dp, h)[0]
 
-  res["alpha_T1_exact_subset"] = _exact_subset(tparams, tcfg, held, draft_logits)
+  res["alpha_T1_exact_subset"] = _exact_subset(tparams, tcfg, held, draft_logits, layers)
   res["timing"] = step_times(_token_stepper(tcfg, tcfg, tparams, None),
                              _eagle_stepper(drafter, dp), FLAGS.timing_reps)
   return res
@@ -181,10 +202,10 @@ def _git() -> str:
   return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
-def _exact_subset(tparams, tcfg, held, draft_logits) -> dict:
+def _exact_subset(tparams, tcfg, held, draft_logits, layers=()) -> dict:
   sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
   return dict(records=len(sampled), tokens=int(sum(len(r["response"]) for r in sampled)),
-              alpha=exact_alpha_t1(tparams, tcfg, sampled, draft_logits))
+              alpha=exact_alpha_t1(tparams, tcfg, sampled, draft_logits, layers))
 
 
 def eval_token_draft(path: str, meta: dict, tok) -> dict:
@@ -203,7 +224,7 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
       with_input_map=True)
   tcfg, tparams = load_model()
   draft = train.Draft(cfg=dcfg, target_vocab_size=tcfg.vocab_size, vocab_map=vm, input_map=im)
-  corpus = FLAGS.corpus or meta["info"]["corpus"]
+  corpus = FLAGS.corpus or corpus_path(meta["info"]["corpus"])
   held = teacher.load_corpus(corpus, "heldout")
   k = meta["info"].get("topk", 64)
   alpha = lambda recs: train.heldout_alpha(dparams, draft, recs, 288, k)

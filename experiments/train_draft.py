@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import sys
 import time
 
@@ -43,6 +44,14 @@ flags.DEFINE_integer("heldout_mix_batches", 2, "Extra held-out batches (greedy, 
 flags.DEFINE_integer("train_batches", 40, "Train generation batches (greedy, T=1 alternating).")
 flags.DEFINE_float("gen_minutes", 1e9, "Stop generating new train shards after this long.")
 flags.DEFINE_integer("data_seed", 0, "Seed of the prompt set and of sampled responses.")
+flags.DEFINE_enum("prompt_set", "base", ["base", "extended"], "Prompt sources: stdlib docs and "
+                  "templates, or those plus package docs, 250 chat topics and 32 request styles "
+                  "(specjax.distill.data).")
+flags.DEFINE_integer("prompt_passes", 1, "Passes over the train prompts; passes after the first "
+                     "sample new responses at T=1 (more tokens from the same prompts).",
+                     lower_bound=1)
+flags.DEFINE_integer("self_instruct_per_topic", 0, "Chat prompts per topic written by the target "
+                     "itself (T=1) before generation; 0 = none.", lower_bound=0)
 
 # train
 flags.DEFINE_enum("loss", "fkl", ["fkl", "rkl", "tv"], "Distillation divergence (DistillSpec).")
@@ -69,6 +78,16 @@ flags.DEFINE_float("feature_noise", 0.05, "EAGLE: uniform noise on input feature
 flags.DEFINE_integer("eagle_ttt_steps", 1, "EAGLE: draft steps unrolled on the drafter's own "
                      "predictions in training (EAGLE-3's training-time test; 1 = off).",
                      lower_bound=1)
+flags.DEFINE_list("eagle_feature_layers", [], "EAGLE: target layers fused into the feature "
+                  "(EAGLE-3), e.g. 2,15,29, or 'default' for low/mid/last; empty = the last "
+                  "hidden state (EAGLE-1).")
+flags.DEFINE_enum("teacher", "stored", ["stored", "online"], "Target top-k (and EAGLE features) "
+                  "from the corpus files (computed once, cached), or recomputed teacher-forced "
+                  "on every batch (the corpus is used as token ids only; best on an accelerator).")
+flags.DEFINE_integer("teacher_topk", 64, "Online teacher: target top-k kept per position.")
+flags.DEFINE_integer("eval_records", 0, "Held-out records scored by the α evaluations during "
+                     "training (an even spread; 0 = all).", lower_bound=0)
+flags.DEFINE_integer("feature_batch", 8, "Sequences per forward when caching EAGLE features.")
 
 
 def corpus_dir() -> str:
@@ -77,9 +96,11 @@ def corpus_dir() -> str:
   from specjax.loaders import load_model
   base = FLAGS.cache_dir or cache_dir()
   cfg, _ = load_model_config_only()
-  key = teacher.corpus_key(cfg, dict(
-      data_seed=FLAGS.data_seed, gen_batch=FLAGS.gen_batch, max_new=FLAGS.max_new_tokens,
-      max_prompt=FLAGS.max_prompt_tokens, topk=FLAGS.topk, version=1))
+  spec = dict(data_seed=FLAGS.data_seed, gen_batch=FLAGS.gen_batch, max_new=FLAGS.max_new_tokens,
+              max_prompt=FLAGS.max_prompt_tokens, topk=FLAGS.topk, version=1)
+  if FLAGS.prompt_set != "base" or FLAGS.self_instruct_per_topic:  # (earlier keys unchanged)
+    spec.update(prompt_set=FLAGS.prompt_set, self_instruct=FLAGS.self_instruct_per_topic)
+  key = teacher.corpus_key(cfg, spec)
   del load_model
   return os.path.join(base, "distill", key)
 
@@ -89,8 +110,9 @@ def load_model_config_only():
   return load_model()
 
 
-def prompt_batches(tok, prompts, batch: int, max_tokens: int):
-  """Chat-formatted prompts in batches of similar length (less padding in prefill)."""
+def prompt_batches(tok, prompts, batch: int, max_tokens: int, drop_last: bool = True):
+  """Chat-formatted prompts in batches of similar length (less padding in prefill); the
+  last short batch of each sorting group is dropped unless ``drop_last`` is False."""
   from specjax.loaders import chat_prompt
   items = []
   for p in prompts:
@@ -101,7 +123,7 @@ def prompt_batches(tok, prompts, batch: int, max_tokens: int):
   group = 8 * batch  # sort within groups: lengths even out, category mix is kept
   for g in range(0, len(items), group):
     chunk = sorted(items[g:g + group], key=lambda x: len(x[0]))
-    for b in range(0, len(chunk) - batch + 1, batch):
+    for b in range(0, len(chunk) - (batch - 1 if drop_last else 0), batch):
       sel = chunk[b:b + batch]
       out.append(([s[0] for s in sel], [s[1] for s in sel]))
   return out
@@ -116,33 +138,76 @@ def run_data_stage() -> str:
   cfg, params = load_model()
   tok = load_model_tokenizer()
   directory = corpus_dir()
-  prompts = data.build_prompts(seed=FLAGS.data_seed)
+  prompts = data.build_prompts(seed=FLAGS.data_seed, extended=FLAGS.prompt_set == "extended")
+  if FLAGS.self_instruct_per_topic:
+    prompts += self_instructed(params, cfg, tok, directory)
   train_p, held_p = data.split_by_source(prompts)
   logging.info("train prompts: %s", data.describe(train_p))
   logging.info("held-out prompts: %s", data.describe(held_p))
   samplers = (Greedy(), Sampling(temperature=1.0))
+  # one cache size (one compiled program) for every batch
+  cache_size = -(-(FLAGS.max_prompt_tokens + FLAGS.max_new_tokens) // 64) * 64
   start = time.time()
   for split, ps, n in (("heldout", held_p, FLAGS.heldout_batches),
                        ("train", train_p, FLAGS.train_batches)):
     batches = prompt_batches(tok, data.interleave_categories(ps), FLAGS.gen_batch,
-                             FLAGS.max_prompt_tokens)[:n]
+                             FLAGS.max_prompt_tokens)
+    per_batch = [samplers[i % 2] for i in range(len(batches))]
+    if split == "train":  # later passes: the same prompts in another order, sampled at T=1
+      for p in range(1, FLAGS.prompt_passes):
+        order = random.Random(FLAGS.data_seed * 1000 + p).sample(list(ps), len(ps))
+        more = prompt_batches(tok, data.interleave_categories(order), FLAGS.gen_batch,
+                              FLAGS.max_prompt_tokens)
+        batches += more
+        per_batch += [samplers[1]] * len(more)
+    batches, per_batch = batches[:n], per_batch[:n]
     bar = tqdm.tqdm(total=len(batches), desc=f"target generations ({split})")
-    teacher.build_corpus(directory, params, cfg, split, batches, samplers,
+    teacher.build_corpus(directory, params, cfg, split, batches, per_batch,
                          FLAGS.max_new_tokens, FLAGS.topk, FLAGS.data_seed * 1000,
                          progress=lambda i, n: bar.update(1),
-                         deadline=None if split == "heldout" else start + 60 * FLAGS.gen_minutes)
+                         deadline=None if split == "heldout" else start + 60 * FLAGS.gen_minutes,
+                         cache_size=cache_size)
     bar.close()
     if split == "heldout" and FLAGS.heldout_mix_batches:
       passage = [p for p in ps if p.category in ("code", "summarise", "qa")]
       mix = prompt_batches(tok, data.interleave_categories(passage), FLAGS.gen_batch,
                            FLAGS.max_prompt_tokens)[:FLAGS.heldout_mix_batches]
       teacher.build_corpus(directory, params, cfg, "heldout", [None] * n + mix, samplers,
-                           FLAGS.max_new_tokens, FLAGS.topk, FLAGS.data_seed * 1000)
+                           FLAGS.max_new_tokens, FLAGS.topk, FLAGS.data_seed * 1000,
+                           cache_size=cache_size)
   with open(os.path.join(directory, "spec.json"), "w") as f:
     json.dump(dict(topk=FLAGS.topk, max_new_tokens=FLAGS.max_new_tokens,
                    gen_batch=FLAGS.gen_batch, data_seed=FLAGS.data_seed), f)
   logging.info("corpus in %s (%.0f s)", directory, time.time() - start)
   return directory
+
+
+def self_instructed(params, cfg, tok, directory: str) -> list:
+  """Chat prompts the target writes itself (``data.self_instruct_requests``; T=0.7,
+  top-p 0.9: at T=1 a 135M model writes mostly noise), cached."""
+  from specjax.distill import data, teacher
+  from specjax.sampling import Sampling
+  path = os.path.join(directory, "self_instruct.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return [data.Prompt(**p) for p in json.load(f)]
+  requests = data.self_instruct_requests(FLAGS.data_seed, FLAGS.self_instruct_per_topic)
+  batches = prompt_batches(tok, requests, FLAGS.gen_batch, FLAGS.max_prompt_tokens,
+                           drop_last=False)
+  out = []
+  for i, (ids, meta) in enumerate(batches):
+    recs = teacher.generate_with_topk(params, cfg, ids, 64, Sampling(0.7, top_p=0.9), k=1,
+                                      seed=FLAGS.data_seed * 1000 + 500 + i)
+    for r, m in zip(recs, meta):
+      text = data.clean_question(tok.decode(r["response"].tolist(), skip_special_tokens=True))
+      if text:
+        out.append(data.Prompt("chat", m["source"], text))
+  logging.info("self-instruct: %d of %d requests gave a usable prompt", len(out),
+               sum(len(b[0]) for b in batches))
+  os.makedirs(directory, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump([dataclasses.asdict(p) for p in out], f)
+  return out
 
 
 def run_train_stage(directory: str, workdir: str) -> None:
@@ -157,6 +222,14 @@ def run_train_stage(directory: str, workdir: str) -> None:
   tok = load_model_tokenizer()
   train_recs = teacher.load_corpus(directory, "train")
   held = teacher.load_corpus(directory, "heldout")
+  online = FLAGS.teacher == "online"
+  if online:  # token ids only: the target's top-k (and features) come from the Teacher
+    k = FLAGS.teacher_topk
+    keep = ("prompt", "response", "mode", "category", "source")
+    train_recs = [{f: r[f] for f in keep if f in r} for r in train_recs]
+    held = [{f: r[f] for f in keep if f in r} for r in held]
+  if FLAGS.eval_records and len(held) > FLAGS.eval_records:
+    held = held[::-(-len(held) // FLAGS.eval_records)]
   n_tok = sum(len(r["response"]) for r in train_recs)
   logging.info("corpus: %d train responses (%d tokens), %d held-out", len(train_recs), n_tok,
                len(held))
@@ -166,11 +239,20 @@ def run_train_stage(directory: str, workdir: str) -> None:
   setup = dict(corpus=directory, draft_vocab=FLAGS.draft_vocab, draft_layers=list(layers),
                train_responses=len(train_recs), train_tokens=n_tok)
   eagle_run = FLAGS.draft_kind == "eagle"
+  feature_layers = ()
   if eagle_run:
+    from specjax.drafters.eagle import default_feature_layers
+    feature_layers = (default_feature_layers(cfg) if FLAGS.eagle_feature_layers == ["default"]
+                      else tuple(int(x) for x in FLAGS.eagle_feature_layers))
     setup.update(draft_kind="eagle", draft_layers=FLAGS.eagle_layers,
                  feature_weight=FLAGS.feature_weight, feature_noise=FLAGS.feature_noise)
-    if FLAGS.eagle_ttt_steps > 1:  # (absent when off, so earlier runs still resume)
+    # (each absent when off, so earlier runs still resume)
+    if FLAGS.eagle_ttt_steps > 1:
       setup.update(ttt_steps=FLAGS.eagle_ttt_steps)
+    if feature_layers:
+      setup.update(feature_layers=list(feature_layers))
+  if online:
+    setup.update(teacher="online", teacher_topk=k)
   if os.path.exists(setup_file):  # resuming: the corpus and the draft must be the same
     with open(setup_file) as f:
       old = json.load(f)
@@ -198,10 +280,12 @@ def run_train_stage(directory: str, workdir: str) -> None:
   if eagle_run:
     from specjax.distill import eagle, features
     from specjax.drafters.eagle import EagleDrafter, eagle_config, init_eagle_weights
-    for split, recs in (("train", train_recs), ("heldout", held)):
-      features.corpus_features(directory, split, recs, params, cfg)
-    drafter = EagleDrafter(eagle_config(cfg, FLAGS.eagle_layers))
-    dparams = init_eagle_weights(cfg, params, FLAGS.eagle_layers)
+    if not online:
+      for split, recs in (("train", train_recs), ("heldout", held)):
+        features.corpus_features(directory, split, recs, params, cfg, FLAGS.feature_batch,
+                                 layers=feature_layers)
+    drafter = EagleDrafter(eagle_config(cfg, FLAGS.eagle_layers), feature_layers=feature_layers)
+    dparams = init_eagle_weights(cfg, params, FLAGS.eagle_layers, feature_layers=feature_layers)
     objective = eagle.EagleObjective(drafter, FLAGS.feature_weight, FLAGS.feature_noise,
                                      ttt_steps=FLAGS.eagle_ttt_steps)
     frozen = eagle.frozen_arrays(cfg, params, vocab_map)
@@ -218,24 +302,28 @@ def run_train_stage(directory: str, workdir: str) -> None:
       checkpoint_every=FLAGS.checkpoint_every, on_policy_every=FLAGS.on_policy_every)
   logging.info("draft %s, %.2fM params; %s", dcfg, dcfg.num_params / 1e6, tc)
   start = time.time()
+  online_teacher = None
+  if online:
+    online_teacher = (train.Teacher(cfg, k, feature_layers if eagle_run else None), params)
   trained, _ = train.train(draft, dparams, train_recs, held, tc, workdir, k=k,
                            target=(cfg, params) if tc.on_policy_every else None,
                            deadline=start + 60 * FLAGS.max_minutes,
                            log=lambda m: logging.info("metrics %s", json.dumps(m)),
-                           objective=objective, frozen=frozen)
+                           objective=objective, frozen=frozen, teacher=online_teacher)
   metrics = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   last = metrics[-1]
-  if last.get("step") != tc.steps:
-    logging.info("stopped at step %s of %d; rerun the same command to resume", last.get("step"),
-                 tc.steps)
-    return
   info = dict(setup, train_config=dataclasses.asdict(tc), final=last, topk=k,
               seconds_this_invocation=round(time.time() - start),
               command="python -m experiments.train_draft " + " ".join(sys.argv[1:]))
+  if last.get("step") != tc.steps:  # out of time: the draft so far, marked as partial
+    logging.info("stopped at step %s of %d; rerun the same command to resume", last.get("step"),
+                 tc.steps)
+    info["partial"] = f"stopped at step {last.get('step')} of {tc.steps} (--max_minutes)"
   out = os.path.join(workdir, "draft")
   if eagle_run:
     drafts.save_eagle(out, cfg, trained, vocab_map,
-                      tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info)
+                      tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info,
+                      feature_layers=feature_layers)
   else:
     drafts.save_draft(out, dcfg, trained, vocab_map, input_map=in_map,
                       target_vocab_size=cfg.vocab_size,

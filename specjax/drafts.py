@@ -26,7 +26,7 @@ from specjax.config import ModelConfig
 from specjax.loaders.hf import (CheckpointError, config_from_hf_dict, config_to_hf_dict,
                                 read_json_object)
 from specjax.loaders.hf_layout import params_from_hf, params_to_hf
-from specjax.drafters.eagle import TRAINED_KEYS
+from specjax.drafters.eagle import FUSION_KEYS, TRAINED_KEYS
 from specjax.model import Params
 from specjax.validation import all_finite
 
@@ -246,13 +246,16 @@ _LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_do
 
 def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
                vocab_map: Optional[np.ndarray], *, tokenizer_sha256: str,
-               info: Optional[dict] = None, dtype=np.float16) -> None:
+               info: Optional[dict] = None, dtype=np.float16,
+               feature_layers: tuple[int, ...] = ()) -> None:
   """Writes an EAGLE draft directory: only its trained weights (+ ``vocab_map``); the
-  embedding, final norm and head rows are the target's and are taken at load time."""
+  embedding, final norm and head rows are the target's and are taken at load time.
+  ``feature_layers`` (EAGLE-3 fusion) is recorded in draft.json."""
   from safetensors.numpy import save_file
 
   os.makedirs(path, exist_ok=True)
-  tensors = {k: np.asarray(weights[k], dtype) for k in TRAINED_KEYS if k != "layers"}
+  tensors = {k: np.asarray(weights[k], dtype) for k in TRAINED_KEYS
+             if k != "layers" and k in weights}
   for i, layer in enumerate(weights["layers"]):
     for k, v in layer.items():
       tensors[f"layers.{i}.{k}"] = np.asarray(v, dtype)
@@ -262,6 +265,8 @@ def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
   meta = dict(format=EAGLE_FORMAT, target_config=config_to_hf_dict(target_cfg),
               num_layers=len(weights["layers"]), target_vocab_size=target_cfg.vocab_size,
               tokenizer_sha256=tokenizer_sha256, info=info or {})
+  if feature_layers:
+    meta["feature_layers"] = [int(l) for l in feature_layers]
   with open(os.path.join(path, "draft.json"), "w") as f:
     json.dump(meta, f, indent=2)
 
@@ -300,14 +305,17 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
   try:
     layers = [{k: f32(f"layers.{i}.{k}") for k in _LAYER_KEYS if f"layers.{i}.{k}" in t}
               for i in range(meta["num_layers"])]
-    weights = dict({k: f32(k) for k in TRAINED_KEYS if k != "layers"}, layers=layers)
+    fused = bool(meta.get("feature_layers"))
+    weights = dict({k: f32(k) for k in TRAINED_KEYS
+                    if k != "layers" and (fused or k not in FUSION_KEYS)}, layers=layers)
   except KeyError as e:
     raise CheckpointError(f"{weights_file} lacks tensor {e.args[0]}") from None
   for name, w in t.items():
     if np.issubdtype(w.dtype, np.floating) and not all_finite(w):
       raise CheckpointError(f"{weights_file}: tensor {name!r} holds non-finite values (NaN or "
                             "inf): the draft is corrupt")
-  return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"))
+  return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"),
+                       tuple(meta.get("feature_layers", ())))
 
 
 def default_eagle_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):

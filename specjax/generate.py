@@ -21,7 +21,7 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
-from specjax.model import Params, forward
+from specjax.model import Params, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler, Sampling
 from specjax.sequences import append
@@ -30,7 +30,8 @@ PREFILL_CHUNK = 64
 
 
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.Array,
-            cache: kvc.KVCache, chunk: int = PREFILL_CHUNK, return_hidden: bool = False):
+            cache: kvc.KVCache, chunk: int = PREFILL_CHUNK, return_hidden: bool = False,
+            feature_layers: tuple[int, ...] = ()):
   """Commits ``tokens[b, :num_tokens[b]]`` to an empty cache, ``chunk`` tokens at a time.
 
   The number of chunks is dynamic (a while loop), so one compiled program
@@ -38,6 +39,8 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax
   Returns the cache, or ``(cache, hidden)`` with ``return_hidden=True``:
   [B, S, D] last hidden states (before the final norm) of the committed
   positions, what feature drafters (EAGLE) read; other slots are undefined.
+  With ``feature_layers``, the hidden states are those layers' outputs
+  concatenated ([B, S, len(feature_layers)·D], ``model.target_features``).
   """
   b, s = tokens.shape
   chunk = min(chunk, s)
@@ -48,12 +51,15 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax
     chunk_tokens = jnp.take(tokens, jnp.clip(idx, 0, s - 1), axis=1)
     valid = jnp.clip(num_tokens - i * chunk, 0, chunk)
     out = forward(params, cfg, chunk_tokens, jnp.broadcast_to(idx, (b, chunk)), cache,
-                  num_valid=valid, compute_logits=False)
+                  num_valid=valid, compute_logits=False,
+                  return_layers=feature_layers if return_hidden else ())
     if return_hidden:
-      hidden = hidden.at[:, idx].set(out.hidden.astype(hidden.dtype), mode="drop")
+      feats = target_features(out, feature_layers)
+      hidden = hidden.at[:, idx].set(feats.astype(hidden.dtype), mode="drop")
     return i + 1, out.cache, hidden
 
-  hidden = jnp.zeros((b, s, cfg.dim) if return_hidden else (0,), jnp.float32)
+  width = cfg.dim * max(1, len(feature_layers))
+  hidden = jnp.zeros((b, s, width) if return_hidden else (0,), jnp.float32)
   _, cache, hidden = jax.lax.while_loop(lambda c: c[0] * chunk < jnp.max(num_tokens), body,
                                         (0, cache, hidden))
   return (cache, hidden) if return_hidden else cache

@@ -171,6 +171,18 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
   return ForwardOutput(logits=logits, hidden=x, intermediates=inter, cache=new_cache)
 
 
+def target_features(out: ForwardOutput, layers: tuple[int, ...] = ()) -> jax.Array:
+  """What feature drafters read: [B, T, D] last hidden state (``layers`` empty) or the
+  outputs of ``layers`` concatenated, [B, T, len(layers)·D] (the forward must have been
+  run with ``return_layers=layers``, sorted)."""
+  if not layers:
+    return out.hidden
+  if len(out.intermediates) != len(layers):
+    raise ValueError(f"the forward returned {len(out.intermediates)} layers' outputs, but "
+                     f"features of layers {layers} were asked for")
+  return jnp.concatenate(out.intermediates, axis=-1)
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
   """Random parameters (tests, toy models, drafts trained from scratch)."""
   n, kh, h, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim, cfg.ffn_dim

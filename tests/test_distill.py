@@ -121,6 +121,31 @@ def test_teacher_topk_matches_teacher_forced_forward(toy):
   assert np.all(r["response"] == r["topk_ids"][:, 0])  # greedy records follow the argmax
 
 
+def test_online_teacher_recomputes_the_stored_topk_and_features(toy):
+  """``Teacher.fill`` on an id-only batch gives the stored corpus' top-k (teacher-forced)
+  and the cached features, also for fused layers."""
+  from specjax.distill import features
+  cfg, params, recs, _, _ = toy
+  recs = recs[:6]
+  stored = {k: jnp.asarray(v) for k, v in train.make_batch(recs, TC.seq_len, K).items()}
+  ids_only = [dict(prompt=r["prompt"], response=r["response"]) for r in recs]
+  batch = {k: jnp.asarray(v) for k, v in train.make_batch(ids_only, TC.seq_len, K).items()}
+  for layers in ((), (0,)):
+    filled = train.Teacher(cfg, K, layers).fill(params, batch)
+    w = np.asarray(stored["weight"]) > 0
+    np.testing.assert_array_equal(np.asarray(filled["topk_ids"])[w],
+                                  np.asarray(stored["topk_ids"])[w])
+    np.testing.assert_allclose(np.asarray(filled["topk_logp"])[w],
+                               np.asarray(stored["topk_logp"])[w], atol=1e-5)
+    assert np.all(np.isneginf(np.asarray(filled["topk_logp"])[~w]))
+    feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
+                                       layers=layers)
+    for i, f in enumerate(feats):
+      np.testing.assert_allclose(np.asarray(filled["features"])[i, :len(f)],
+                                 f.astype(np.float32), rtol=2e-3, atol=2e-3)
+  assert "features" not in train.Teacher(cfg, K).fill(params, batch)
+
+
 @pytest.mark.parametrize("kind", losses.LOSSES)
 def test_tiny_training_lowers_loss_and_raises_alpha(toy, tmp_path, kind):
   _, _, recs, held, _ = toy

@@ -13,9 +13,11 @@ from specjax.drafters.eagle import (EagleDrafter, eagle_config, eagle_drafter, i
                                     random_eagle_weights)
 from specjax.kv_cache import init_cache
 from specjax.loaders import CheckpointError
-from specjax.model import forward
+from specjax.generate import generate
+from specjax.model import forward, target_features
 from specjax.sampling import Sampling
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.testing import tiny_model
 
 PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9, 10, 7], [3]]
@@ -29,7 +31,10 @@ def _draft_from_scratch(drafter, dp, target_params, target_cfg, seq, last_featur
   n, l = len(seq), 32
   tokens = jnp.zeros((1, l), jnp.int32).at[0, :n].set(jnp.asarray(seq))
   pos = jnp.arange(l)[None]
-  feats = forward(target_params, target_cfg, tokens, pos, init_cache(target_cfg, 1, l)).hidden
+  layers = drafter.feature_layers
+  out = forward(target_params, target_cfg, tokens, pos, init_cache(target_cfg, 1, l),
+                return_layers=layers)
+  feats = drafter.fuse(dp, target_features(out, layers))
   shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
   if last_feature is not None:
     shifted = shifted.at[:, n - 1].set(last_feature)
@@ -37,14 +42,14 @@ def _draft_from_scratch(drafter, dp, target_params, target_cfg, seq, last_featur
   return h[:, n - 1], drafter.logits(dp, h[:, n - 1])
 
 
-@pytest.mark.parametrize("gamma", [1, 3])
-def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(gamma):
+@pytest.mark.parametrize("gamma,layers", [(1, ()), (3, ()), (3, (0, 1))])
+def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(gamma, layers):
   """Across real steps (prefill, observe, partial acceptance), the first draft's q equals
-  the draft run from scratch on the target's teacher-forced features; the second draft
-  reads the first one's predicted feature."""
+  the draft run from scratch on the target's teacher-forced features (fused from several
+  layers with ``layers``); the second draft reads the first one's predicted feature."""
   cfg, params = tiny_model(seed=0)
-  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(7))
-  drafter, dp = eagle_drafter(cfg, params, weights, np.arange(0, cfg.vocab_size, 2))
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(7), num_fused=len(layers))
+  drafter, dp = eagle_drafter(cfg, params, weights, np.arange(0, cfg.vocab_size, 2), layers)
   sampler = Sampling(temperature=1.0)
   dec = SpeculativeDecoder(cfg, drafter, gamma=gamma, sampler=sampler, eos_ids=())
   checked = 0
@@ -67,6 +72,45 @@ def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(
                                    atol=2e-5)
       checked += 1
   assert checked >= 8
+
+
+def test_fused_drafter_greedy_equals_plain_greedy_decoding():
+  cfg, params = tiny_model(seed=0)
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
+  drafter, dp = eagle_drafter(cfg, params, weights, None, (0, cfg.num_layers - 1))
+  want = generate(params, cfg, PROMPTS, 12, eos_ids=())
+  for tree in (TreeTopology.chain(3), DynamicTree(depth=3, top_k=2, num_nodes=5)):
+    out = SpeculativeDecoder(cfg, drafter, tree=tree, eos_ids=()).generate(params, dp, PROMPTS, 12)
+    for row in range(len(PROMPTS)):
+      assert out.generated(row) == want.generated(row)
+
+
+def test_untrained_fusion_of_the_last_layer_reads_what_eagle1_reads():
+  """``fuse`` starts as the identity on the highest layer: with (…, last) fused, the
+  drafter's first-step output equals the unfused drafter's on the same weights."""
+  cfg, params = tiny_model(seed=0)
+  plain = init_eagle_weights(cfg, params, 1, key=jax.random.PRNGKey(4))
+  fused = init_eagle_weights(cfg, params, 1, key=jax.random.PRNGKey(4),
+                             feature_layers=(0, cfg.num_layers - 1))
+  seq = [1, 5, 9, 2, 7, 3]
+  outs = []
+  for w, layers in ((plain, ()), (fused, (0, cfg.num_layers - 1))):
+    drafter, dp = eagle_drafter(cfg, params, w, None, layers)
+    outs.append(_draft_from_scratch(drafter, dp, params, cfg, seq)[1])
+  np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_fusion_is_refused():
+  cfg, params = tiny_model(seed=0)
+  fused = random_eagle_weights(cfg, 1, jax.random.PRNGKey(0), num_fused=2)
+  with pytest.raises(ValueError, match="fusion"):
+    eagle_drafter(cfg, params, random_eagle_weights(cfg, 1, jax.random.PRNGKey(0)), None, (0, 1))
+  with pytest.raises(ValueError, match="do not fuse 1 layers"):
+    eagle_drafter(cfg, params, fused, None, (1,))
+  with pytest.raises(ValueError, match="do not exist"):
+    eagle_drafter(cfg, params, fused, None, (0, cfg.num_layers))
+  with pytest.raises(ValueError, match="sorted"):
+    EagleDrafter(eagle_config(cfg, 1), feature_layers=(1, 0))
 
 
 def test_reduced_vocabulary_gives_zero_q_outside_the_map():
@@ -95,37 +139,48 @@ def toy(toy_corpus):
   cfg, params, train_recs, held = toy_corpus
 
   def with_features(recs):
-    feats = features.target_features(params, cfg, [features.record_sequence(r) for r in recs])
+    feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs])
     return [dict(r, features=f) for r, f in zip(recs, feats)]
 
   return cfg, params, with_features(train_recs), with_features(held)
 
 
-@pytest.mark.parametrize("ttt_steps", [1, 3])
-def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_steps):
+@pytest.mark.parametrize("ttt_steps,layers,online", [(1, (), False), (3, (), False),
+                                                     (3, (0,), True)])
+def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_steps, layers,
+                                                          online):
+  """Also with a fusion, trained from an id-only corpus by the online teacher."""
   cfg, params, recs, held = toy
   vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
-  drafter = EagleDrafter(eagle_config(cfg, 1))
+  teacher = None
+  if online:
+    teacher = (train.Teacher(cfg, 8, layers), params)
+    recs = [dict(prompt=r["prompt"], response=r["response"], mode=r["mode"]) for r in recs]
+    held = [dict(prompt=r["prompt"], response=r["response"], mode=r["mode"]) for r in held]
+  drafter = EagleDrafter(eagle_config(cfg, 1), feature_layers=layers)
   objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.05, ttt_steps=ttt_steps)
   frozen = eagle.frozen_arrays(cfg, params, vm)
   draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
                       target_vocab_size=cfg.vocab_size, vocab_map=vm)
   tc = train.TrainConfig(steps=60, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2,
                          eval_every=60, checkpoint_every=60)
-  weights = init_eagle_weights(cfg, params, 1)
+  weights = init_eagle_weights(cfg, params, 1, feature_layers=layers)
   batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], tc.seq_len, 8).items()}
+  if teacher:
+    batch = teacher[0].fill(params, batch)
   v, i = draft.maps()
   loss = lambda w: float(train.loss_fn(w, objective, "fkl", v, i, frozen, batch))
   before = loss(weights)
   trained, hist = train.train(draft, weights, recs, held, tc, str(tmp_path), k=8,
-                              log=lambda m: 0, progress=False, objective=objective, frozen=frozen)
+                              log=lambda m: 0, progress=False, objective=objective, frozen=frozen,
+                              teacher=teacher)
   assert loss(trained) < 0.8 * before
   assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"] + 0.1
   assert hist[-1]["alpha_T1"] > hist[0]["alpha_T1"] + 0.1
   # The trained drafter speculates losslessly and accepts more than the untrained one.
   accepted = []
   for w in (weights, trained):
-    d, dp = eagle_drafter(cfg, params, w, vm)
+    d, dp = eagle_drafter(cfg, params, w, vm, layers)
     dec = SpeculativeDecoder(cfg, d, gamma=3, eos_ids=())
     out = dec.generate(params, dp, [r["prompt"] for r in held[:8]], 12)
     accepted.append(out.metrics()["acceptance_rate"])
@@ -170,14 +225,17 @@ def test_training_time_test_steps_read_their_own_predictions():
   np.testing.assert_allclose(np.asarray(h1), np.asarray(hs[0]), rtol=1e-4, atol=1e-4)
 
 
-def test_save_and_load_round_trip_and_refusals(tmp_path):
+@pytest.mark.parametrize("layers", [(), (0, 1)])
+def test_save_and_load_round_trip_and_refusals(tmp_path, layers):
   cfg, params = tiny_model(seed=0)
-  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(2))
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(2), num_fused=len(layers))
   vm = np.arange(0, cfg.vocab_size, 2)
   path = str(tmp_path / "eagle")
-  drafts.save_eagle(path, cfg, weights, vm, tokenizer_sha256="abc", dtype=np.float32)
+  drafts.save_eagle(path, cfg, weights, vm, tokenizer_sha256="abc", dtype=np.float32,
+                    feature_layers=layers)
   drafter, dp = drafts.load_eagle(path, cfg, params, tokenizer_sha256="abc")
-  _, ref = eagle_drafter(cfg, params, weights, vm)
+  assert drafter.feature_layers == layers
+  _, ref = eagle_drafter(cfg, params, weights, vm, layers)
   for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(ref)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="tokenizer"):

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import importlib
 import inspect
+import itertools
 import random
 from typing import Iterator, Sequence
 
@@ -51,6 +52,82 @@ CHAT_TEMPLATES = (
     "What are the pros and cons of {t}?", "Explain {t} to a ten-year-old.",
     "Tell me an interesting fact about {t}.", "Write a short story that involves {t}.",
     "I want to get started with {t}. Where should I begin?", "Why do people care about {t}?",
+)
+
+# The extended prompt set (``build_prompts(extended=True)``): docstrings of common
+# scientific packages (skipped where not installed), many more chat topics and
+# request styles, and questions the target writes itself (``self_instruct_requests``).
+EXTRA_MODULES = (
+    "numpy", "numpy.linalg", "numpy.random", "numpy.fft", "numpy.ma", "numpy.polynomial",
+    "scipy.stats", "scipy.optimize", "scipy.signal", "scipy.linalg", "scipy.integrate",
+    "scipy.interpolate", "scipy.sparse", "scipy.spatial", "pandas", "networkx", "sympy",
+    "sklearn.linear_model", "sklearn.cluster", "sklearn.metrics", "sklearn.preprocessing",
+    "sklearn.model_selection", "sklearn.decomposition", "sklearn.ensemble", "jax.numpy",
+    "jax.lax", "jax.random", "jax.nn", "optax", "flax.linen", "matplotlib.pyplot", "PIL.Image",
+    "requests", "yaml", "tqdm", "absl.flags", "click", "jinja2", "markdown",
+)
+
+EXTRA_CHAT_TOPICS = (
+    "writing a cover letter", "negotiating a salary", "learning to swim", "planting tomatoes",
+    "making sourdough", "vegetarian dinners", "budgeting for a wedding", "buying a used car",
+    "training a puppy", "keeping houseplants alive", "learning calculus", "the French Revolution",
+    "ancient Egypt", "the Renaissance", "World War I", "the Industrial Revolution",
+    "black holes", "photosynthesis", "DNA", "vaccines", "the immune system", "earthquakes",
+    "hurricanes", "plate tectonics", "the water cycle", "evolution", "quantum computing",
+    "blockchain", "cloud computing", "cybersecurity", "passwords", "spreadsheets",
+    "writing clean code", "debugging", "databases", "web development", "machine learning",
+    "statistics", "probability", "personal finance", "investing for beginners", "taxes",
+    "retirement savings", "credit scores", "renting an apartment", "home repairs",
+    "decluttering", "minimalism", "journaling", "mindfulness", "stress at work",
+    "procrastination", "motivation", "habits", "productivity apps", "email etiquette",
+    "giving feedback", "leading a team", "conflict resolution", "networking events",
+    "starting a podcast", "writing a blog", "social media", "digital privacy",
+    "online shopping", "customer service", "marketing a product", "pricing a service",
+    "writing a business plan", "the stock market", "inflation", "supply and demand",
+    "climate policy", "solar panels", "wind turbines", "electric bikes", "public transport",
+    "city planning", "architecture", "interior design", "fashion", "knitting", "woodworking",
+    "pottery", "origami", "calligraphy", "jazz", "classical music", "learning the piano",
+    "singing", "film making", "animation", "comic books", "poetry", "Shakespeare",
+    "mythology", "philosophy", "ethics", "logic puzzles", "riddles", "trivia", "astronomy",
+    "the planets", "space exploration", "Mars", "satellites", "airplanes", "submarines",
+    "the Olympics", "football", "basketball", "tennis", "cycling", "hiking", "rock climbing",
+    "skiing", "surfing", "fishing", "nutrition", "protein", "vitamins", "allergies",
+    "the common cold", "headaches", "exercise for beginners", "stretching", "posture",
+    "parenting toddlers", "teenagers", "grandparents", "weddings", "birthdays", "holidays",
+    "gift ideas", "thank-you notes", "apologies", "making friends as an adult", "loneliness",
+    "pets", "horses", "wolves", "elephants", "octopuses", "sharks", "butterflies", "trees",
+    "mushrooms", "soil", "composting", "water conservation", "plastic pollution",
+    "the Amazon river", "Japan", "Italy", "Brazil", "Kenya", "Canada", "India", "Australia",
+    "learning Spanish", "learning Japanese", "grammar", "punctuation", "essay writing",
+    "research papers", "citing sources", "critical thinking", "debate", "chess openings",
+    "card games", "puzzles", "escape rooms", "camping gear", "packing for a trip",
+    "jet lag", "airports", "road trips", "street food", "spices", "baking cookies",
+    "making soup", "knife skills", "food safety", "fermentation", "tea", "chocolate",
+)
+
+EXTRA_CHAT_TEMPLATES = (
+    "How do I get better at {t}?", "What is the difference between a beginner and an expert "
+    "in {t}?", "Can you make a one-week plan for {t}?", "List five common mistakes people "
+    "make with {t}.", "Write a friendly email to a colleague about {t}.",
+    "Summarize the basics of {t} in a short paragraph.", "What questions should I ask an "
+    "expert about {t}?", "Give me a step-by-step guide to {t}.", "What are some myths about "
+    "{t}?", "Write a tweet about {t}.", "Compare two different approaches to {t}.",
+    "What books or resources would you recommend for {t}?", "Describe {t} in three sentences.",
+    "What is the history of {t}?", "Write a short dialogue between two friends about {t}.",
+    "How would you explain {t} to someone from 100 years ago?",
+    "What are the most important terms to know about {t}? Define each briefly.",
+    "I have ten minutes. Teach me something about {t}.", "Write a haiku about {t}.",
+    "Make a quiz with three questions about {t}, with answers.",
+    "What are the risks of {t} and how can I avoid them?", "Give me a fun fact and a "
+    "practical tip about {t}.", "Write a product description for something related to {t}.",
+    "How has {t} changed in the last twenty years?",
+)
+
+SELF_INSTRUCT_STYLES = (
+    "a question a beginner might ask", "a request for practical advice",
+    "a request to write something short (an email, a poem, a list)",
+    "a question that asks for an explanation", "a question comparing two things",
+    "a request for a plan or a schedule", "a tricky question", "a question a student might ask",
 )
 
 _NAMES = ("Tom", "Anna", "Liam", "Maya", "Sara", "Omar", "Ken", "Lucy", "Ravi", "Eva")
@@ -158,14 +235,21 @@ def _math_prompt(rng: random.Random, template_id: int) -> str:
 
 
 def build_prompts(seed: int = 0, max_stdlib_items: int = 4000, math_per_template: int = 40,
-                  chat_per_topic: int = 4) -> list[Prompt]:
-  """All prompts of every category, deterministically shuffled by ``seed``."""
+                  chat_per_topic: int = 4, extended: bool = False) -> list[Prompt]:
+  """All prompts of every category, deterministically shuffled by ``seed``.
+
+  ``extended`` adds the docstrings of ``EXTRA_MODULES`` (source ``pkg:<module>``),
+  ``EXTRA_CHAT_TOPICS`` and ``EXTRA_CHAT_TEMPLATES``, with 12 requests per chat topic
+  and 120 math problems per template.
+  """
   rng = random.Random(seed)
   prompts: list[Prompt] = []
-  for k, (mod, name, doc, src) in enumerate(stdlib_items()):
-    if k >= max_stdlib_items:
-      break
-    source = f"stdlib:{mod}"
+  items = list(itertools.islice(stdlib_items(), max_stdlib_items))
+  if extended:
+    items += list(itertools.islice(stdlib_items(EXTRA_MODULES), 3 * max_stdlib_items))
+    math_per_template, chat_per_topic = max(math_per_template, 120), max(chat_per_topic, 12)
+  for mod, name, doc, src in items:
+    source = f"stdlib:{mod}" if mod in STDLIB_MODULES else f"pkg:{mod}"
     prompts += [Prompt("code", source, t) for t in _code_prompts(rng, name, doc, src)]
     summ, qa = _passage_prompts(rng, name, doc)
     prompts += [Prompt("summarise", source, t) for t in summ]
@@ -173,11 +257,40 @@ def build_prompts(seed: int = 0, max_stdlib_items: int = 4000, math_per_template
   for tid in range(len(MATH_TEMPLATES)):
     prompts += [Prompt("math", f"math:{tid}", _math_prompt(rng, tid))
                 for _ in range(math_per_template)]
-  for topic in CHAT_TOPICS:
-    templates = rng.sample(CHAT_TEMPLATES, chat_per_topic)
-    prompts += [Prompt("chat", f"chat:{topic}", t.format(t=topic)) for t in templates]
+  topics, templates = CHAT_TOPICS, CHAT_TEMPLATES
+  if extended:
+    topics, templates = topics + EXTRA_CHAT_TOPICS, templates + EXTRA_CHAT_TEMPLATES
+  for topic in topics:
+    chosen = rng.sample(templates, min(chat_per_topic, len(templates)))
+    prompts += [Prompt("chat", f"chat:{topic}", t.format(t=topic)) for t in chosen]
   rng.shuffle(prompts)
   return prompts
+
+
+def self_instruct_requests(seed: int, per_topic: int) -> list[Prompt]:
+  """Requests to the target to write a user's message ("Write {style} about {topic}").
+
+  The target's answers, cleaned by ``clean_question``, become chat prompts with the
+  same ``chat:<topic>`` source, so the held-out split still holds by topic.
+  """
+  rng = random.Random(seed + 7919)
+  out = []
+  for topic in CHAT_TOPICS + EXTRA_CHAT_TOPICS:
+    for style in rng.sample(SELF_INSTRUCT_STYLES, min(per_topic, len(SELF_INSTRUCT_STYLES))):
+      out.append(Prompt("chat", f"chat:{topic}",
+                        f"Write {style} about {topic}, as a user would type it to an AI "
+                        "assistant. Reply with the user's message only."))
+  return out
+
+
+def clean_question(text: str) -> str | None:
+  """The first line of a generated user message, unquoted; None if unusable (fewer than
+  four words, or too short or long)."""
+  line = text.strip().split("\n")[0].strip().strip('"').strip()
+  for prefix in ("User:", "Question:", "Q:", "Message:"):
+    if line.lower().startswith(prefix.lower()):
+      line = line[len(prefix):].strip()
+  return line if 12 <= len(line) <= 400 and len(line.split()) >= 4 else None
 
 
 def is_heldout(source: str, heldout_fraction: float = 0.1) -> bool:
@@ -209,5 +322,6 @@ def describe(prompts: Sequence[Prompt]) -> str:
       f"{len({p.source for p in prompts})} sources)"
 
 
-__all__ = ["CATEGORIES", "Prompt", "build_prompts", "describe", "interleave_categories",
-           "is_heldout", "split_by_source", "stdlib_items"]
+__all__ = ["CATEGORIES", "Prompt", "build_prompts", "clean_question", "describe",
+           "interleave_categories", "is_heldout", "self_instruct_requests", "split_by_source",
+           "stdlib_items"]

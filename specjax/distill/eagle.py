@@ -20,6 +20,11 @@ pairs of positions ≤ i − k + 1 (the committed prefix), the pairs of steps
 after position i, so each step is scored against the same stored target
 distribution; positions with no committed prefix at step k (i < k − 1) are
 left out. The feature regression applies to step 1 only (EAGLE-3 drops it).
+
+With feature fusion (``EagleDrafter.feature_layers``) batches carry the k
+layers' outputs concatenated ([B, L, k·D]); the pairs read their fusion and
+the regression target is the highest fused layer's output (the last hidden
+state when it is fused, as in the default layers).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def ttt_mask(length: int, step: int) -> np.ndarray:
 class EagleObjective:
   """The objective of ``specjax.distill.train.train`` for an EAGLE drafter.
 
-  Trainable params: ``fc``, ``fc_bias``, ``layers``; frozen: the target's
+  Trainable params: the norms, ``fc``, ``fc_bias``, ``layers`` and the fusion; frozen: the target's
   ``embed``, ``final_norm`` and ``head`` rows of the draft vocabulary (no
   ``vocab_map``: training works over the Vd rows). Batches need ``features``.
 
@@ -87,7 +92,7 @@ class EagleObjective:
     dp = dict(frozen, **params)
     tokens = batch["tokens"]
     b, l = tokens.shape
-    feats = batch["features"].astype(jnp.float32)
+    feats = self.drafter.fuse(dp, batch["features"].astype(jnp.float32))
     shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
     inputs = shift(feats)
     if key is not None and self.noise:
@@ -114,7 +119,8 @@ class EagleObjective:
     h_at = jnp.take_along_axis(hs, batch["pred_pos"][None, :, :, None], axis=2)  # [K, B, R, D]
     logp = jax.nn.log_softmax(self.drafter.logits(dp, h_at), axis=-1)
     w = batch["weight"]
-    feats = jnp.take_along_axis(batch["features"].astype(jnp.float32),
+    d = self.drafter.cfg.dim  # regression target: the highest layer's output (h_l_k)
+    feats = jnp.take_along_axis(batch["features"][..., -d:].astype(jnp.float32),
                                 batch["pred_pos"][:, :, None], axis=1)
     err = optax.huber_loss(_unit_rms(h_at[0]), _unit_rms(feats), delta=1.0)
     reg = jnp.sum(jnp.mean(err, axis=-1) * w) / jnp.maximum(jnp.sum(w), 1.0)

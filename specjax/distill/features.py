@@ -23,21 +23,23 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.loaders.hf import CheckpointError
-from specjax.model import Params, forward
+from specjax.model import Params, forward, target_features
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _hidden(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "layers"))
+def _hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, layers=()) -> jax.Array:
   b, l = tokens.shape
   out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
-                kvc.init_cache(cfg, b, l), compute_logits=False)
-  return out.hidden.astype(jnp.float16)
+                kvc.init_cache(cfg, b, l), compute_logits=False, return_layers=layers)
+  return target_features(out, layers).astype(jnp.float16)
 
 
-def target_features(params: Params, cfg: ModelConfig, sequences: Sequence[np.ndarray],
-                    batch_size: int = 8, pad_to: int = 32,
-                    progress: Optional[Callable[[int], None]] = None) -> list[np.ndarray]:
-  """[len(seq), D] float16 features of each token sequence (teacher-forced, causal)."""
+def sequence_features(params: Params, cfg: ModelConfig, sequences: Sequence[np.ndarray],
+                      batch_size: int = 8, pad_to: int = 32,
+                      progress: Optional[Callable[[int], None]] = None,
+                      layers: tuple[int, ...] = ()) -> list[np.ndarray]:
+  """[len(seq), F] float16 features of each token sequence (teacher-forced, causal):
+  the last hidden state, or ``layers``' outputs concatenated."""
   order = np.argsort([len(s) for s in sequences], kind="stable")
   out: list[Optional[np.ndarray]] = [None] * len(sequences)
   for i in range(0, len(order), batch_size):
@@ -46,7 +48,7 @@ def target_features(params: Params, cfg: ModelConfig, sequences: Sequence[np.nda
     tokens = np.zeros((batch_size, l), np.int32)  # fixed B: one program per length
     for r, j in enumerate(idx):
       tokens[r, :len(sequences[j])] = sequences[j]
-    hidden = np.asarray(_hidden(params, cfg, jnp.asarray(tokens)))
+    hidden = np.asarray(_hidden(params, cfg, jnp.asarray(tokens), tuple(layers)))
     for r, j in enumerate(idx):
       out[j] = hidden[r, :len(sequences[j])]
     if progress:
@@ -63,12 +65,18 @@ def _target_tag(cfg: ModelConfig) -> dict:
 
 
 def corpus_features(directory: str, split: str, records: Sequence[dict], params: Params,
-                    cfg: ModelConfig, batch_size: int = 8, progress: bool = True) -> None:
-  """Attaches ``record["features"]`` ([prompt + response, D] float16) to every record,
-  computing and caching them on the first call."""
+                    cfg: ModelConfig, batch_size: int = 8, progress: bool = True,
+                    layers: tuple[int, ...] = ()) -> None:
+  """Attaches ``record["features"]`` ([prompt + response, F] float16) to every record,
+  computing and caching them on the first call (one file per set of ``layers``)."""
+  layers = tuple(int(l) for l in layers)
   lens = [len(r["prompt"]) + len(r["response"]) for r in records]
-  path = os.path.join(directory, f"features-{split}")
+  tag = "" if not layers else "-layers" + "_".join(map(str, layers))
+  path = os.path.join(directory, f"features-{split}{tag}")
   meta = dict(target=_target_tag(cfg), lengths=lens)
+  if layers:
+    meta["layers"] = list(layers)
+  width = cfg.dim * max(1, len(layers))
   if os.path.exists(path + ".json") and os.path.exists(path + ".npy"):
     with open(path + ".json") as f:
       stored = json.load(f)
@@ -76,13 +84,13 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
       raise CheckpointError(f"{path}.npy was computed for another target or corpus; delete it "
                             "to recompute")
     flat = np.load(path + ".npy", mmap_mode="r")
-    if flat.shape != (sum(lens), cfg.dim):
-      raise CheckpointError(f"{path}.npy has shape {flat.shape}, expected {(sum(lens), cfg.dim)}")
+    if flat.shape != (sum(lens), width):
+      raise CheckpointError(f"{path}.npy has shape {flat.shape}, expected {(sum(lens), width)}")
   else:
     import tqdm
     bar = tqdm.tqdm(total=len(records), desc=f"target features ({split})", disable=not progress)
-    feats = target_features(params, cfg, [record_sequence(r) for r in records], batch_size,
-                            progress=bar.update)
+    feats = sequence_features(params, cfg, [record_sequence(r) for r in records], batch_size,
+                              progress=bar.update, layers=layers)
     bar.close()
     flat = np.concatenate(feats, axis=0)
     np.save(path + ".tmp.npy", flat)

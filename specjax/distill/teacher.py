@@ -169,11 +169,13 @@ def build_corpus(directory: str, params: Params, cfg: ModelConfig, split: str,
                  batches: Sequence[tuple[list[list[int]], list[dict]]], samplers: Sequence[Sampler],
                  max_new_tokens: int, k: int, seed: int,
                  progress: Optional[Callable[[int, int], None]] = None,
-                 deadline: Optional[float] = None) -> int:
+                 deadline: Optional[float] = None, cache_size: Optional[int] = None) -> int:
   """Generates the missing shards ``{split}-{i:05d}.npz``; returns how many exist.
 
   Batch i uses ``samplers[i % len(samplers)]`` and seed ``seed + i``, so a
-  resumed run writes exactly the shards an uninterrupted one would.
+  resumed run writes exactly the shards an uninterrupted one would. A fixed
+  ``cache_size`` (>= longest prompt + ``max_new_tokens``) makes every batch
+  one compiled program.
   """
   import time
   os.makedirs(directory, exist_ok=True)
@@ -186,7 +188,7 @@ def build_corpus(directory: str, params: Params, cfg: ModelConfig, split: str,
       prompts, meta = batch
       sampler = samplers[i % len(samplers)]
       recs = generate_with_topk(params, cfg, prompts, max_new_tokens, sampler, k=k,
-                                seed=seed + i)
+                                seed=seed + i, cache_size=cache_size)
       mode = "greedy" if isinstance(sampler, Greedy) else f"T={sampler.temperature}"
       save_shard(path, recs, [dict(m, mode=mode) for m in meta])
     done += 1

@@ -26,7 +26,7 @@ from specjax.config import ModelConfig
 from specjax.distill import checkpoint as ckpt
 from specjax.distill import losses
 from specjax.distill.vocab import input_map
-from specjax.model import Params, forward, lm_head
+from specjax.model import Params, forward, lm_head, target_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +105,9 @@ def make_batch(records: Sequence[dict], seq_len: int, k: int) -> dict[str, np.nd
     out["tokens"][i, :len(p)] = p
     out["tokens"][i, len(p):len(p) + n] = r
     out["pred_pos"][i, :n] = len(p) - 1 + np.arange(n)
-    out["topk_ids"][i, :n] = rec["topk_ids"][:n, :k]
-    out["topk_logp"][i, :n] = rec["topk_logp"][:n, :k]
+    if "topk_ids" in rec:  # (absent from id-only corpora: a ``Teacher`` fills them in)
+      out["topk_ids"][i, :n] = rec["topk_ids"][:n, :k]
+      out["topk_logp"][i, :n] = rec["topk_logp"][:n, :k]
     out["weight"][i, :n] = 1.0
     if "features" in rec:  # EAGLE: the target's features, aligned with the tokens
       if "features" not in out:
@@ -130,6 +131,47 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
     perm = np.random.default_rng([seed, epoch]).permutation(n)
     idx.append(perm[j])
   return np.asarray(idx)
+
+
+# ------------------------------------------------------------------ online teacher
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+  """The target run teacher-forced on each batch, so a corpus need only hold token ids.
+
+  ``fill`` recomputes what ``make_batch`` would copy from a stored corpus: the
+  target's top-k log-probs at the trained positions and, for feature drafters,
+  its features. On an accelerator this costs little next to the draft's own
+  step; on CPU it is one target forward per batch.
+
+  Attributes:
+    cfg: the target's config.
+    k: top-k kept per position (the losses' coarsening, as for stored corpora).
+    feature_layers: None (no features), () for the last hidden state, or the
+      layers whose outputs are concatenated (``model.target_features``).
+  """
+
+  cfg: ModelConfig
+  k: int = 64
+  feature_layers: Optional[tuple[int, ...]] = None
+
+  @functools.partial(jax.jit, static_argnames=("self",))
+  def fill(self, target_params: Params, batch: dict) -> dict:
+    tokens = batch["tokens"]
+    b, l = tokens.shape
+    layers = self.feature_layers or ()
+    out = forward(target_params, self.cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
+                  kvc.init_cache(self.cfg, b, l), compute_logits=False, return_layers=layers)
+    hidden = jnp.take_along_axis(out.hidden, batch["pred_pos"][:, :, None], axis=1)
+    logp = jax.nn.log_softmax(lm_head(self.cfg, target_params, hidden), axis=-1)
+    top_logp, top_ids = jax.lax.top_k(logp, self.k)
+    valid = (batch["weight"] > 0)[:, :, None]
+    batch = dict(batch, topk_ids=jnp.where(valid, top_ids, 0).astype(jnp.int32),
+                 topk_logp=jnp.where(valid, top_logp, -jnp.inf))
+    if self.feature_layers is not None:
+      batch["features"] = target_features(out, layers).astype(jnp.float32)
+    return batch
 
 
 # ------------------------------------------------------------------ model pieces
@@ -215,8 +257,10 @@ def alpha_stats(params, objective, vocab_map, in_map, frozen, batch) -> dict[str
 
 
 def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len: int,
-                  k: int, batch_size: int = 16, objective=None, frozen=None) -> dict[str, float]:
-  """α on held-out generations: T=0 on greedy responses, T=1 on sampled ones."""
+                  k: int, batch_size: int = 16, objective=None, frozen=None,
+                  teacher: Optional[tuple[Teacher, Params]] = None) -> dict[str, float]:
+  """α on held-out generations: T=0 on greedy responses, T=1 on sampled ones
+  (``teacher``: (Teacher, target params) for id-only records)."""
   objective = objective or TokenObjective(draft.cfg)
   vm, im = draft.maps()
   out = {}
@@ -227,7 +271,7 @@ def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len
     tot = dict(n=0.0, beta0=0.0, beta1_lo=0.0, beta1_hi=0.0)
     for i in range(0, len(recs), batch_size):
       s = alpha_stats(params, objective, vm, im, frozen or {},
-                      make_batch(recs[i:i + batch_size], seq_len, k))
+                      _batch(recs[i:i + batch_size], seq_len, k, teacher))
       for name in tot:
         tot[name] += float(s[name])
     n = max(tot["n"], 1.0)
@@ -238,6 +282,11 @@ def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len
       out["alpha_T1_upper"] = tot["beta1_hi"] / n
     out[f"positions_{key}"] = int(tot["n"])
   return out
+
+
+def _batch(records, seq_len: int, k: int, teacher: Optional[tuple[Teacher, Params]]) -> dict:
+  batch = {key: jnp.asarray(v) for key, v in make_batch(records, seq_len, k).items()}
+  return batch if teacher is None else teacher[0].fill(teacher[1], batch)
 
 
 # ------------------------------------------------------------------ optimisation
@@ -323,7 +372,8 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
           target: Optional[tuple[ModelConfig, Params]] = None,
           stop_after: Optional[int] = None, deadline: Optional[float] = None,
           log: Callable[[dict], None] = print, progress: bool = True,
-          objective=None, frozen: Optional[Params] = None) -> tuple[Params, list[dict]]:
+          objective=None, frozen: Optional[Params] = None,
+          teacher: Optional[tuple[Teacher, Params]] = None) -> tuple[Params, list[dict]]:
   """Runs (or resumes) training; checkpoints to ``workdir/checkpoints``.
 
   Args:
@@ -339,6 +389,9 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     objective: what is trained (default ``TokenObjective(draft.cfg)``).
     frozen: arrays the objective reads but does not train (e.g. the target's
       embedding and LM-head rows for EAGLE).
+    teacher: (Teacher, target params): every batch's target top-k (and features)
+      are recomputed teacher-forced, so records need only ``prompt`` and
+      ``response``; ``k`` must equal the teacher's.
 
   Returns:
     (final params, metric history of this invocation).
@@ -348,6 +401,8 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
   if tc.on_policy_every and target is None:
     raise ValueError("on-policy steps need the target: pass target=(cfg, params)")
   objective = objective or TokenObjective(draft.cfg)
+  if teacher is not None and teacher[0].k != k:
+    raise ValueError(f"k={k} but the teacher keeps its top {teacher[0].k}")
   if tc.on_policy_every and not isinstance(objective, TokenObjective):
     raise ValueError("on-policy steps are implemented for token drafts only")
   frozen = frozen or {}
@@ -369,7 +424,7 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
 
   if start == 0 and heldout_records:
     emit(dict(step=0, **heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k,
-                                      objective=objective, frozen=frozen)))
+                                      objective=objective, frozen=frozen, teacher=teacher)))
   end = tc.steps if stop_after is None else min(tc.steps, stop_after)
   bar = tqdm.tqdm(range(start, end), initial=start, total=tc.steps, desc="distill",
                   disable=not progress)
@@ -384,19 +439,19 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     else:
       idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed)
       recs = [train_records[i] for i in idx]
-    batch = {key: jnp.asarray(v) for key, v in make_batch(recs, tc.seq_len, k).items()}
-    state, loss = train_step(state, objective, tc, vm, im, frozen, batch)
+    state, loss = train_step(state, objective, tc, vm, im, frozen,
+                             _batch(recs, tc.seq_len, k, teacher))
     losses_acc.append(float(loss))
     bar.set_postfix(loss=f"{losses_acc[-1]:.4f}")
     s = step + 1
     out_of_time = deadline is not None and time.time() > deadline
     if s % tc.checkpoint_every == 0 or s == end or out_of_time:
       ckpt.save(mngr, s, state)
-    if s % tc.eval_every == 0 or s == tc.steps:
+    if s % tc.eval_every == 0 or s == tc.steps or out_of_time:
       m = dict(step=s, loss=float(np.mean(losses_acc)), seconds=round(time.time() - t0, 1))
       if heldout_records:
         m.update(heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k,
-                               objective=objective, frozen=frozen))
+                               objective=objective, frozen=frozen, teacher=teacher))
       emit(m)
       losses_acc = []
     if out_of_time:

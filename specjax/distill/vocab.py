@@ -103,9 +103,11 @@ def init_from_target(target_cfg: ModelConfig, target_params: Params, spec: Draft
 
 def token_counts(records: Sequence[dict], vocab_size: int) -> np.ndarray:
   """Expected counts of each target id in the responses: Σ_positions p(x) over the top-k,
-  plus the produced tokens themselves (so greedy and sampled choices both count)."""
+  plus the produced tokens themselves (so greedy and sampled choices both count; records
+  without a stored top-k count their tokens only)."""
   counts = np.zeros(vocab_size, np.float64)
   for r in records:
     np.add.at(counts, r["response"], 1.0)
-    np.add.at(counts, r["topk_ids"].ravel(), np.exp(r["topk_logp"]).ravel())
+    if "topk_ids" in r:  # (id-only records: the produced tokens alone)
+      np.add.at(counts, r["topk_ids"].ravel(), np.exp(r["topk_logp"]).ravel())
   return counts

@@ -26,7 +26,10 @@ never probes attributes:
   * ``reads_target_features()`` (EAGLE): ``init`` receives ``features``
     [B, S, D] of the prompt's committed positions, and after every
     verification ``observe(state, hidden, start)`` receives the accepted
-    path's [B, D + 1, D] features, of positions ``start[b] + t``.
+    path's [B, D + 1, F] features, of positions ``start[b] + t``. The
+    features are the target's last hidden state (F = D), or, when
+    ``target_feature_layers()`` names layers, their outputs concatenated
+    (F = len(layers)·D; EAGLE-3's fusion of low, mid and high layers).
 
 Adding a drafter: subclass ``Drafter`` as a frozen dataclass, implement
 ``vocab_size``, ``init``, ``propose_chain`` (or ``propose`` for trees, and
@@ -77,6 +80,11 @@ class Drafter:
 
   def reads_target_features(self) -> bool:
     return False
+
+  def target_feature_layers(self) -> tuple[int, ...]:
+    """Sorted target layers whose outputs make the features (default (): the last hidden
+    state), for drafters that read them."""
+    return ()
 
   def check_params(self, draft_params: Any) -> None:
     """Raises ValueError for draft params this drafter cannot use (default: accepts any)."""

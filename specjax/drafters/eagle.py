@@ -20,9 +20,19 @@ the pairs built from true features (lengths = the old s); everything past is
 scratch. Tokens outside a reduced vocabulary get q = 0 (logits lifted with
 −inf), so verification stays exact.
 
+Feature fusion (EAGLE-3), ``feature_layers`` = (l₁ … l_k): the feature of a
+position is the fusion g = fuse · [norm₁(h_l₁); …; norm_k(h_l_k)] of k
+target layers' outputs (low, mid and high) instead of the last hidden state
+alone; later drafts read the drafter's own ĥ in g's place, as in EAGLE-3.
+The state keeps the raw concatenated outputs; fusion happens where pairs are
+built. ``fuse`` starts as the identity on the highest layer, so an untrained
+fusion of (…, last) reads exactly what EAGLE-1 reads.
+
 Draft params: ``embed_norm`` [D], ``feature_norm`` [D], ``fc`` [2D, D],
-``fc_bias`` [D], ``layers`` (the draft's own, trained) and ``embed``, ``final_norm``, ``head`` [Vd, D], ``vocab_map`` [Vd]
-(the target's arrays, shared, see ``eagle_params``).
+``fc_bias`` [D], ``layers`` (the draft's own, trained), with fusion
+``fuse_norms`` [k, D] and ``fuse`` [kD, D] (trained), and ``embed``,
+``final_norm``, ``head`` [Vd, D], ``vocab_map`` [Vd] (the target's arrays,
+shared, see ``eagle_params``).
 """
 
 from __future__ import annotations
@@ -54,8 +64,9 @@ class EagleState:
   Attributes:
     cache: the draft layers' KV cache; slots below ``cache.lengths`` hold
       pairs built from true target features.
-    features: [B, S, D] the target's features by position (f_p at slot p),
-      written by the prefill and by every verification.
+    features: [B, S, F] the target's features by position (f_p at slot p;
+      F = k·D raw layer outputs with fusion), written by the prefill and by
+      every verification.
   """
 
   cache: kvc.KVCache
@@ -72,14 +83,38 @@ class EagleDrafter(Drafter):
     tree_draw: how a tree's children are chosen (see ``tree_draft``): each
       node is fed as the pair (its parent's predicted feature, its token).
       EAGLE-2 dynamic trees (``DynamicTree``) always take the top-k.
+    feature_layers: target layers fused into the feature (EAGLE-3), sorted;
+      () reads the last hidden state (EAGLE-1).
   """
 
   cfg: ModelConfig
   tree_draw: str = "point_mass"
+  feature_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.tree_draw not in TREE_DRAWS:
       raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
+    object.__setattr__(self, "feature_layers", tuple(int(l) for l in self.feature_layers))
+    if list(self.feature_layers) != sorted(set(self.feature_layers)):
+      raise ValueError(f"feature_layers must be sorted and distinct, got {self.feature_layers}")
+
+  def target_feature_layers(self) -> tuple[int, ...]:
+    return self.feature_layers
+
+  def check_params(self, draft_params) -> None:
+    k = len(self.feature_layers)
+    if k and draft_params["fuse"].shape != (k * self.cfg.dim, self.cfg.dim):
+      raise ValueError(f"fusion weights of shape {draft_params['fuse'].shape} do not fuse "
+                       f"{k} layers of width {self.cfg.dim}")
+
+  def fuse(self, dp: Params, features: jax.Array) -> jax.Array:
+    """[..., F] raw target features -> [..., D] what a pair reads (identity without fusion)."""
+    if not self.feature_layers:
+      return features
+    k, d = len(self.feature_layers), self.cfg.dim
+    parts = features.reshape(features.shape[:-1] + (k, d)).astype(dp["fuse"].dtype)
+    normed = rms_norm(parts, dp["fuse_norms"], self.cfg.norm_eps)
+    return normed.reshape(features.shape[:-1] + (k * d,)) @ dp["fuse"]
 
   @property
   def vocab_size(self) -> int:
@@ -124,7 +159,8 @@ class EagleDrafter(Drafter):
     """Feeds the prompt's pairs 0…P−2; pair P−1 is pending for the first ``propose``."""
     b, s = tokens.shape
     state = EagleState(cache=kvc.init_cache(self.cfg, b, s), features=features)
-    shifted = jnp.concatenate([jnp.zeros_like(features[:, :1]), features[:, :-1]], axis=1)
+    fused = self.fuse(draft_params, features)
+    shifted = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
     _, cache = self.hidden(draft_params, shifted, tokens, jnp.broadcast_to(jnp.arange(s), (b, s)),
                            state.cache, num_valid=prompt_lens - 1)
     return state.replace(cache=cache)
@@ -163,7 +199,7 @@ class EagleDrafter(Drafter):
     pos = c[:, None] + jnp.arange(window)[None, :]
     pair_tokens = jnp.take_along_axis(tokens, jnp.clip(pos, 0, s - 1), axis=1)
     feats = jnp.take_along_axis(state.features, jnp.clip(pos - 1, 0, s - 1)[:, :, None], axis=1)
-    feats = jnp.where((pos >= 1)[:, :, None], feats, 0.0)
+    feats = jnp.where((pos >= 1)[:, :, None], self.fuse(dp, feats), 0.0)
     num_valid = seq_lens - c
     h, cache = self.hidden(dp, feats, pair_tokens, pos, state.cache, num_valid)
     last = jnp.clip(num_valid - 1, 0, window - 1)[:, None, None]
@@ -200,14 +236,16 @@ class EagleDrafter(Drafter):
     return state  # the cache already stops at the last pair of true features
 
 
-# The trained entries of the draft params; the rest are the target's arrays.
-TRAINED_KEYS = ("embed_norm", "feature_norm", "fc", "fc_bias", "layers")
+# The trained entries of the draft params (the fusion pair only with feature_layers);
+# the rest are the target's arrays.
+TRAINED_KEYS = ("embed_norm", "feature_norm", "fc", "fc_bias", "layers", "fuse_norms", "fuse")
+FUSION_KEYS = ("fuse_norms", "fuse")
 
 
 def split_params(dp: Params) -> tuple[Params, Params]:
   """Draft params -> (trained weights, the target's arrays the head reads without
   ``vocab_map``, i.e. over the head's rows: what training and teacher-forced eval use)."""
-  weights = {k: dp[k] for k in TRAINED_KEYS}
+  weights = {k: dp[k] for k in TRAINED_KEYS if k in dp}
   frozen = {k: v for k, v in dp.items() if k not in TRAINED_KEYS and k != "vocab_map"}
   return weights, frozen
 
@@ -217,28 +255,47 @@ def eagle_config(target_cfg: ModelConfig, num_layers: int = 1) -> ModelConfig:
                              name=f"{target_cfg.name}-eagle{num_layers}")
 
 
+def default_feature_layers(target_cfg: ModelConfig) -> tuple[int, int, int]:
+  """EAGLE-3's low, mid and high layers, with the highest the last (the one the head reads)."""
+  n = target_cfg.num_layers
+  return tuple(sorted({min(2, n - 1), n // 2, n - 1}))
+
+
+def _fusion_init(d: int, k: int) -> dict:
+  """Unit norms and the identity on the highest layer: an untrained fusion reads h_{l_k}."""
+  fuse = jnp.zeros((k * d, d), jnp.float32).at[(k - 1) * d:].set(jnp.eye(d))
+  return {"fuse_norms": jnp.ones((k, d), jnp.float32), "fuse": fuse}
+
+
 def init_eagle_weights(target_cfg: ModelConfig, target_params: Params, num_layers: int = 1,
-                       key: Optional[jax.Array] = None) -> Params:
-  """Trainable EAGLE weights: unit norms, a random ``fc`` (variance 1 / 2D), and layers
-  copied from the target's last ``num_layers``."""
+                       key: Optional[jax.Array] = None,
+                       feature_layers: tuple[int, ...] = ()) -> Params:
+  """Trainable EAGLE weights: unit norms, a random ``fc`` (variance 1 / 2D), layers
+  copied from the target's last ``num_layers`` and, with ``feature_layers``, the fusion."""
   d = target_cfg.dim
   key = jax.random.PRNGKey(0) if key is None else key
   fc = jax.random.normal(key, (2 * d, d), jnp.float32) / np.sqrt(2 * d)
-  layers = [jax.tree.map(lambda a: jnp.array(a, jnp.float32), l)
+  layers = [{k: jnp.array(unpacked(v), jnp.float32) for k, v in l.items()}  # plain, trainable
             for l in target_params["layers"][-num_layers:]]
-  return {"embed_norm": jnp.ones((d,), jnp.float32), "feature_norm": jnp.ones((d,), jnp.float32),
-          "fc": fc, "fc_bias": jnp.zeros((d,), jnp.float32), "layers": layers}
+  weights = {"embed_norm": jnp.ones((d,), jnp.float32),
+             "feature_norm": jnp.ones((d,), jnp.float32),
+             "fc": fc, "fc_bias": jnp.zeros((d,), jnp.float32), "layers": layers}
+  return dict(weights, **_fusion_init(d, len(feature_layers))) if feature_layers else weights
 
 
 def random_eagle_weights(target_cfg: ModelConfig, num_layers: int, key: jax.Array,
-                         scale: float = 0.5) -> Params:
-  """Random trainable weights (tests)."""
-  k1, k2 = jax.random.split(key)
+                         scale: float = 0.5, num_fused: int = 0) -> Params:
+  """Random trainable weights (tests); ``num_fused`` > 0 adds a random fusion."""
+  k1, k2, k3 = jax.random.split(key, 3)
   d = target_cfg.dim
   layers = init_params(eagle_config(target_cfg, num_layers), k1, scale=scale)["layers"]
-  return {"embed_norm": jnp.ones((d,)), "feature_norm": jnp.ones((d,)),
-          "fc": scale * jax.random.normal(k2, (2 * d, d)), "fc_bias": jnp.zeros((d,)),
-          "layers": layers}
+  weights = {"embed_norm": jnp.ones((d,)), "feature_norm": jnp.ones((d,)),
+             "fc": scale * jax.random.normal(k2, (2 * d, d)), "fc_bias": jnp.zeros((d,)),
+             "layers": layers}
+  if num_fused:
+    weights.update(fuse_norms=jnp.ones((num_fused, d)),
+                   fuse=jax.random.normal(k3, (num_fused * d, d)) / np.sqrt(num_fused * d))
+  return weights
 
 
 def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params,
@@ -257,12 +314,21 @@ def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params
 
 
 def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Params,
-                  vocab_map: Optional[np.ndarray] = None) -> tuple[EagleDrafter, Params]:
+                  vocab_map: Optional[np.ndarray] = None,
+                  feature_layers: tuple[int, ...] = ()) -> tuple[EagleDrafter, Params]:
   """(drafter, draft_params) for trained EAGLE ``weights`` on this target."""
   num_layers = len(weights["layers"])
   if weights["fc"].shape != (2 * target_cfg.dim, target_cfg.dim):
     raise ValueError(f"EAGLE weights of width {weights['fc'].shape[1]} do not fit a target of "
                      f"width {target_cfg.dim}")
-  return (EagleDrafter(eagle_config(target_cfg, num_layers)),
-          eagle_params(target_cfg, target_params, weights, vocab_map))
+  if bool(feature_layers) != ("fuse" in weights):
+    raise ValueError(f"feature_layers {tuple(feature_layers)} but the weights "
+                     f"{'have' if 'fuse' in weights else 'lack'} a fusion")
+  if feature_layers and max(feature_layers) >= target_cfg.num_layers:
+    raise ValueError(f"feature_layers {tuple(feature_layers)} do not exist in a target of "
+                     f"{target_cfg.num_layers} layers")
+  drafter = EagleDrafter(eagle_config(target_cfg, num_layers), feature_layers=feature_layers)
+  dp = eagle_params(target_cfg, target_params, weights, vocab_map)
+  drafter.check_params(dp)
+  return drafter, dp
 

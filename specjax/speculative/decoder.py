@@ -38,7 +38,7 @@ from specjax import validation
 from specjax.attention import resolve_impl
 from specjax.config import ModelConfig
 from specjax.generate import check_sampler, last_tokens, prefill
-from specjax.model import Params, forward
+from specjax.model import Params, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
@@ -60,7 +60,8 @@ class TargetScores(NamedTuple):
   Attributes:
     p: [B, N + 1, V] the target's warped distributions at every block entry.
     cache: the target cache with the block written at slots s − 1 … s − 1 + N.
-    hidden: [B, N + 1, D] the target's features of the block (for EAGLE).
+    hidden: [B, N + 1, F] the target's features of the block (for EAGLE; see
+      ``Drafter.target_feature_layers``).
   """
 
   p: jax.Array
@@ -118,6 +119,11 @@ class SpeculativeDecoder:
     if not self.drafter.supports(self.tree):
       raise ValueError(f"{type(self.drafter).__name__} cannot build {self.tree}: it builds "
                        f"{self.drafter.buildable()}")
+    layers = self.drafter.target_feature_layers()
+    if layers and (list(layers) != sorted(set(layers)) or layers[0] < 0
+                   or layers[-1] >= self.target_cfg.num_layers):
+      raise ValueError(f"{type(self.drafter).__name__} reads target layers {layers}: they must "
+                       f"be sorted, distinct and in [0, {self.target_cfg.num_layers})")
     resolve_impl(self.attention_impl)  # unknown names fail here, not at trace time
     eos = self.target_cfg.eos_token_ids if self.eos_ids is None else self.eos_ids
     object.__setattr__(self, "eos_ids", validation.token_ids(eos, "eos_ids"))
@@ -145,9 +151,12 @@ class SpeculativeDecoder:
       depth = depth_from_parents(proposal.parents, self.tree.max_depth)
       mask = block_mask_from_parents(proposal.parents, self.tree.max_depth)
     positions = (state.seq_lens - 1)[:, None] + depth
+    layers = self.drafter.target_feature_layers()
     out = forward(target_params, self.target_cfg, block, positions, state.target_cache, mask,
-                  num_valid=jnp.full((b,), t, jnp.int32), attention_impl=self.attention_impl)
-    return TargetScores(p=self.sampler.probs(out.logits), cache=out.cache, hidden=out.hidden)
+                  num_valid=jnp.full((b,), t, jnp.int32), attention_impl=self.attention_impl,
+                  return_layers=layers)
+    return TargetScores(p=self.sampler.probs(out.logits), cache=out.cache,
+                        hidden=target_features(out, layers))
 
   def accept(self, key: jax.Array, proposal: Proposal, scores: TargetScores) -> TreeAcceptance:
     return accept_tree(key, proposal, scores.p, self.tree,
@@ -223,7 +232,8 @@ class SpeculativeDecoder:
     empty = kvc.init_cache(self.target_cfg, b, s)
     if self.drafter.reads_target_features():
       target_cache, hidden = prefill(target_params, self.target_cfg, tokens, prompt_lens - 1,
-                                     empty, return_hidden=True)
+                                     empty, return_hidden=True,
+                                     feature_layers=self.drafter.target_feature_layers())
       draft_state = self.drafter.init(draft_params, tokens, prompt_lens, features=hidden)
     else:
       target_cache = prefill(target_params, self.target_cfg, tokens, prompt_lens - 1, empty)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The recipe of the shipped EAGLE-3 drafter (specjax/assets/smollm2_eagle3/README.md).
+#
+#   scripts/train_eagle3.sh data  WORKDIR   # the corpus: token ids of the target's answers
+#   scripts/train_eagle3.sh train WORKDIR   # train (resumable: rerun to continue)
+#
+# data: the extended prompt set plus chat prompts the target writes itself; the
+# target answers each train prompt in several passes (greedy, then T=1), batched
+# and jit-compiled, until $GEN_MINUTES. Only token ids are kept (--topk=1).
+# train: a fused-feature (low/mid/last layer) EAGLE drafter with training-time
+# test (3 unrolled steps), forward KL to the target's top-64 recomputed
+# teacher-forced on every batch (--teacher=online), for $STEPS steps or until
+# $TRAIN_MINUTES. The defaults are the accelerator run; every knob is an
+# environment variable, so the same command runs small on a CPU.
+set -euo pipefail
+stage=${1:?usage: train_eagle3.sh data|train WORKDIR [extra train_draft flags]}
+workdir=${2:?usage: train_eagle3.sh data|train WORKDIR [extra train_draft flags]}
+shift 2
+DATA=(--prompt_set=extended --self_instruct_per_topic="${SELF_INSTRUCT:-4}"
+      --gen_batch="${GEN_BATCH:-512}" --max_new_tokens="${MAX_NEW:-256}" --topk=1
+      --max_prompt_tokens=160 --heldout_batches="${HELDOUT_BATCHES:-2}"
+      --heldout_mix_batches="${HELDOUT_MIX:-1}" --train_batches="${TRAIN_BATCHES:-100000}"
+      --prompt_passes="${PASSES:-40}" --gen_minutes="${GEN_MINUTES:-1e9}" --data_seed=0)
+case "$stage" in
+  data)
+    python -m experiments.train_draft --stage=data "${DATA[@]}" --workdir="$workdir" "$@" ;;
+  train)
+    python -m experiments.train_draft --stage=train "${DATA[@]}" --workdir="$workdir" \
+      --draft_kind=eagle --eagle_layers=1 --eagle_feature_layers=default --eagle_ttt_steps=3 \
+      --teacher=online --teacher_topk=64 --draft_vocab="${VOCAB:-16384}" \
+      --steps="${STEPS:-2000}" --batch_size="${BATCH:-64}" --seq_len=416 --lr="${LR:-1e-3}" \
+      --warmup_steps="${WARMUP:-100}" --eval_every="${EVAL_EVERY:-250}" \
+      --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
+      --eval_records="${EVAL_RECORDS:-384}" \
+      --feature_weight=0.1 --feature_noise=0.05 "$@" ;;
+  *) echo "unknown stage $stage (data or train)" >&2; exit 2 ;;
+esac
