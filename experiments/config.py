@@ -26,8 +26,8 @@ class ExperimentConfig:
     experiments: subset of EXPERIMENTS, run in that order (default DEFAULT_EXPERIMENTS).
     target: "smollm2" (embedded), "tiny" (random tiny model, for tests), a
       .gguf path or an HF directory.
-    draft: "default" (the shipped distilled token draft) | "eagle" (the shipped
-      EAGLE feature drafter) | "early_exit:K" | "bigram" | "unigram" |
+    draft: "eagle" (the shipped EAGLE-3 feature drafter, the default) |
+      "default" (the shipped distilled token draft) | "early_exit:K" | "bigram" | "unigram" |
       "prompt_lookup" | "tiny" | path of a specjax draft directory (token or
       EAGLE), a .gguf file or HF dir.
     prompts: a .jsonl prompt file, or None for the built-in held-out set.
@@ -63,7 +63,7 @@ class ExperimentConfig:
 
   experiments: tuple[str, ...] = DEFAULT_EXPERIMENTS
   target: str = "smollm2"
-  draft: str = "default"
+  draft: str = "eagle"
   prompts: Optional[str] = None
   num_prompts: int = 5
   gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
@@ -75,7 +75,7 @@ class ExperimentConfig:
   temperature_gamma: int = 0
   alpha_gamma: int = 4
   early_exit_layers: int = 0
-  alpha_drafts: tuple[str, ...] = ("unigram", "bigram", "early_exit", "prompt_lookup")
+  alpha_drafts: tuple[str, ...] = ("default", "unigram", "bigram", "early_exit", "prompt_lookup")
   cost_steps: int = 8
   repeats: int = 3
   stop_at_eos: bool = False

@@ -36,7 +36,7 @@ def load_drafts(config: ExperimentConfig, target: Target,
     return draft, []
   k = config.early_exit_layers or default_early_exit_layers(target.cfg)
   return draft, [load(f"early_exit:{k}" if s == "early_exit" else s, "alpha_drafts")
-                 for s in config.alpha_drafts]
+                 for s in config.alpha_drafts if s != config.draft]  # (--draft has its row)
 
 
 def run(config: ExperimentConfig, command: str = "") -> dict:

@@ -23,8 +23,8 @@ flags.DEFINE_string("experiment", "default", "gamma_sweep, temperature_sweep, dr
                     "tree_sweep, default (the first three), all "
                     "(or a comma-separated list).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
-flags.DEFINE_string("draft", "default", "default (distilled token draft) | eagle (EAGLE feature "
-                    "drafter) | early_exit:K | bigram | unigram | prompt_lookup | tiny | path of a "
+flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
+                    "(the shipped distilled token draft) | early_exit:K | bigram | unigram | prompt_lookup | tiny | path of a "
                     "draft directory (token or EAGLE), .gguf or HF dir.")
 flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category": ...} per '
                     "line (default: built-in held-out prompts over code, summarise, qa, math, "
@@ -45,7 +45,7 @@ flags.DEFINE_integer("temperature_gamma", 0, "γ of the temperature sweep (0: be
 flags.DEFINE_integer("alpha_gamma", 4, "γ at which the drafts' α is measured.")
 flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in drafts_alpha "
                      "(0: num_layers // 5).")
-flags.DEFINE_string("alpha_drafts", "unigram,bigram,early_exit,prompt_lookup",
+flags.DEFINE_string("alpha_drafts", "default,unigram,bigram,early_exit,prompt_lookup",
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
 flags.DEFINE_integer("cost_steps", 8, "Steps timed phase by phase for c and the verify cost.")
 flags.DEFINE_integer("repeats", 3, "Interleaved timing rounds per setting (plain then "

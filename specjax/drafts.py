@@ -240,7 +240,7 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
 # ------------------------------------------------------------------ EAGLE drafts
 
 EAGLE_FORMAT = "specjax-eagle-v1"
-DEFAULT_EAGLE_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2_eagle")
+DEFAULT_EAGLE_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2_eagle3")
 _LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
 

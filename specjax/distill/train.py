@@ -1,4 +1,5 @@
-"""Token-level distillation of a draft from the target's stored top-k distributions.
+"""Token-level distillation of a draft from the target's top-k distributions: stored in
+the corpus, or recomputed teacher-forced on every batch by a ``Teacher`` (id-only corpora).
 
 One training example is a prompt + target response (target token ids); the
 draft reads it teacher-forced and at every response position its distribution
