@@ -110,25 +110,6 @@ def load_model_config_only():
   return load_model()
 
 
-def prompt_batches(tok, prompts, batch: int, max_tokens: int, drop_last: bool = True):
-  """Chat-formatted prompts in batches of similar length (less padding in prefill); the
-  last short batch of each sorting group is dropped unless ``drop_last`` is False."""
-  from specjax.loaders import chat_prompt
-  items = []
-  for p in prompts:
-    ids = chat_prompt(tok, p.text)
-    if len(ids) <= max_tokens:
-      items.append((ids, dict(category=p.category, source=p.source)))
-  out = []
-  group = 8 * batch  # sort within groups: lengths even out, category mix is kept
-  for g in range(0, len(items), group):
-    chunk = sorted(items[g:g + group], key=lambda x: len(x[0]))
-    for b in range(0, len(chunk) - (batch - 1 if drop_last else 0), batch):
-      sel = chunk[b:b + batch]
-      out.append(([s[0] for s in sel], [s[1] for s in sel]))
-  return out
-
-
 def run_data_stage() -> str:
   import tqdm
   from specjax.distill import data, teacher
@@ -150,13 +131,13 @@ def run_data_stage() -> str:
   start = time.time()
   for split, ps, n in (("heldout", held_p, FLAGS.heldout_batches),
                        ("train", train_p, FLAGS.train_batches)):
-    batches = prompt_batches(tok, data.interleave_categories(ps), FLAGS.gen_batch,
+    batches = data.prompt_batches(tok, data.interleave_categories(ps), FLAGS.gen_batch,
                              FLAGS.max_prompt_tokens)
     per_batch = [samplers[i % 2] for i in range(len(batches))]
     if split == "train":  # later passes: the same prompts in another order, sampled at T=1
       for p in range(1, FLAGS.prompt_passes):
         order = random.Random(FLAGS.data_seed * 1000 + p).sample(list(ps), len(ps))
-        more = prompt_batches(tok, data.interleave_categories(order), FLAGS.gen_batch,
+        more = data.prompt_batches(tok, data.interleave_categories(order), FLAGS.gen_batch,
                               FLAGS.max_prompt_tokens)
         batches += more
         per_batch += [samplers[1]] * len(more)
@@ -170,7 +151,7 @@ def run_data_stage() -> str:
     bar.close()
     if split == "heldout" and FLAGS.heldout_mix_batches:
       passage = [p for p in ps if p.category in ("code", "summarise", "qa")]
-      mix = prompt_batches(tok, data.interleave_categories(passage), FLAGS.gen_batch,
+      mix = data.prompt_batches(tok, data.interleave_categories(passage), FLAGS.gen_batch,
                            FLAGS.max_prompt_tokens)[:FLAGS.heldout_mix_batches]
       teacher.build_corpus(directory, params, cfg, "heldout", [None] * n + mix, samplers,
                            FLAGS.max_new_tokens, FLAGS.topk, FLAGS.data_seed * 1000,
@@ -192,7 +173,7 @@ def self_instructed(params, cfg, tok, directory: str) -> list:
     with open(path) as f:
       return [data.Prompt(**p) for p in json.load(f)]
   requests = data.self_instruct_requests(FLAGS.data_seed, FLAGS.self_instruct_per_topic)
-  batches = prompt_batches(tok, requests, FLAGS.gen_batch, FLAGS.max_prompt_tokens,
+  batches = data.prompt_batches(tok, requests, FLAGS.gen_batch, FLAGS.max_prompt_tokens,
                            drop_last=False)
   out = []
   for i, (ids, meta) in enumerate(batches):

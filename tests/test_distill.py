@@ -73,6 +73,21 @@ def test_coarsen_moves_unkept_tokens_to_other_bucket():
   np.testing.assert_allclose(np.exp(qc), [[0.2, 0.0, 0.8]], atol=1e-6)
 
 
+def test_self_instructed_prompts_are_cleaned_and_split_by_topic():
+  from specjax.distill import data
+  assert data.clean_question('User: "How do I start a compost heap?"\nSure!') == \
+      "How do I start a compost heap?"
+  assert data.clean_question("Yes.") is None  # too short
+  assert data.clean_question("Hello there") is None  # fewer than four words
+  reqs = data.self_instruct_requests(0, 2)
+  topics = data.CHAT_TOPICS + data.EXTRA_CHAT_TOPICS
+  assert len(reqs) == 2 * len(topics)
+  # the target's question keeps its request's source, so the split holds by topic
+  assert {r.source for r in reqs} == {f"chat:{t}" for t in topics}
+  train_p, held_p = data.split_by_source(reqs)
+  assert not {p.source for p in train_p} & {p.source for p in held_p} and held_p
+
+
 def test_select_vocab_and_maps():
   counts = np.array([9.0, 1.0, 5.0, 5.0, 0.0, 7.0])
   assert vocab.select_vocab(counts, 4, always=(4,)).tolist() == [0, 4, 5, 2]

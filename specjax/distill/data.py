@@ -289,7 +289,7 @@ def clean_question(text: str) -> str | None:
   line = text.strip().split("\n")[0].strip().strip('"').strip()
   for prefix in ("User:", "Question:", "Q:", "Message:"):
     if line.lower().startswith(prefix.lower()):
-      line = line[len(prefix):].strip()
+      line = line[len(prefix):].strip().strip('"').strip()
   return line if 12 <= len(line) <= 400 and len(line.split()) >= 4 else None
 
 
@@ -316,6 +316,29 @@ def interleave_categories(prompts: Sequence[Prompt]) -> list[Prompt]:
   return out
 
 
+def prompt_batches(tok, prompts: Sequence[Prompt], batch: int, max_tokens: int,
+                   drop_last: bool = True) -> list[tuple[list[list[int]], list[dict]]]:
+  """Chat-formatted prompts in batches of similar length (less padding in prefill); the
+  last short batch of each sorting group is dropped unless ``drop_last`` is False.
+
+  Returns [(token ids of each prompt, [{category, source}] of each)] per batch.
+  """
+  from specjax.loaders import chat_prompt
+  items = []
+  for p in prompts:
+    ids = chat_prompt(tok, p.text)
+    if len(ids) <= max_tokens:
+      items.append((ids, dict(category=p.category, source=p.source)))
+  out = []
+  group = 8 * batch  # sort within groups: lengths even out, category mix is kept
+  for g in range(0, len(items), group):
+    chunk = sorted(items[g:g + group], key=lambda x: len(x[0]))
+    for b in range(0, len(chunk) - (batch - 1 if drop_last else 0), batch):
+      sel = chunk[b:b + batch]
+      out.append(([s[0] for s in sel], [s[1] for s in sel]))
+  return out
+
+
 def describe(prompts: Sequence[Prompt]) -> str:
   counts = {c: sum(p.category == c for p in prompts) for c in CATEGORIES}
   return ", ".join(f"{c} {n}" for c, n in counts.items()) + f" ({len(prompts)} total, " \
@@ -323,5 +346,6 @@ def describe(prompts: Sequence[Prompt]) -> str:
 
 
 __all__ = ["CATEGORIES", "Prompt", "build_prompts", "clean_question", "describe",
-           "interleave_categories", "is_heldout", "self_instruct_requests", "split_by_source",
+           "interleave_categories", "is_heldout", "prompt_batches", "self_instruct_requests",
+           "split_by_source",
            "stdlib_items"]
