@@ -10,10 +10,10 @@ Batch 1, SmolLM2-135M-Instruct in f32, every output forced to ``new_tokens``
   shipped draft exported as an HF Llama directory (greedy, constant γ);
   HF prompt lookup (greedy, γ tokens); specjax autoregressive greedy and
   sampled; specjax speculative with the shipped draft (greedy and T = 1), with
-  the shipped EAGLE drafter (greedy and T = 1; HF has no counterpart) and
+  the shipped EAGLE-3 drafter (greedy and T = 1; HF has no counterpart) and
   with prompt lookup (greedy); and the same drafters with token trees of
   ``--tree_nodes`` nodes (HF has none): an EAGLE-2 dynamic tree of depth γ
-  and frontier 4 for the draft model and the EAGLE drafter, and a
+  and frontier 4 for the draft model and the EAGLE-3 drafter, and a
   prompt-lookup tree of ``--lookup_branches`` matches (chains of γ from the
   root). Each is warmed up once, then timed over all prompts. Reports
   tokens/s, ratios, and target calls per token for the speculative rows.
@@ -123,10 +123,10 @@ def main(argv):
       f"specjax speculative, shipped draft, T=1 (γ={g})": (drafter, dp, Sampling(1.0), None),
       f"specjax speculative, shipped draft, {tree_name}, greedy": (drafter, dp, Greedy(), dyn),
       f"specjax speculative, shipped draft, {tree_name}, T=1": (drafter, dp, Sampling(1.0), dyn),
-      f"specjax speculative, EAGLE drafter, greedy (γ={g})": (eagle, eagle_dp, Greedy(), None),
-      f"specjax speculative, EAGLE drafter, T=1 (γ={g})": (eagle, eagle_dp, Sampling(1.0), None),
-      f"specjax speculative, EAGLE drafter, {tree_name}, greedy": (eagle, eagle_dp, Greedy(), dyn),
-      f"specjax speculative, EAGLE drafter, {tree_name}, T=1": (
+      f"specjax speculative, EAGLE-3 drafter, greedy (γ={g})": (eagle, eagle_dp, Greedy(), None),
+      f"specjax speculative, EAGLE-3 drafter, T=1 (γ={g})": (eagle, eagle_dp, Sampling(1.0), None),
+      f"specjax speculative, EAGLE-3 drafter, {tree_name}, greedy": (eagle, eagle_dp, Greedy(), dyn),
+      f"specjax speculative, EAGLE-3 drafter, {tree_name}, T=1": (
           eagle, eagle_dp, Sampling(1.0), dyn),
       f"specjax speculative, prompt lookup, greedy (γ={g})": (
           PromptLookupDrafter(cfg.vocab_size), (), Greedy(), None),
@@ -189,8 +189,8 @@ def main(argv):
       f"**{spec / tps[f'HF assisted generation, shipped draft, greedy (γ={g})']:.2f}x** (goal ≥ 2x)",
       f"- specjax speculative / specjax autoregressive (greedy): "
       f"**{spec / tps['specjax autoregressive, greedy']:.2f}x** (goal ≥ 2x)",
-      f"- specjax speculative with the EAGLE drafter / specjax autoregressive (greedy): "
-      f"**{tps[f'specjax speculative, EAGLE drafter, greedy (γ={g})'] / tps['specjax autoregressive, greedy']:.2f}x**",
+      f"- specjax speculative with the EAGLE-3 drafter / specjax autoregressive (greedy): "
+      f"**{tps[f'specjax speculative, EAGLE-3 drafter, greedy (γ={g})'] / tps['specjax autoregressive, greedy']:.2f}x**",
       f"- best specjax tree row / specjax autoregressive (greedy): "
       f"**{max(v for k, v in tps.items() if 'tree' in k and 'greedy' in k) / tps['specjax autoregressive, greedy']:.2f}x**",
       f"- specjax autoregressive / HF generate (greedy): "
