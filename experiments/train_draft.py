@@ -51,7 +51,7 @@ flags.DEFINE_integer("prompt_passes", 1, "Passes over the train prompts; passes 
                      "sample new responses at T=1 (more tokens from the same prompts).",
                      lower_bound=1)
 flags.DEFINE_integer("self_instruct_per_topic", 0, "Chat prompts per topic written by the target "
-                     "itself (T=1) before generation; 0 = none.", lower_bound=0)
+                     "itself (T=0.7, top-p 0.9) before generation; 0 = none.", lower_bound=0)
 
 # train
 flags.DEFINE_enum("loss", "fkl", ["fkl", "rkl", "tv"], "Distillation divergence (DistillSpec).")
@@ -132,13 +132,13 @@ def run_data_stage() -> str:
   for split, ps, n in (("heldout", held_p, FLAGS.heldout_batches),
                        ("train", train_p, FLAGS.train_batches)):
     batches = data.prompt_batches(tok, data.interleave_categories(ps), FLAGS.gen_batch,
-                             FLAGS.max_prompt_tokens)
+                                  FLAGS.max_prompt_tokens)
     per_batch = [samplers[i % 2] for i in range(len(batches))]
     if split == "train":  # later passes: the same prompts in another order, sampled at T=1
       for p in range(1, FLAGS.prompt_passes):
         order = random.Random(FLAGS.data_seed * 1000 + p).sample(list(ps), len(ps))
         more = data.prompt_batches(tok, data.interleave_categories(order), FLAGS.gen_batch,
-                              FLAGS.max_prompt_tokens)
+                                   FLAGS.max_prompt_tokens)
         batches += more
         per_batch += [samplers[1]] * len(more)
     batches, per_batch = batches[:n], per_batch[:n]
@@ -152,7 +152,7 @@ def run_data_stage() -> str:
     if split == "heldout" and FLAGS.heldout_mix_batches:
       passage = [p for p in ps if p.category in ("code", "summarise", "qa")]
       mix = data.prompt_batches(tok, data.interleave_categories(passage), FLAGS.gen_batch,
-                           FLAGS.max_prompt_tokens)[:FLAGS.heldout_mix_batches]
+                                FLAGS.max_prompt_tokens)[:FLAGS.heldout_mix_batches]
       teacher.build_corpus(directory, params, cfg, "heldout", [None] * n + mix, samplers,
                            FLAGS.max_new_tokens, FLAGS.topk, FLAGS.data_seed * 1000,
                            cache_size=cache_size)
@@ -174,7 +174,7 @@ def self_instructed(params, cfg, tok, directory: str) -> list:
       return [data.Prompt(**p) for p in json.load(f)]
   requests = data.self_instruct_requests(FLAGS.data_seed, FLAGS.self_instruct_per_topic)
   batches = data.prompt_batches(tok, requests, FLAGS.gen_batch, FLAGS.max_prompt_tokens,
-                           drop_last=False)
+                                drop_last=False)
   out = []
   for i, (ids, meta) in enumerate(batches):
     recs = teacher.generate_with_topk(params, cfg, ids, 64, Sampling(0.7, top_p=0.9), k=1,
