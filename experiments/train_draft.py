@@ -165,7 +165,7 @@ def run_data_stage() -> str:
 
 def self_instructed(params, cfg, tok, directory: str) -> list:
   """Chat prompts the target writes itself (``data.self_instruct_requests``; T=0.7,
-  top-p 0.9: at T=1 a 135M model writes mostly noise), cached."""
+  top-p 0.9: in a small dry run most of its T=1 questions were incoherent), cached."""
   from specjax.distill import data, teacher
   from specjax.sampling import Sampling
   path = os.path.join(directory, "self_instruct.json")
