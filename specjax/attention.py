@@ -117,9 +117,12 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
   return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
-def _kernel_budget(block_sizes) -> int:
+def _kernels_take(mask: jax.Array, t: int, block_sizes) -> bool:
+  """Whether the kernels accept this block: a [.., T, T] mask and T within their budget
+  (window masks, prefill and teacher-forced training are for the reference)."""
   from pallas_kernels.tree_attention.block_sizes import BlockSizes
-  return (block_sizes or BlockSizes()).max_tree_tokens
+  budget = (block_sizes or BlockSizes.get_default()).max_tree_tokens
+  return mask.shape[-1] == t and t <= budget
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask: jax.Array,
@@ -147,17 +150,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     unsupported dtype or T over the kernels' budget.
   """
   t = q.shape[1]
-  if mask.shape[-1] != t:  # a window of W > T slots (tree drafting, EAGLE's training-time
-    # test): the kernels take none, so "auto" means the reference on every backend.
-    resolved = "reference" if impl == "auto" else resolve_impl(impl)
+  if impl == "auto" and not _kernels_take(mask, t, block_sizes):
+    impl = "reference"  # on every backend
+  resolved = resolve_impl(impl)
+  if mask.shape[-1] != t:  # a window of W > T slots (tree drafting, EAGLE's training-time test)
     if resolved != "reference" or mask.shape[-2] != t or mask.shape[-1] < t:
       raise ValueError(f"a [.., T, W] window mask needs W >= T={t} and the reference "
                        f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
     return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),
                                                k.shape[2]))
-  if impl == "auto" and t > _kernel_budget(block_sizes):  # prefill, training: the reference
-    impl = "reference"
-  resolved = resolve_impl(impl)
   if resolved == "reference":
     check_inputs(q, k, v, lengths, mask, dtypes=None)
     return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),

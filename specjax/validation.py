@@ -53,6 +53,16 @@ def token_ids(value: Any, name: str) -> tuple[int, ...]:
   return tuple(as_int(v, f"{name}[{i}]", 0) for i, v in enumerate(value))
 
 
+def layer_indices(value: Any, name: str, num_layers: Optional[int] = None) -> tuple[int, ...]:
+  """A sorted tuple of distinct layer indices >= 0 (and < ``num_layers`` when given)."""
+  layers = tuple(int(l) for l in value)
+  if list(layers) != sorted(set(layers)) or (layers and layers[0] < 0):
+    raise ValueError(f"{name} must be sorted, distinct and >= 0, got {layers}")
+  if num_layers is not None and layers and layers[-1] >= num_layers:
+    raise ValueError(f"{name} {layers} do not exist in a target of {num_layers} layers")
+  return layers
+
+
 def model_source(source: Any) -> str:
   """A model source (name or path) as a str; ``os.PathLike`` accepted."""
   if isinstance(source, os.PathLike):

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache as kvc
+from specjax import validation
 from specjax.config import ModelConfig
 from specjax.distill.vocab import lift_logits
 from specjax.drafters.base import Drafter
@@ -94,9 +95,8 @@ class EagleDrafter(Drafter):
   def __post_init__(self):
     if self.tree_draw not in TREE_DRAWS:
       raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
-    object.__setattr__(self, "feature_layers", tuple(int(l) for l in self.feature_layers))
-    if list(self.feature_layers) != sorted(set(self.feature_layers)):
-      raise ValueError(f"feature_layers must be sorted and distinct, got {self.feature_layers}")
+    object.__setattr__(self, "feature_layers",
+                       validation.layer_indices(self.feature_layers, "feature_layers"))
 
   def target_feature_layers(self) -> tuple[int, ...]:
     return self.feature_layers
@@ -255,7 +255,7 @@ def eagle_config(target_cfg: ModelConfig, num_layers: int = 1) -> ModelConfig:
                              name=f"{target_cfg.name}-eagle{num_layers}")
 
 
-def default_feature_layers(target_cfg: ModelConfig) -> tuple[int, int, int]:
+def default_feature_layers(target_cfg: ModelConfig) -> tuple[int, ...]:
   """EAGLE-3's low, mid and high layers, with the highest the last (the one the head reads)."""
   n = target_cfg.num_layers
   return tuple(sorted({min(2, n - 1), n // 2, n - 1}))
@@ -324,9 +324,8 @@ def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Param
   if bool(feature_layers) != ("fuse" in weights):
     raise ValueError(f"feature_layers {tuple(feature_layers)} but the weights "
                      f"{'have' if 'fuse' in weights else 'lack'} a fusion")
-  if feature_layers and max(feature_layers) >= target_cfg.num_layers:
-    raise ValueError(f"feature_layers {tuple(feature_layers)} do not exist in a target of "
-                     f"{target_cfg.num_layers} layers")
+  feature_layers = validation.layer_indices(feature_layers, "feature_layers",
+                                            target_cfg.num_layers)
   drafter = EagleDrafter(eagle_config(target_cfg, num_layers), feature_layers=feature_layers)
   dp = eagle_params(target_cfg, target_params, weights, vocab_map)
   drafter.check_params(dp)

@@ -119,11 +119,9 @@ class SpeculativeDecoder:
     if not self.drafter.supports(self.tree):
       raise ValueError(f"{type(self.drafter).__name__} cannot build {self.tree}: it builds "
                        f"{self.drafter.buildable()}")
-    layers = self.drafter.target_feature_layers()
-    if layers and (list(layers) != sorted(set(layers)) or layers[0] < 0
-                   or layers[-1] >= self.target_cfg.num_layers):
-      raise ValueError(f"{type(self.drafter).__name__} reads target layers {layers}: they must "
-                       f"be sorted, distinct and in [0, {self.target_cfg.num_layers})")
+    validation.layer_indices(self.drafter.target_feature_layers(),
+                             f"the target layers {type(self.drafter).__name__} reads",
+                             self.target_cfg.num_layers)
     resolve_impl(self.attention_impl)  # unknown names fail here, not at trace time
     eos = self.target_cfg.eos_token_ids if self.eos_ids is None else self.eos_ids
     object.__setattr__(self, "eos_ids", validation.token_ids(eos, "eos_ids"))
