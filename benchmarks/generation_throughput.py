@@ -43,7 +43,7 @@ def main(argv):
   cache_size = -(-(max_prompt + MAX_NEW.value) // 64) * 64
   rows = []
   for b in map(int, BATCH_SIZES.value):
-    ids, _ = data.prompt_batches(tok, prompts, b, max_prompt)[0]
+    ids, _ = data.prompt_batches(data.chat_encoder(tok), prompts, b, max_prompt)[0]
     for name, sampler in (("greedy", Greedy()), ("T=1", Sampling(1.0))):
       run = lambda seed: teacher.generate_with_topk(params, cfg, ids, MAX_NEW.value, sampler,
                                                     k=TOPK.value, seed=seed,

@@ -148,10 +148,10 @@ def eval_eagle(path: str, meta: dict, tok) -> dict:
   online = None
   if meta["info"].get("teacher") == "online":  # an id-only corpus: the target recomputes
     online = (train.Teacher(tcfg, k, layers), tparams)
-    held = [{f: r[f] for f in ("prompt", "response", "mode", "category")} for r in held]
+    held = teacher.ids_only(held)
   else:
     features.corpus_features(corpus, "heldout", held, tparams, tcfg, layers=layers)
-  seq_len = meta["info"].get("train_config", {}).get("seq_len", 288)
+  seq_len = _seq_len(meta)
   vm = None if "vocab_map" not in dp else np.asarray(dp["vocab_map"])
   weights, frozen = split_params(dp)
   objective = eagle.EagleObjective(drafter)
@@ -202,6 +202,11 @@ def _git() -> str:
   return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
+def _seq_len(meta: dict) -> int:
+  """The sequence length the draft trained at (288 for drafts that predate the record)."""
+  return meta["info"].get("train_config", {}).get("seq_len", 288)
+
+
 def _exact_subset(tparams, tcfg, held, draft_logits, layers=()) -> dict:
   sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
   return dict(records=len(sampled), tokens=int(sum(len(r["response"]) for r in sampled)),
@@ -227,7 +232,7 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   corpus = FLAGS.corpus or corpus_path(meta["info"]["corpus"])
   held = teacher.load_corpus(corpus, "heldout")
   k = meta["info"].get("topk", 64)
-  alpha = lambda recs: train.heldout_alpha(dparams, draft, recs, 288, k)
+  alpha = lambda recs: train.heldout_alpha(dparams, draft, recs, _seq_len(meta), k)
   res = dict(heldout=alpha(held), by_category={
       cat: alpha([r for r in held if r["category"] == cat])
       for cat in sorted({r["category"] for r in held})})

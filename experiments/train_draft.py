@@ -119,9 +119,10 @@ def run_data_stage() -> str:
   cfg, params = load_model()
   tok = load_model_tokenizer()
   directory = corpus_dir()
+  encode = data.chat_encoder(tok)
   prompts = data.build_prompts(seed=FLAGS.data_seed, extended=FLAGS.prompt_set == "extended")
   if FLAGS.self_instruct_per_topic:
-    prompts += self_instructed(params, cfg, tok, directory)
+    prompts += self_instructed(params, cfg, tok, encode, directory)
   train_p, held_p = data.split_by_source(prompts)
   logging.info("train prompts: %s", data.describe(train_p))
   logging.info("held-out prompts: %s", data.describe(held_p))
@@ -131,13 +132,13 @@ def run_data_stage() -> str:
   start = time.time()
   for split, ps, n in (("heldout", held_p, FLAGS.heldout_batches),
                        ("train", train_p, FLAGS.train_batches)):
-    batches = data.prompt_batches(tok, data.interleave_categories(ps), FLAGS.gen_batch,
+    batches = data.prompt_batches(encode, data.interleave_categories(ps), FLAGS.gen_batch,
                                   FLAGS.max_prompt_tokens)
     per_batch = [samplers[i % 2] for i in range(len(batches))]
     if split == "train":  # later passes: the same prompts in another order, sampled at T=1
       for p in range(1, FLAGS.prompt_passes):
         order = random.Random(FLAGS.data_seed * 1000 + p).sample(list(ps), len(ps))
-        more = data.prompt_batches(tok, data.interleave_categories(order), FLAGS.gen_batch,
+        more = data.prompt_batches(encode, data.interleave_categories(order), FLAGS.gen_batch,
                                    FLAGS.max_prompt_tokens)
         batches += more
         per_batch += [samplers[1]] * len(more)
@@ -151,7 +152,7 @@ def run_data_stage() -> str:
     bar.close()
     if split == "heldout" and FLAGS.heldout_mix_batches:
       passage = [p for p in ps if p.category in ("code", "summarise", "qa")]
-      mix = data.prompt_batches(tok, data.interleave_categories(passage), FLAGS.gen_batch,
+      mix = data.prompt_batches(encode, data.interleave_categories(passage), FLAGS.gen_batch,
                                 FLAGS.max_prompt_tokens)[:FLAGS.heldout_mix_batches]
       teacher.build_corpus(directory, params, cfg, "heldout", [None] * n + mix, samplers,
                            FLAGS.max_new_tokens, FLAGS.topk, FLAGS.data_seed * 1000,
@@ -163,7 +164,7 @@ def run_data_stage() -> str:
   return directory
 
 
-def self_instructed(params, cfg, tok, directory: str) -> list:
+def self_instructed(params, cfg, tok, encode, directory: str) -> list:
   """Chat prompts the target writes itself (``data.self_instruct_requests``; T=0.7,
   top-p 0.9: in a small dry run most of its T=1 questions were incoherent), cached."""
   from specjax.distill import data, teacher
@@ -173,7 +174,7 @@ def self_instructed(params, cfg, tok, directory: str) -> list:
     with open(path) as f:
       return [data.Prompt(**p) for p in json.load(f)]
   requests = data.self_instruct_requests(FLAGS.data_seed, FLAGS.self_instruct_per_topic)
-  batches = data.prompt_batches(tok, requests, FLAGS.gen_batch, FLAGS.max_prompt_tokens,
+  batches = data.prompt_batches(encode, requests, FLAGS.gen_batch, FLAGS.max_prompt_tokens,
                                 drop_last=False)
   out = []
   for i, (ids, meta) in enumerate(batches):
@@ -206,9 +207,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
   online = FLAGS.teacher == "online"
   if online:  # token ids only: the target's top-k (and features) come from the Teacher
     k = FLAGS.teacher_topk
-    keep = ("prompt", "response", "mode", "category", "source")
-    train_recs = [{f: r[f] for f in keep if f in r} for r in train_recs]
-    held = [{f: r[f] for f in keep if f in r} for r in held]
+    train_recs, held = teacher.ids_only(train_recs), teacher.ids_only(held)
   if FLAGS.eval_records and len(held) > FLAGS.eval_records:
     held = held[::-(-len(held) // FLAGS.eval_records)]
   n_tok = sum(len(r["response"]) for r in train_recs)

@@ -88,6 +88,18 @@ def test_self_instructed_prompts_are_cleaned_and_split_by_topic():
   assert not {p.source for p in train_p} & {p.source for p in held_p} and held_p
 
 
+def test_prompt_batches_sort_by_length_keep_metadata_and_drop_short_batches():
+  from specjax.distill import data
+  prompts = [data.Prompt("chat", f"chat:{i % 3}", "w " * (10 - i)) for i in range(10)]
+  encode = lambda text: list(range(len(text.split())))
+  batches = data.prompt_batches(encode, prompts, 4, max_tokens=9)  # the 10-word one is dropped
+  assert [len(ids) for ids, _ in batches] == [4, 4]  # 9 prompts: the short last batch goes
+  lengths = [len(x) for ids, _ in batches for x in ids]
+  assert lengths == sorted(lengths) and max(lengths) <= 9
+  assert batches[0][1][0] == dict(category="chat", source="chat:0")  # 1 word: prompt 9
+  assert len(data.prompt_batches(encode, prompts, 4, 9, drop_last=False)) == 3
+
+
 def test_select_vocab_and_maps():
   counts = np.array([9.0, 1.0, 5.0, 5.0, 0.0, 7.0])
   assert vocab.select_vocab(counts, 4, always=(4,)).tolist() == [0, 4, 5, 2]

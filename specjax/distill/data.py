@@ -10,12 +10,13 @@ the held-out set is seen in training.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import inspect
 import itertools
 import random
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 CATEGORIES = ("code", "summarise", "qa", "math", "chat")
 
@@ -316,17 +317,25 @@ def interleave_categories(prompts: Sequence[Prompt]) -> list[Prompt]:
   return out
 
 
-def prompt_batches(tok, prompts: Sequence[Prompt], batch: int, max_tokens: int,
+def chat_encoder(tok) -> Callable[[str], list[int]]:
+  """text -> the chat-formatted user message's ids, memoised: passes over the same
+  prompts tokenize each once."""
+  from specjax.loaders import chat_prompt
+  return functools.lru_cache(maxsize=None)(lambda text: chat_prompt(tok, text))
+
+
+def prompt_batches(encode: Callable[[str], list[int]], prompts: Sequence[Prompt], batch: int,
+                   max_tokens: int,
                    drop_last: bool = True) -> list[tuple[list[list[int]], list[dict]]]:
-  """Chat-formatted prompts in batches of similar length (less padding in prefill); the
-  last short batch of each sorting group is dropped unless ``drop_last`` is False.
+  """Prompts encoded by ``encode`` (``chat_encoder``) in batches of similar length (less
+  padding in prefill); the last short batch of each sorting group is dropped unless
+  ``drop_last`` is False.
 
   Returns [(token ids of each prompt, [{category, source}] of each)] per batch.
   """
-  from specjax.loaders import chat_prompt
   items = []
   for p in prompts:
-    ids = chat_prompt(tok, p.text)
+    ids = encode(p.text)
     if len(ids) <= max_tokens:
       items.append((ids, dict(category=p.category, source=p.source)))
   out = []
@@ -346,6 +355,6 @@ def describe(prompts: Sequence[Prompt]) -> str:
 
 
 __all__ = ["CATEGORIES", "Prompt", "build_prompts", "clean_question", "describe",
-           "interleave_categories", "is_heldout", "prompt_batches", "self_instruct_requests",
+           "chat_encoder", "interleave_categories", "is_heldout", "prompt_batches", "self_instruct_requests",
            "split_by_source",
            "stdlib_items"]

@@ -152,6 +152,12 @@ def load_shard(path: str) -> list[dict]:
   return out
 
 
+def ids_only(records: Sequence[dict]) -> list[dict]:
+  """The records without their stored top-k: what an online ``train.Teacher`` trains on."""
+  keep = ("prompt", "response", "mode", "category", "source")
+  return [{f: r[f] for f in keep if f in r} for r in records]
+
+
 def load_corpus(directory: str, split: str) -> list[dict]:
   """All records of ``split`` ('train' or 'heldout') in shard order."""
   if not os.path.isdir(directory):
