@@ -1,25 +1,30 @@
 """Warm, timed runs of plain and speculative decoding on the same prompt batches.
 
-Protocol, for every (draft, γ, sampler) that is timed:
+Protocol, for a group of (draft, γ or tree) settings at one sampler (``Bench.spec_many``:
+the γ sweep at one temperature, the tree sweep's jobs at one temperature, or one setting):
   1. compile: one call with ``max_new_tokens=1`` on the first batch, for each
      method (budgets are arrays and every batch has the same shape and cache
      size, so this is the program that is then timed);
-  2. ``repeats`` interleaved rounds: each round times a 1-token call of both
-     methods on the first batch, then, batch by batch, a plain call and a
-     speculative call with the full budget. Plain and speculative decoding
-     thus alternate every few seconds and share the machine's state; the
-     speedup of a round is Σ plain / Σ speculative seconds (prefill included,
-     identically for both), and the reported figure is the median over rounds;
+  2. ``repeats`` interleaved rounds: each round times a 1-token call of every
+     method on the first batch, then, batch by batch, a plain call and each
+     setting's speculative call with the full budget. Plain and speculative
+     decoding thus alternate every few seconds and share the machine's state,
+     and one plain call per batch and round is the baseline of every setting of
+     the group (so a γ sweep times plain decoding once per round, not once per
+     γ). The speedup of a setting in a round is Σ plain / Σ speculative seconds
+     (prefill included, identically for both); the reported figure is the
+     median over rounds;
   3. step time of each fused loop, prefill excluded: (time of the first batch −
      the 1-token call) / (steps − 1), per round; for plain decoding this is t₁,
      the unit of c and of the verify cost;
   4. draft cost (once per draft and temperature, right after the rounds of its
-     first setting): ``SpeculativeDecoder.stream`` at γ = ``alpha_gamma`` on the
+     first group): ``SpeculativeDecoder.stream`` at γ = ``alpha_gamma`` on the
      first batch times draft / verify / other phase by phase for ``cost_steps``
      steps after a warm one (medians). c = draft seconds / (γ t₁), with the t₁ of
      those rounds; the verify cost of every γ is then step/t₁ − γc;
-  5. a setting flagged by ``checks.setting_flags`` is measured once more, and
-     the second measurement is kept (with the flags that caused it).
+  5. the settings flagged by ``checks.setting_flags`` are measured once more,
+     together (with a plain baseline of their own), and the second measurement
+     is kept (with the flags that caused it).
 Every finished setting goes to the progress log at once (``progress.py``).
 Runs that are not timed (α of the Table-3 drafts) use mixed-category batches
 of up to 16 rows: fewer sequential steps, and α needs no timing.
@@ -33,6 +38,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+import tqdm
 from absl import logging
 
 import specjax
@@ -216,68 +222,111 @@ class Bench:
   def spec(self, draft: Draft, gamma: int, temperature: float, timed: bool = True,
            tree: Optional[tuple] = None) -> SpecRun:
     """Runs (or returns the cached) chain of ``gamma``, or ``tree`` (see ``SpecRun.tree``)."""
-    cached = self._specs.get((draft.name, gamma, temperature, tree))
-    if cached is not None and (cached.timed or not timed):
-      return cached
-    dec, tp = self.decoder(draft, gamma, temperature, tree), self.target.params
-    call = lambda b, n, s: dec.generate(tp, draft.params, b.ids, n, seed=s,
-                                        cache_size=self.cache_size)
-    if timed:
-      run = self._timed(draft, gamma, temperature, call)
-    else:
-      outs = [call(b, self.config.max_new_tokens, self.config.seed + i)
-              for i, b in enumerate(self.untimed_batches)]
-      run = SpecRun(draft.name, gamma, temperature, **_spec_outputs(outs, self.untimed_batches))
-    run.tree = tree
-    self._store(run)
-    if self.log is not None:
-      self.log.append({"run": run.to_record()})
-    return run
+    return self.spec_many(draft, [(gamma, tree)], temperature, timed)[0]
 
-  def _timed(self, draft: Draft, gamma: int, temperature: float, call: Callable) -> SpecRun:
+  def spec_many(self, draft: Draft, settings: Sequence[tuple[int, Optional[tuple]]],
+                temperature: float, timed: bool = True) -> list[SpecRun]:
+    """Runs (or returns the cached) ``(γ, tree)`` settings of ``draft`` at one temperature.
+
+    The timed settings that are not cached are measured together, in shared
+    interleaved rounds (module docstring); each is logged as it is stored.
+    """
+    key = lambda g, tree: (draft.name, g, temperature, tree)
+
+    def cached(setting) -> bool:
+      run = self._specs.get(key(*setting))
+      return run is not None and (run.timed or not timed)
+
+    todo = [s for s in dict.fromkeys(settings) if not cached(s)]
+    calls = {s: self._call(self.decoder(draft, s[0], temperature, s[1]), draft) for s in todo}
+    if timed and todo:
+      runs = self._timed(draft, temperature, [(g, tree, calls[(g, tree)]) for g, tree in todo])
+    else:
+      runs = []
+      for g, tree in todo:
+        outs = [calls[(g, tree)](b, self.config.max_new_tokens, self.config.seed + i)
+                for i, b in enumerate(self.untimed_batches)]
+        runs.append(SpecRun(draft.name, g, temperature, tree=tree,
+                            **_spec_outputs(outs, self.untimed_batches)))
+    for run in runs:
+      self._store(run)
+      if self.log is not None:
+        self.log.append({"run": run.to_record()})
+    return [self._specs[key(*s)] for s in settings]
+
+  def _call(self, dec: SpeculativeDecoder, draft: Draft) -> Callable:
+    tp = self.target.params
+    return lambda b, n, s: dec.generate(tp, draft.params, b.ids, n, seed=s,
+                                        cache_size=self.cache_size)
+
+  def _timed(self, draft: Draft, temperature: float,
+             settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
+    """Timed runs of ``(γ, tree, call)`` settings sharing interleaved rounds, the flagged
+    ones measured once more (together)."""
     plain, first = self._plain(temperature), self.batches[0]
     load_before = load_average()
-    start = time.perf_counter()
-    call(first, 1, self.config.seed)
-    compile_s = time.perf_counter() - start
-    first_flags: list[str] = []
-    while True:
-      run = self._rounds(draft, gamma, temperature, plain, call)
+    compile_s = []
+    for _, _, call in settings:
+      start = time.perf_counter()
+      call(first, 1, self.config.seed)
+      compile_s.append(time.perf_counter() - start)
+    runs = self._rounds(draft, temperature, plain, settings)
+    self._add_costs(draft, temperature, runs)
+    for run in runs:
+      run.first_flags = run_flags(run)
+    flagged = [i for i, run in enumerate(runs) if run.first_flags]
+    if flagged:
+      for i in flagged:
+        logging.warning("re-measuring %s γ=%d T=%g%s: %s", draft.name, runs[i].gamma,
+                        temperature, " (tree)" if runs[i].tree else "",
+                        "; ".join(runs[i].first_flags))
       cost = self._draft_costs.get((draft.name, temperature))
-      if first_flags and cost and (cost.get("draft_spread") or 0) > checks.DRAFT_SPREAD_BOUND:
+      if cost and (cost.get("draft_spread") or 0) > checks.DRAFT_SPREAD_BOUND:
         del self._draft_costs[(draft.name, temperature)]  # c itself was disturbed: redo it
-      run.costs = self.draft_cost(draft, temperature, float(np.median(run.plain_step_seconds)))
-      flags = run_flags(run)
-      if not flags or first_flags:
-        break
-      logging.warning("re-measuring %s γ=%d T=%g: %s", draft.name, gamma, temperature,
-                      "; ".join(flags))
-      first_flags = flags
-    run.compile_seconds, run.first_flags = compile_s, first_flags
-    run.load_average = [load_before, load_average()]
-    return run
+      again = self._rounds(draft, temperature, plain, [settings[i] for i in flagged])
+      self._add_costs(draft, temperature, again)
+      for i, run in zip(flagged, again):
+        run.first_flags = runs[i].first_flags
+        runs[i] = run
+    load_after = load_average()
+    for run, s in zip(runs, compile_s):
+      run.compile_seconds, run.load_average = s, [load_before, load_after]
+    return runs
 
-  def _rounds(self, draft: Draft, gamma: int, temperature: float, plain: Callable,
-              call: Callable) -> SpecRun:
-    """``repeats`` interleaved rounds of plain and speculative decoding over every batch."""
+  def _add_costs(self, draft: Draft, temperature: float, runs: Sequence[SpecRun]) -> None:
+    t1 = float(np.median(runs[0].plain_step_seconds))
+    for run in runs:
+      run.costs = self.draft_cost(draft, temperature, t1)
+
+  def _rounds(self, draft: Draft, temperature: float, plain: Callable,
+              settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
+    """``repeats`` interleaved rounds: per batch, plain decoding then every setting."""
     seed, budget, first = self.config.seed, self.config.max_new_tokens, self.batches[0]
-    timing = dict(seconds=[], plain_seconds=[], step_seconds=[], plain_step_seconds=[])
+    plain_t = dict(plain_seconds=[], plain_step_seconds=[])
+    spec_t = [dict(seconds=[], step_seconds=[]) for _ in settings]
+    bar = tqdm.tqdm(total=self.config.repeats * len(self.batches), leave=False, unit="batch",
+                    desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
     for _ in range(self.config.repeats):
-      plain_one, spec_one = plain(first, 1, seed).seconds, call(first, 1, seed).seconds
-      plain_outs, spec_outs = [], []
+      plain_one = plain(first, 1, seed).seconds
+      spec_one = [call(first, 1, seed).seconds for _, _, call in settings]
+      plain_outs, spec_outs = [], [[] for _ in settings]
       for i, b in enumerate(self.batches):
         plain_outs.append(plain(b, budget, seed + i))
-        spec_outs.append(call(b, budget, seed + i))
-      timing["plain_seconds"].append([o.seconds for o in plain_outs])
-      timing["seconds"].append([o.seconds for o in spec_outs])
-      timing["plain_step_seconds"].append(
+        for outs, (_, _, call) in zip(spec_outs, settings):
+          outs.append(call(b, budget, seed + i))
+        bar.update()
+      plain_t["plain_seconds"].append([o.seconds for o in plain_outs])
+      plain_t["plain_step_seconds"].append(
           _step_seconds(plain_outs[0].seconds, plain_one, plain_outs[0].steps))
-      timing["step_seconds"].append(
-          _step_seconds(spec_outs[0].seconds, spec_one, spec_outs[0].steps))
+      for t, outs, one in zip(spec_t, spec_outs, spec_one):
+        t["seconds"].append([o.seconds for o in outs])
+        t["step_seconds"].append(_step_seconds(outs[0].seconds, one, outs[0].steps))
+    bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
-    return SpecRun(draft.name, gamma, temperature, **_spec_outputs(spec_outs, self.batches),
-                   plain_generated=plain_generated, **timing)
+    return [SpecRun(draft.name, g, temperature, **_spec_outputs(outs, self.batches),
+                    plain_generated=plain_generated, tree=tree, **plain_t, **t)
+            for (g, tree, _), outs, t in zip(settings, spec_outs, spec_t)]
 
   def draft_cost(self, draft: Draft, temperature: float, t1: float) -> dict[str, float]:
     """Median draft / verify / other seconds per step at γ = alpha_gamma, from ``stream``

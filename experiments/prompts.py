@@ -149,7 +149,7 @@ def merge_batches(batches: Sequence[Batch], max_rows: int = 16) -> list[Batch]:
   (fewer sequential steps than category-pure batches; per-row counters keep categories)."""
   rows = [(i, ids, c) for b in batches
           for i, ids, c in zip(b.index, b.ids, b.row_categories)]
-  size = min(max_rows, len(rows))
+  size = -(-len(rows) // -(-len(rows) // max_rows))  # balanced: 20 rows -> 2 x 10, not 16 + 4
   out = []
   for k in range(0, len(rows), size):
     chunk = rows[k:k + size]

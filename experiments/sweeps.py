@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import tqdm
+from absl import logging
 
 from experiments.measure import Bench
 from experiments.models import Draft
@@ -17,19 +18,22 @@ from specjax.speculative.tree_builders import best_static_tree
 SWEEP_TEMPERATURES = (0.0, 1.0)  # the paper's T=0 (argmax) and T=1 (standard sampling)
 
 
-def _rows(bench: Bench, experiment: str, draft: Draft, gamma: int, temperature: float,
-          timed: bool = True, tree: Optional[tuple] = None) -> list[dict]:
-  run = bench.spec(draft, gamma, temperature, timed=timed, tree=tree)
+def _rows(bench: Bench, experiment: str, draft: Draft, temperature: float,
+          settings: Sequence[tuple[int, Optional[tuple]]], timed: bool = True) -> list[dict]:
+  """Rows (overall and per category) of ``(γ, tree)`` settings at one temperature, the timed
+  ones measured together (``Bench.spec_many``: one plain baseline per round for all)."""
   cats = [ALL] + categories(bench.batches)
-  return [make_row(experiment, run, bench.batches_of(run), c) for c in cats]
+  return [make_row(experiment, run, bench.batches_of(run), c)
+          for run in bench.spec_many(draft, settings, temperature, timed) for c in cats]
 
 
 def gamma_sweep(bench: Bench, draft: Draft) -> list[dict]:
-  """Speedup vs γ at T=0 and T=1 (the measured counterpart of the paper's Figs. 2–4)."""
-  jobs = [(t, g) for t in SWEEP_TEMPERATURES for g in bench.config.gammas]
+  """Speedup vs γ at T=0 and T=1 (the measured counterpart of the paper's Figs. 2–4); the
+  γs of one temperature share their interleaved rounds."""
   rows = []
-  for t, g in tqdm.tqdm(jobs, desc="gamma sweep", unit="setting"):
-    rows += _rows(bench, "gamma_sweep", draft, g, t)
+  for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc=f"gamma sweep ({len(bench.config.gammas)} γ)",
+                     unit="T"):
+    rows += _rows(bench, "gamma_sweep", draft, t, [(g, None) for g in bench.config.gammas])
   return rows
 
 
@@ -48,7 +52,7 @@ def temperature_sweep(bench: Bench, draft: Draft, gamma: int) -> list[dict]:
   rows = []
   for t in tqdm.tqdm(bench.config.temperatures, desc=f"temperature sweep (γ={gamma})",
                      unit="T"):
-    rows += _rows(bench, "temperature_sweep", draft, gamma, t)
+    rows += _rows(bench, "temperature_sweep", draft, t, [(gamma, None)])
   return rows
 
 
@@ -58,7 +62,7 @@ def drafts_alpha(bench: Bench, drafts: Sequence[Draft]) -> list[dict]:
   jobs = [(d, t) for d in drafts for t in SWEEP_TEMPERATURES]
   rows = []
   for d, t in tqdm.tqdm(jobs, desc=f"drafts alpha (γ={g})", unit="run"):
-    rows += _rows(bench, "drafts_alpha", d, g, t, timed=bench.has_timed(d, g, t))
+    rows += _rows(bench, "drafts_alpha", d, t, [(g, None)], timed=bench.has_timed(d, g, t))
   return rows
 
 
@@ -89,6 +93,6 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
       k, d = min(4, n), max(static.max_depth, 2)
       if d <= n <= k + (d - 1) * k * k and draft.drafter.supports(DynamicTree(k, d, n)):
         jobs.append((d, ("dynamic", k, d, n)))
-    for g, tree in tqdm.tqdm(jobs, desc=f"tree sweep (T={t:g})", unit="setting"):
-      rows += _rows(bench, "tree_sweep", draft, g, t, tree=tree)
+    logging.info("tree sweep (T=%g): %d settings measured together", t, len(jobs))
+    rows += _rows(bench, "tree_sweep", draft, t, jobs)
   return rows, calibration

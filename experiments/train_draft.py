@@ -91,23 +91,16 @@ flags.DEFINE_integer("feature_batch", 8, "Sequences per forward when caching EAG
 
 
 def corpus_dir() -> str:
-  from specjax.loaders.embedded import cache_dir
   from specjax.distill import teacher
-  from specjax.loaders import load_model
+  from specjax.loaders.embedded import cache_dir, smollm2_config
   base = FLAGS.cache_dir or cache_dir()
-  cfg, _ = load_model_config_only()
+  cfg = smollm2_config()
   spec = dict(data_seed=FLAGS.data_seed, gen_batch=FLAGS.gen_batch, max_new=FLAGS.max_new_tokens,
               max_prompt=FLAGS.max_prompt_tokens, topk=FLAGS.topk, version=1)
   if FLAGS.prompt_set != "base" or FLAGS.self_instruct_per_topic:  # (earlier keys unchanged)
     spec.update(prompt_set=FLAGS.prompt_set, self_instruct=FLAGS.self_instruct_per_topic)
   key = teacher.corpus_key(cfg, spec)
-  del load_model
   return os.path.join(base, "distill", key)
-
-
-def load_model_config_only():
-  from specjax.loaders import load_model
-  return load_model()
 
 
 def run_data_stage() -> str:

@@ -318,6 +318,36 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
                        tuple(meta.get("feature_layers", ())))
 
 
+def cut_eagle_head(src: str, dst: str, rows: int) -> None:
+  """Copies the EAGLE draft ``src`` to ``dst`` with its output head cut to the first ``rows``
+  rows of its ``vocab_map``: the same trained weights over the ``rows`` most frequent ids
+  (``distill.vocab.select_vocab`` orders the map by frequency). A smaller head makes every
+  draft step cheaper (the head is most of the bytes a step reads) and loses the draft's
+  probability on the dropped ids, which stays lossless (they get q = 0).
+
+  Example: a 16,384-row head cut to 8,192 rows keeps ``vocab_map[:8192]``.
+
+  Raises:
+    ValueError: ``rows`` < 2 or beyond the head, or a ``src`` without a reduced vocabulary.
+  """
+  from safetensors.numpy import load_file, save_file
+
+  meta = read_draft_metadata(src, (EAGLE_FORMAT,))
+  tensors = load_file(os.path.join(src, "weights.safetensors"))
+  if "vocab_map" not in tensors:
+    raise ValueError(f"EAGLE draft {src!r} reads the target's full head: there is no "
+                     "frequency-ranked vocab_map to cut")
+  size = len(tensors["vocab_map"])
+  if not 2 <= rows <= size:
+    raise ValueError(f"rows must be in [2, {size}] (the head of {src!r}), got {rows}")
+  tensors["vocab_map"] = tensors["vocab_map"][:rows]
+  meta["info"] = dict(meta.get("info", {}), draft_vocab=rows, head_cut_from=size)
+  os.makedirs(dst, exist_ok=True)
+  save_file(tensors, os.path.join(dst, "weights.safetensors"))
+  with open(os.path.join(dst, "draft.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+
+
 def default_eagle_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):
   """The shipped EAGLE draft for SmolLM2-135M-Instruct: (EagleDrafter, draft_params)."""
   if tokenizer is None:

@@ -42,7 +42,9 @@ def _draft_from_scratch(drafter, dp, target_params, target_cfg, seq, last_featur
   return h[:, n - 1], drafter.logits(dp, h[:, n - 1])
 
 
-@pytest.mark.parametrize("gamma,layers", [(1, ()), (3, ()), (3, (0, 1))])
+@pytest.mark.parametrize("gamma,layers", [  # the fused γ = 3 case covers the others' paths
+    pytest.param(1, (), marks=pytest.mark.heavy), pytest.param(3, (), marks=pytest.mark.heavy),
+    (3, (0, 1))])
 def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(gamma, layers):
   """Across real steps (prefill, observe, partial acceptance), the first draft's q equals
   the draft run from scratch on the target's teacher-forced features (fused from several
@@ -145,8 +147,9 @@ def toy(toy_corpus):
   return cfg, params, with_features(train_recs), with_features(held)
 
 
-@pytest.mark.parametrize("ttt_steps,layers,online", [(1, (), False), (3, (), False),
-                                                     (3, (0,), True)])
+@pytest.mark.parametrize("ttt_steps,layers,online", [  # default run: TTT + fusion + online
+    pytest.param(1, (), False, marks=pytest.mark.heavy),
+    pytest.param(3, (), False, marks=pytest.mark.heavy), (3, (0,), True)])
 def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_steps, layers,
                                                           online):
   """Also with a fusion, trained from an id-only corpus by the online teacher."""
@@ -249,6 +252,31 @@ def test_save_and_load_round_trip_and_refusals(tmp_path, layers):
     drafts.load_eagle(path, cfg, params)
   with pytest.raises(CheckpointError, match="no draft.json"):
     drafts.load_eagle(str(tmp_path / "missing"), cfg, params)
+
+
+def test_cut_head_keeps_the_most_frequent_rows_and_the_same_weights(tmp_path):
+  cfg, params = tiny_model(seed=0)
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(2), num_fused=2)
+  vm = np.array([0, 9, 4, 17, 3, 30, 11, 2])  # frequency-ranked, as select_vocab writes it
+  src, dst = str(tmp_path / "full"), str(tmp_path / "cut")
+  drafts.save_eagle(src, cfg, weights, vm, tokenizer_sha256="abc", dtype=np.float32,
+                    feature_layers=(0, 1))
+  drafts.cut_eagle_head(src, dst, 5)
+  drafter, dp = drafts.load_eagle(dst, cfg, params, tokenizer_sha256="abc")
+  _, ref = eagle_drafter(cfg, params, weights, vm[:5], (0, 1))
+  assert drafter.feature_layers == (0, 1)
+  np.testing.assert_array_equal(np.asarray(dp["vocab_map"]), vm[:5])
+  for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  info = drafts.read_draft_metadata(dst, (drafts.EAGLE_FORMAT,))["info"]
+  assert (info["draft_vocab"], info["head_cut_from"]) == (5, 8)
+  for rows in (1, 9):
+    with pytest.raises(ValueError, match=r"rows must be in \[2, 8\]"):
+      drafts.cut_eagle_head(src, str(tmp_path / "bad"), rows)
+  drafts.save_eagle(str(tmp_path / "nomap"), cfg, weights, None, tokenizer_sha256="abc",
+                    feature_layers=(0, 1))
+  with pytest.raises(ValueError, match="no frequency-ranked vocab_map"):
+    drafts.cut_eagle_head(str(tmp_path / "nomap"), str(tmp_path / "bad"), 4)
 
 
 def test_corpus_features_are_cached_and_refused_for_another_target(tmp_path, toy):

@@ -259,7 +259,7 @@ def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkey
                             temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
                             cost_steps=2, repeats=2, out=str(tmp_path))
   results = experiment.run(config)
-  assert seen == [0.0, 0.0, 1.0]  # measured twice at most
+  assert seen == [0.0, 1.0]  # flags are read once: a flagged setting is measured twice at most
   first = {r["temperature"]: r["first_flags"] for r in results["runs"]}
   assert first == {0.0: ["spread 1"], 1.0: []}
   assert all(len(r["seconds"]) == 2 for r in results["runs"])  # one set of rounds kept
@@ -322,30 +322,51 @@ def test_interrupted_run_keeps_finished_settings_and_resumes(tmp_path, monkeypat
   timed = []
   real = Bench._timed
 
-  def interrupt_second(self, draft, gamma, temperature, call):
+  def record(self, draft, temperature, settings):
+    timed.append((temperature, tuple(g for g, _, _ in settings)))
+    return real(self, draft, temperature, settings)
+
+  def interrupt_second(self, draft, temperature, settings):
     if len(timed) == 1:
       raise KeyboardInterrupt
-    timed.append(gamma)
-    return real(self, draft, gamma, temperature, call)
+    return record(self, draft, temperature, settings)
 
   monkeypatch.setattr(Bench, "_timed", interrupt_second)
   with pytest.raises(KeyboardInterrupt):
     experiment.run(_two_gamma_config(tmp_path))
   lines = (tmp_path / progress.LOG_NAME).read_text().splitlines()
-  assert len(lines) == 2 and json.loads(lines[1])["run"]["gamma"] == 1  # header + γ = 1, T = 0
+  assert timed == [(0.0, (1, 2))]  # the γs of one temperature are measured together
+  assert [json.loads(line)["run"]["gamma"] for line in lines[1:]] == [1, 2]  # header + T = 0
 
   timed.clear()
-  monkeypatch.setattr(Bench, "_timed", lambda self, *a: timed.append(a[1:3]) or real(self, *a))
+  monkeypatch.setattr(Bench, "_timed", record)
   results = experiment.run(_two_gamma_config(tmp_path))
-  assert timed == [(2, 0.0), (1, 1.0), (2, 1.0)]  # (γ = 1, T = 0) came from the log
-  assert results["reused_settings"] == 1
+  assert timed == [(1.0, (1, 2))]  # T = 0 came from the log
+  assert results["reused_settings"] == 2
   assert sorted((r["gamma"], r["temperature"]) for r in results["rows"]
                 if r["category"] == "all") == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
   assert len((tmp_path / progress.LOG_NAME).read_text().splitlines()) == 5
 
   timed.clear()  # another config in the same --out starts over and keeps the old log
   experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), gammas=(1,)))
-  assert timed == [(1, 0.0), (1, 1.0)] and (tmp_path / "progress.1.jsonl").exists()
+  assert timed == [(0.0, (1,)), (1.0, (1,))] and (tmp_path / "progress.1.jsonl").exists()
+
+
+def test_settings_of_one_temperature_share_one_plain_baseline_per_round(tmp_path, monkeypatch):
+  import specjax
+  from experiments import experiment
+  monkeypatch.setattr("experiments.measure.run_flags", lambda run: [])  # no re-measuring
+  budgets, real = [], specjax.generate
+  monkeypatch.setattr(specjax, "generate",
+                      lambda *a, **k: budgets.append(a[3]) or real(*a, **k))
+  results = experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), repeats=2))
+  # per temperature: the compiling call, then per round a 1-token call and the one batch
+  assert budgets == [1] + [1, 4] * 2 + [1] + [1, 4] * 2
+  for t in (0.0, 1.0):
+    runs = [r for r in results["runs"] if r["temperature"] == t]
+    assert sorted(r["gamma"] for r in runs) == [1, 2]
+    assert runs[0]["plain_seconds"] == runs[1]["plain_seconds"]  # the same timed calls
+    assert runs[0]["seconds"] != runs[1]["seconds"]
 
 
 def test_progress_log_ignores_a_line_cut_off_mid_write(tmp_path):

@@ -153,3 +153,10 @@ def test_chat_prompt_ends_in_the_assistant_turn(ours, tok):
   assert "<|im_start|>user\nHi<|im_end|>" in text
   assert text.endswith("<|im_start|>assistant\n")
   assert cfg.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+
+
+def test_config_without_weights_equals_the_loaded_config(ours, monkeypatch, tmp_path):
+  from specjax.loaders import embedded
+  assert embedded.smollm2_config() == ours[0]  # from the float32 cache's JSON
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))  # no cache: from the GGUF metadata
+  assert embedded.smollm2_config() == ours[0]

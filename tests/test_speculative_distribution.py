@@ -35,7 +35,7 @@ SAMPLERS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=4),
             Sampling(temperature=1.2, top_p=0.8)]
 
 
-@pytest.mark.parametrize("gamma", [1, 3])
+@pytest.mark.parametrize("gamma", [pytest.param(1, marks=pytest.mark.heavy), 3])
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=["t1", "t0.7_topk4", "t1.2_topp0.8"])
 def test_joint_of_first_two_tokens_matches_target(models, gamma, sampler):
   target, draft = models

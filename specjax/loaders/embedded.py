@@ -14,7 +14,7 @@ import os
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.loaders.gguf_loader import load_gguf
+from specjax.loaders.gguf_loader import gguf_config, load_gguf
 from specjax.loaders.hf import CheckpointError, config_from_hf_dict, config_to_hf_dict
 from specjax.model import Params
 
@@ -41,14 +41,29 @@ def cache_dir() -> str:
   return os.environ.get("SPECJAX_CACHE", os.path.expanduser("~/.cache/specjax"))
 
 
+def _cache_base(gguf_path: str) -> str:
+  stamp = f"{os.path.getsize(gguf_path)}-{int(os.path.getmtime(gguf_path))}"
+  return os.path.join(cache_dir(), f"smollm2-135m-instruct-{stamp}")
+
+
+def smollm2_config() -> ModelConfig:
+  """SmolLM2-135M-Instruct's config without its weights: from the float32 cache's JSON when
+  it exists (milliseconds), else from the GGUF metadata (about 8 s: 49k token strings)."""
+  gguf_path = smollm2_gguf_path()
+  try:
+    with open(_cache_base(gguf_path) + ".json") as f:
+      return config_from_hf_dict(json.load(f))
+  except (OSError, ValueError):
+    return gguf_config(gguf_path)
+
+
 def load_smollm2(dtype=jnp.float32, use_cache: bool = True) -> tuple[ModelConfig, Params]:
   """Loads SmolLM2-135M-Instruct as (config, params), via the on-disk f32 cache."""
   from safetensors.numpy import load_file, save_file
   from specjax.loaders.hf_layout import params_from_hf, params_to_hf
 
   gguf_path = smollm2_gguf_path()
-  stamp = f"{os.path.getsize(gguf_path)}-{int(os.path.getmtime(gguf_path))}"
-  base = os.path.join(cache_dir(), f"smollm2-135m-instruct-{stamp}")
+  base = _cache_base(gguf_path)
   if use_cache and os.path.exists(base + ".json") and os.path.exists(base + ".safetensors"):
     try:
       with open(base + ".json") as f:

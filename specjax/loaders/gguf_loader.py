@@ -94,6 +94,17 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
           .swapaxes(1, 2).reshape(w.shape))
 
 
+def _config(reader, md: dict[str, Any]) -> ModelConfig:
+  has_output = any(t.name == "output.weight" for t in reader.tensors)
+  return dataclasses.replace(config_from_gguf_metadata(md), tie_embeddings=not has_output)
+
+
+def gguf_config(path: str) -> ModelConfig:
+  """The config of a GGUF file, from its metadata alone (no tensor is dequantized)."""
+  reader = _reader(path)
+  return _config(reader, gguf_metadata(reader))
+
+
 def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params, dict[str, Any]]:
   """Loads (config, params, metadata) from a GGUF file."""
   import gguf
@@ -101,8 +112,7 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params, dict[s
   reader = _reader(path)
   md = gguf_metadata(reader)
   tensors = {t.name: t for t in reader.tensors}
-  has_output = "output.weight" in tensors
-  cfg = dataclasses.replace(config_from_gguf_metadata(md), tie_embeddings=not has_output)
+  cfg = _config(reader, md)
 
   def get(hf_name: str) -> np.ndarray:
     name = _gguf_name(hf_name)
