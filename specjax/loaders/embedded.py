@@ -48,7 +48,7 @@ def _cache_base(gguf_path: str) -> str:
 
 def smollm2_config() -> ModelConfig:
   """SmolLM2-135M-Instruct's config without its weights: from the float32 cache's JSON when
-  it exists (milliseconds), else from the GGUF metadata (about 8 s: 49k token strings)."""
+  it exists (milliseconds), else from the GGUF metadata (4–8 s here: 49k token strings)."""
   gguf_path = smollm2_gguf_path()
   try:
     with open(_cache_base(gguf_path) + ".json") as f:
