@@ -10,7 +10,7 @@ A setting is flagged when
     behind c, (q75 − q25) / median, exceeds DRAFT_SPREAD_BOUND (the draft does
     the same work every step; one phase of ~10 ms carries dispatch jitter, so
     single outliers, which the median behind c ignores, are not counted).
-A flagged setting is measured once more (``Bench.spec``); what is still flagged
+A flagged setting is measured once more (``Bench.spec_many``); what is still flagged
 afterwards is marked in tables.md.
 """
 

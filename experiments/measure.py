@@ -219,14 +219,10 @@ class Bench:
     return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
                               eos_ids=self.eos_ids, tree=tree_shape(tree, gamma))
 
-  def spec(self, draft: Draft, gamma: int, temperature: float, timed: bool = True,
-           tree: Optional[tuple] = None) -> SpecRun:
-    """Runs (or returns the cached) chain of ``gamma``, or ``tree`` (see ``SpecRun.tree``)."""
-    return self.spec_many(draft, [(gamma, tree)], temperature, timed)[0]
-
   def spec_many(self, draft: Draft, settings: Sequence[tuple[int, Optional[tuple]]],
                 temperature: float, timed: bool = True) -> list[SpecRun]:
-    """Runs (or returns the cached) ``(γ, tree)`` settings of ``draft`` at one temperature.
+    """Runs (or returns the cached) ``(γ, tree)`` settings of ``draft`` at one temperature
+    (``tree``: None for a chain of γ, else see ``SpecRun.tree``).
 
     The timed settings that are not cached are measured together, in shared
     interleaved rounds (module docstring); each is logged as it is stored.
