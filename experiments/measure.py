@@ -321,7 +321,8 @@ class Bench:
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
     return [SpecRun(draft.name, g, temperature, **_spec_outputs(outs, self.batches),
-                    plain_generated=plain_generated, tree=tree, **plain_t, **t)
+                    plain_generated=plain_generated, tree=tree, **t,
+                    **{k: list(v) for k, v in plain_t.items()})  # one copy per run
             for (g, tree, _), outs, t in zip(settings, spec_outs, spec_t)]
 
   def draft_cost(self, draft: Draft, temperature: float, t1: float) -> dict[str, float]:

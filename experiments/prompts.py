@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from typing import Callable, Optional, Sequence
 
@@ -149,7 +150,8 @@ def merge_batches(batches: Sequence[Batch], max_rows: int = 16) -> list[Batch]:
   (fewer sequential steps than category-pure batches; per-row counters keep categories)."""
   rows = [(i, ids, c) for b in batches
           for i, ids, c in zip(b.index, b.ids, b.row_categories)]
-  size = -(-len(rows) // -(-len(rows) // max_rows))  # balanced: 20 rows -> 2 x 10, not 16 + 4
+  chunks = math.ceil(len(rows) / max_rows)
+  size = math.ceil(len(rows) / chunks)  # balanced: 20 rows -> 2 x 10, not 16 + 4
   out = []
   for k in range(0, len(rows), size):
     chunk = rows[k:k + size]

@@ -354,7 +354,6 @@ def describe(prompts: Sequence[Prompt]) -> str:
       f"{len({p.source for p in prompts})} sources)"
 
 
-__all__ = ["CATEGORIES", "Prompt", "build_prompts", "clean_question", "describe",
-           "chat_encoder", "interleave_categories", "is_heldout", "prompt_batches", "self_instruct_requests",
-           "split_by_source",
-           "stdlib_items"]
+__all__ = ["CATEGORIES", "Prompt", "build_prompts", "chat_encoder", "clean_question", "describe",
+           "interleave_categories", "is_heldout", "prompt_batches", "self_instruct_requests",
+           "split_by_source", "stdlib_items"]

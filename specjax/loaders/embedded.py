@@ -51,10 +51,14 @@ def smollm2_config() -> ModelConfig:
   it exists (milliseconds), else from the GGUF metadata (4–8 s here: 49k token strings)."""
   gguf_path = smollm2_gguf_path()
   try:
-    with open(_cache_base(gguf_path) + ".json") as f:
-      return config_from_hf_dict(json.load(f))
+    return _cached_config(_cache_base(gguf_path))
   except (OSError, ValueError):
     return gguf_config(gguf_path)
+
+
+def _cached_config(base: str) -> ModelConfig:
+  with open(base + ".json") as f:
+    return config_from_hf_dict(json.load(f))
 
 
 def load_smollm2(dtype=jnp.float32, use_cache: bool = True) -> tuple[ModelConfig, Params]:
@@ -66,8 +70,7 @@ def load_smollm2(dtype=jnp.float32, use_cache: bool = True) -> tuple[ModelConfig
   base = _cache_base(gguf_path)
   if use_cache and os.path.exists(base + ".json") and os.path.exists(base + ".safetensors"):
     try:
-      with open(base + ".json") as f:
-        cfg = config_from_hf_dict(json.load(f))
+      cfg = _cached_config(base)
       tensors = load_file(base + ".safetensors")
       return cfg, params_from_hf(cfg, tensors.__getitem__, dtype,
                                  source=base + ".safetensors", names=tensors)
