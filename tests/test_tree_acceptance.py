@@ -354,6 +354,28 @@ def test_chain_fast_path_is_bit_identical_to_accept(gamma):
     assert toks[row, k] == int(ref.next_token[row])
 
 
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_chain_equals_the_chain_rule_on_one_hot_distributions(gamma):
+  """Under a greedy target (one-hot p, and one-hot q from the same sampler) a chain takes
+  the argmax rule, skipping the chain rule's draw over V: same path, next token and β."""
+  rng = np.random.default_rng(gamma)
+  b = 400
+  target = rng.integers(0, V, (b, gamma + 1))
+  # Drafts agree with the target's argmax often enough to reach every depth.
+  drafts = np.where(rng.random((b, gamma)) < 0.7, target[:, :gamma],
+                    rng.integers(0, V, (b, gamma))).astype(np.int32)
+  p = jax.nn.one_hot(target, V, dtype=jnp.float32)
+  q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)
+  key = jax.random.PRNGKey(3)
+  ref = chain_rule.accept(key, jnp.asarray(drafts), q, p)
+  acc = accept_tree(key, Proposal.chain(jnp.asarray(drafts), q), p, TreeTopology.chain(gamma),
+                    greedy=True)
+  np.testing.assert_array_equal(acc.num_accepted, ref.num_accepted)
+  np.testing.assert_array_equal(acc.next_token, ref.next_token)
+  np.testing.assert_array_equal(acc.beta, ref.beta)
+  assert set(np.asarray(ref.num_accepted)) == set(range(gamma + 1))
+
+
 def test_chain_through_the_general_rule_is_still_exact():
   """A chain drafted without replacement skips the fast path; it is the same law."""
   topo = TOPOLOGIES["chain3"]

@@ -209,21 +209,27 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
       ``topology.num_nodes``.
     p: [B, N + 1, V] the target's warped distributions at each block entry.
     topology: the static topology (for dynamic trees: N and the maximum depth).
-    greedy: the target decodes greedily (p one-hot): take the argmax rule.
+    greedy: the target decodes greedily (p one-hot): take the argmax rule, which for a
+      chain gives what the chain rule gives with one-hot p and q (β included) without
+      the chain rule's draw over the vocabulary.
   """
   b, n = proposal.tokens.shape
   if n != topology.num_nodes or p.shape[:2] != (b, n + 1):
     raise ValueError(f"proposal of {n} nodes and p of shape {p.shape} do not match the topology "
                      f"of {topology.num_nodes} nodes")
   p = _valid(p)
-  if proposal.parents is None and topology.is_chain and proposal.draw == "sampled":
+  chain_of_draws = proposal.parents is None and topology.is_chain and proposal.draw == "sampled"
+  if greedy:
+    acc = accept_greedy(proposal, p, topology)
+    if chain_of_draws:  # the chain rule's β, without its (here deterministic) residual draw
+      acc = acc._replace(beta=jnp.sum(jnp.minimum(p[:, :n], _valid(proposal.q)), axis=-1))
+    return acc
+  if chain_of_draws:
     acc = chain_rule.accept(key, proposal.tokens, proposal.q, p)
     levels = jnp.arange(n + 1)[None, :]
     path = jnp.where(levels <= acc.num_accepted[:, None], levels, -1).astype(jnp.int32)
     return TreeAcceptance(path=path, num_accepted=acc.num_accepted, next_token=acc.next_token,
                           beta=acc.beta)
-  if greedy:
-    return accept_greedy(proposal, p, topology)
   if proposal.draw == "point_mass":
     return _accept_point_mass(key, proposal, p, topology)
   return _accept_sampled(key, proposal, p, topology)
