@@ -155,7 +155,7 @@ def eval_eagle(path: str, meta: dict, tok) -> dict:
   vm = None if "vocab_map" not in dp else np.asarray(dp["vocab_map"])
   weights, frozen = split_params(dp)
   objective = eagle.EagleObjective(drafter)
-  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=dp["head"].shape[0]),
+  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=frozen["head"].shape[0]),
                       target_vocab_size=tcfg.vocab_size, vocab_map=vm)
   alpha = lambda recs: train.heldout_alpha(weights, draft, recs, seq_len, k, objective=objective,
                                            frozen=frozen, teacher=online)

@@ -12,6 +12,7 @@ from absl import logging
 from specjax import drafters
 from specjax.config import ModelConfig
 from specjax.model import Params
+from specjax.drafters.eagle import head_rows
 
 TINY = "tiny"
 
@@ -144,7 +145,7 @@ def _default_eagle(target: Target) -> Draft:
   from specjax.drafts import default_eagle_drafter
   drafter, dp = default_eagle_drafter(target.cfg, target.params, target.tokenizer)
   return Draft("eagle", drafter, dp, f"EAGLE feature drafter ({drafter.cfg.num_layers} layer, "
-                                     f"{dp['head'].shape[0]}-row head)")
+                                     f"{head_rows(dp)}-row head)")
 
 
 def _draft_from_path(path: str, target: Target) -> Draft:

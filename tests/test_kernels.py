@@ -15,6 +15,7 @@ from specjax.kernels import policy as pol
 from specjax.kernels import streaming_matmul as sm
 from specjax.model import forward
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(not sm.available(), reason=str(sm.unavailable_reason()))
@@ -243,3 +244,37 @@ def test_mixed_policy_model_matches_plain_on_both_sides_of_the_split(tied):
   assert pk.pack_params(packed, cfg.tie_embeddings, mixed)["layers"][0]["wqkv"] is w
   plain = pk.pack_params(packed, cfg.tie_embeddings, pol.XLA)
   assert not isinstance(plain["layers"][0]["wqkv"], pk.PackedWeight)
+
+
+def test_eagle_drafter_of_a_packed_target_is_packed_and_decodes_like_the_plain_one():
+  """``eagle_drafter`` packs the draft like its target; proposals match the plain draft's
+  logits to float tolerance, greedy decoding stays plain greedy, and ``split_params``
+  (training, teacher-forced eval) gets the plain arrays back."""
+  from specjax.drafters.eagle import (eagle_drafter, head_rows, random_eagle_weights,
+                                      split_params)
+  cfg, params = tiny_model(seed=0)
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
+  vocab_map = np.arange(0, cfg.vocab_size, 2)
+  layers = (0, cfg.num_layers - 1)
+  drafter, plain_dp = eagle_drafter(cfg, params, weights, vocab_map, layers)
+  packed_target = pk.pack_params(params, cfg.tie_embeddings)
+  _, dp = eagle_drafter(cfg, packed_target, weights, vocab_map, layers)
+  assert all(isinstance(dp[k], pk.PackedWeight) for k in ("fc", "fuse", "head"))
+  assert isinstance(dp["layers"][0]["wqkv"], pk.PackedWeight)
+  assert not isinstance(plain_dp["head"], pk.PackedWeight)
+  assert head_rows(dp) == head_rows(plain_dp) == len(vocab_map)
+  for a, b in zip(jax.tree.leaves(split_params(dp)), jax.tree.leaves(split_params(plain_dp))):
+    np.testing.assert_array_equal(a, b)
+  h = jax.random.normal(jax.random.PRNGKey(1), (2, 3, cfg.dim))
+  np.testing.assert_allclose(drafter.head_logits(dp, h), drafter.head_logits(plain_dp, h),
+                             rtol=1e-5, atol=1e-5)
+  feats = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 2 * cfg.dim))
+  np.testing.assert_allclose(drafter.fuse(dp, feats), drafter.fuse(plain_dp, feats),
+                             rtol=1e-5, atol=1e-5)
+  prompts = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9]]
+  want = specjax.generate(packed_target, cfg, prompts, 12, eos_ids=())
+  for tree in (TreeTopology.chain(3), DynamicTree(depth=3, top_k=2, num_nodes=5)):
+    out = SpeculativeDecoder(cfg, drafter, tree=tree, eos_ids=()).generate(
+        packed_target, dp, prompts, 12)
+    for row in range(len(prompts)):
+      assert out.generated(row) == want.generated(row)

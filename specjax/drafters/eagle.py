@@ -51,7 +51,8 @@ from specjax.config import ModelConfig
 from specjax.distill.vocab import lift_logits
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
-from specjax.kernels.packed import unpacked
+from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, policy_of, unpacked
+from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
 from specjax.speculative.tree import DynamicTree, TreeTopology
@@ -114,7 +115,7 @@ class EagleDrafter(Drafter):
     k, d = len(self.feature_layers), self.cfg.dim
     parts = features.reshape(features.shape[:-1] + (k, d)).astype(dp["fuse"].dtype)
     normed = rms_norm(parts, dp["fuse_norms"], self.cfg.norm_eps)
-    return normed.reshape(features.shape[:-1] + (k * d,)) @ dp["fuse"]
+    return dense(normed.reshape(features.shape[:-1] + (k * d,)), dp["fuse"])
 
   @property
   def vocab_size(self) -> int:
@@ -131,14 +132,16 @@ class EagleDrafter(Drafter):
     x = jnp.concatenate([rms_norm(dp["embed"][tokens], dp["embed_norm"], eps),
                          rms_norm(features.astype(dp["fc"].dtype), dp["feature_norm"], eps)],
                         axis=-1)
-    x = x @ dp["fc"] + dp["fc_bias"]
+    x = dense(x, dp["fc"]) + dp["fc_bias"]
     h, _, cache = run_layers(dp, self.cfg, x, positions, cache, mask, num_valid=num_valid)
     return h, cache
 
   def head_logits(self, dp: Params, h: jax.Array) -> jax.Array:
     """ĥ [..., D] -> float32 logits over the head's rows."""
-    return jnp.einsum("...d,vd->...v", rms_norm(h, dp["final_norm"], self.cfg.norm_eps),
-                      dp["head"], preferred_element_type=jnp.float32)
+    x = rms_norm(h, dp["final_norm"], self.cfg.norm_eps)
+    if isinstance(dp["head"], PackedWeight):  # [D, Vd] panels (``pack_eagle_params``)
+      return dense(x.astype(jnp.float32), dp["head"])
+    return jnp.einsum("...d,vd->...v", x, dp["head"], preferred_element_type=jnp.float32)
 
   def logits(self, dp: Params, h: jax.Array) -> jax.Array:
     """Logits over the target vocabulary (−inf outside ``vocab_map`` when there is one)."""
@@ -243,11 +246,55 @@ FUSION_KEYS = ("fuse_norms", "fuse")
 
 
 def split_params(dp: Params) -> tuple[Params, Params]:
-  """Draft params -> (trained weights, the target's arrays the head reads without
-  ``vocab_map``, i.e. over the head's rows: what training and teacher-forced eval use)."""
+  """Draft params (packed or not) -> (trained weights, the target's arrays the head reads
+  without ``vocab_map``, i.e. over the head's rows: what training and teacher-forced eval
+  use), all plain."""
+  dp = unpack_eagle_params(dp)
   weights = {k: dp[k] for k in TRAINED_KEYS if k in dp}
   frozen = {k: v for k, v in dp.items() if k not in TRAINED_KEYS and k != "vocab_map"}
   return weights, frozen
+
+
+def head_rows(dp: Params) -> int:
+  """How many rows the draft head has (the reduced vocabulary's size, or V), packed or not."""
+  head = dp["head"]
+  return head.shape[1] if isinstance(head, PackedWeight) else head.shape[0]
+
+
+def pack_eagle_params(dp: Params, policy: MatmulPolicy) -> Params:
+  """Inference draft params with ``fc``, the fusion, the layers' projections and the head
+  packed for the streaming matmul under ``policy`` (the target's: ``packed.policy_of``).
+
+  A one-layer drafter multiplies a few rows (γ + 1 pending pairs, a tree level's
+  k nodes) by small matrices at every draft step: the shapes where the kernel
+  beats XLA's dot on CPU. The head is stored as [D, Vd] panels. Plain params
+  come back unchanged under a policy that never takes the kernel; train on
+  ``unpack_eagle_params``.
+  """
+  if policy.never:
+    return dp
+  layer = lambda l: {k: pack(unpacked(v), policy) if k in PROJECTIONS else v
+                     for k, v in l.items()}
+  out = dict(dp, layers=[layer(l) for l in dp["layers"]],
+             fc=pack(unpacked(dp["fc"]), policy),
+             head=pack(jnp.transpose(unpacked_head(dp["head"])), policy))
+  if "fuse" in dp:
+    out["fuse"] = pack(unpacked(dp["fuse"]), policy)
+  return out
+
+
+def unpacked_head(head) -> jax.Array:
+  """The [Vd, D] head of plain or packed draft params."""
+  return jnp.transpose(unpacked(head)) if isinstance(head, PackedWeight) else head
+
+
+def unpack_eagle_params(dp: Params) -> Params:
+  """Inverse of ``pack_eagle_params``: plain arrays everywhere."""
+  out = dict(dp, layers=[{k: unpacked(v) for k, v in l.items()} for l in dp["layers"]],
+             fc=unpacked(dp["fc"]), head=unpacked_head(dp["head"]))
+  if "fuse" in dp:
+    out["fuse"] = unpacked(dp["fuse"])
+  return out
 
 
 def eagle_config(target_cfg: ModelConfig, num_layers: int = 1) -> ModelConfig:
@@ -316,7 +363,8 @@ def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params
 def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Params,
                   vocab_map: Optional[np.ndarray] = None,
                   feature_layers: tuple[int, ...] = ()) -> tuple[EagleDrafter, Params]:
-  """(drafter, draft_params) for trained EAGLE ``weights`` on this target."""
+  """(drafter, draft_params) for trained EAGLE ``weights`` on this target; the draft's
+  matrices are packed like the target's (``pack_eagle_params``), plain for plain targets."""
   num_layers = len(weights["layers"])
   if weights["fc"].shape != (2 * target_cfg.dim, target_cfg.dim):
     raise ValueError(f"EAGLE weights of width {weights['fc'].shape[1]} do not fit a target of "
@@ -329,5 +377,6 @@ def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Param
   drafter = EagleDrafter(eagle_config(target_cfg, num_layers), feature_layers=feature_layers)
   dp = eagle_params(target_cfg, target_params, weights, vocab_map)
   drafter.check_params(dp)
+  dp = pack_eagle_params(dp, policy_of(target_params))
   return drafter, dp
 

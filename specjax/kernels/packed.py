@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import streaming_matmul as sm
-from specjax.kernels.policy import KERNEL, MatmulPolicy
+from specjax.kernels.policy import KERNEL, XLA, MatmulPolicy
 
-_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,16 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
   return y.reshape(*lead, w.n)
 
 
+def policy_of(params: dict) -> MatmulPolicy:
+  """The policy a model's projections were packed under (``XLA`` for plain params), so that
+  weights used beside them (a drafter's) can be packed the same way."""
+  for layer in params.get("layers", ()):
+    for name in PROJECTIONS:
+      if isinstance(layer.get(name), PackedWeight):
+        return layer[name].policy
+  return XLA
+
+
 def pack_params(params: dict, tie_embeddings: bool, policy: MatmulPolicy = KERNEL) -> dict:
   """The projections and the output head of a model as PackedWeights under ``policy``.
 
@@ -120,7 +130,7 @@ def pack_params(params: dict, tie_embeddings: bool, policy: MatmulPolicy = KERNE
       w = unpacked(w)
     return pack(w, policy, keep_plain)
 
-  out = dict(params, layers=[{name: (pack_one(v) if name in _PROJECTIONS else v)
+  out = dict(params, layers=[{name: (pack_one(v) if name in PROJECTIONS else v)
                               for name, v in p.items()} for p in params["layers"]])
   if tie_embeddings:
     head = params.get("lm_head")
