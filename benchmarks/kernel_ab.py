@@ -1,0 +1,110 @@
+"""A/B versions of the streaming-matmul source on the embedded model's whole matmul chain.
+
+Usage:
+  python -m benchmarks.kernel_ab --sources a.cc,b.cc[,...] [--rows 1,3,5,9,17,33]
+      [--repeats 7] [--out benchmarks/results/kernel_ab.md]
+
+Each source is built like ``specjax/kernels/streaming_matmul.cc`` (same
+compiler flags as the "native" variant) into its own library and FFI target,
+so every version runs in one process on the same weights: the projections of
+all SmolLM2-135M layers and the head, in forward order (``policy._chain``). The
+versions are timed alternately per row count M (load from elsewhere hits them
+alike); medians and ranges are reported. Every version must give bit-identical
+results to the first (the kernel's contract: one FMA per k, in k order), else
+the run stops. To try a change: copy the source, edit the copy, pass both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from benchmarks.common import provenance, write_markdown
+from specjax.kernels import policy as pol
+from specjax.kernels import streaming_matmul as sm
+from specjax.kernels.packed import unpack_params
+from specjax.loaders import load_model
+
+SOURCES = flags.DEFINE_list("sources", None, "kernel sources to compare (the first is the base)")
+ROWS = flags.DEFINE_list("rows", ["1", "3", "5", "9", "17", "33"], "row counts M")
+REPEATS = flags.DEFINE_integer("repeats", 7, "timed calls per version and M")
+OUT = flags.DEFINE_string("out", "benchmarks/results/kernel_ab.md", "markdown output")
+
+
+def build(source: str, name: str, workdir: str):
+  """Compiles ``source`` and registers it as FFI target ``name``; returns its matmul."""
+  lib_path = os.path.join(workdir, f"{name}.so")
+  cmd = ["g++", "-O3", *sm.VARIANTS["native"], "-ffp-contract=fast", "-std=c++17", "-shared",
+         "-fPIC", "-w", "-I", jax.ffi.include_dir(), source, "-o", lib_path]
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  if done.returncode:
+    raise SystemExit(f"building {source} failed:\n{done.stderr[-2000:]}")
+  lib = ctypes.cdll.LoadLibrary(lib_path)
+  jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
+
+  def matmul(x, panels):
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 64), jnp.float32)
+    return jax.ffi.ffi_call(name, out)(x, panels)
+
+  return matmul
+
+
+def main(_):
+  if not SOURCES.value:
+    raise SystemExit("--sources needs at least one kernel source")
+  missing = [s for s in SOURCES.value if not os.path.isfile(s)]
+  if missing:
+    raise SystemExit(f"no such source: {', '.join(missing)}")
+  rows = [int(m) for m in ROWS.value]
+  cfg, params = load_model(packed=False)
+  weights = pol.projection_weights(unpack_params(params, cfg.tie_embeddings),
+                                   cfg.tie_embeddings, num_layers=cfg.num_layers)
+  ks = [w.shape[0] for w in weights]
+  panels = [jnp.asarray(sm.to_panels(w)) for w in weights]
+  with tempfile.TemporaryDirectory() as tmp:
+    fns = [pol._chain(build(s, f"specjax_ab_{i}", tmp), ks) for i, s in enumerate(SOURCES.value)]
+    rng = np.random.default_rng(0)
+    xs = {m: jnp.asarray(rng.standard_normal((m, ks[0]), dtype=np.float32)) for m in rows}
+    for m in rows:  # compile, and check the contract
+      base = np.asarray(fns[0](panels, xs[m]))
+      for s, f in zip(SOURCES.value[1:], fns[1:]):
+        if not np.array_equal(base, np.asarray(f(panels, xs[m]))):
+          raise SystemExit(f"{s} is not bit-identical to {SOURCES.value[0]} at M = {m}")
+    times = {m: [[] for _ in fns] for m in rows}
+    for _ in range(REPEATS.value):
+      for m in rows:
+        for i, f in enumerate(fns):
+          t = time.perf_counter()
+          f(panels, xs[m]).block_until_ready()
+          times[m][i].append(time.perf_counter() - t)
+  names = [os.path.basename(s) for s in SOURCES.value]
+  mb = sum(w.nbytes for w in weights) / 1e6
+  flops = sum(w.size for w in weights) * 2
+  lines = ["# Streaming-matmul source A/B (SmolLM2-135M projections and head, f32)", "",
+           f"{provenance()}; {len(weights)} matrices, {mb:.0f} MB; median [min, max] of "
+           f"{REPEATS.value} alternating calls per version.", "",
+           "Command: `python -m benchmarks.kernel_ab --sources=" + ",".join(SOURCES.value)
+           + f" --rows={','.join(ROWS.value)} --repeats={REPEATS.value}`", "",
+           "| M | " + " | ".join(f"{n} ms" for n in names) + " | "
+           + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + f" | {names[0]} GFLOP/s |",
+           "|---" * (2 * len(names) + 1) + "|"]
+  for m in rows:
+    med = [np.median(t) for t in times[m]]
+    cells = [f"{v * 1e3:.1f} [{min(t) * 1e3:.1f}, {max(t) * 1e3:.1f}]"
+             for v, t in zip(med, times[m])]
+    lines.append(f"| {m} | " + " | ".join(cells) + " | "
+                 + " | ".join(f"{v / med[0]:.2f}" for v in med[1:])
+                 + f" | {flops * m / med[0] / 1e9:.0f} |")
+  write_markdown(OUT.value, lines)
+
+
+if __name__ == "__main__":
+  app.run(main)
