@@ -22,6 +22,7 @@ top_p a number in (0, 1].
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Union
 
 import jax
@@ -121,12 +122,42 @@ def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   """Draws one index per row of ``probs`` [..., V] (zeros are never drawn).
 
   Entries that are not positive and finite (NaN, ±inf, <= 0) count as 0; a row
-  with no positive entry is drawn uniformly.
+  with no positive entry is drawn uniformly. The weights need not sum to 1.
+
+  Inverse CDF in two levels, with one uniform per row: the row is cut into
+  blocks of a power of two ≥ √V, u · (total mass) picks a block by the blocks' running sums
+  and then a token by the running sum inside that block. Exact up to float32
+  rounding of the partial sums, and 4-16x cheaper on CPU at V = 49,152 (1-16
+  rows) than Gumbel-max (``jax.random.categorical``), which draws and takes two
+  logs of V uniforms (``benchmarks/results/sampling.md``).
+
+  Example: probs [0.5, 0, 0.5] gives 0 or 2, each half the time, never 1.
   """
   ok = (probs > 0) & (probs < jnp.inf)
-  logp = jnp.where(ok, jnp.log(jnp.where(ok, probs, 1.0)), -jnp.inf)
-  logp = jnp.where(jnp.any(ok, axis=-1, keepdims=True), logp, 0.0)
-  return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+  w = jnp.where(ok, probs, 0.0).astype(jnp.float32)
+  w = jnp.where(jnp.any(ok, axis=-1, keepdims=True), w, 1.0)
+  *lead, v = w.shape
+  width = 1 << max(0, math.isqrt(v - 1)).bit_length()  # a power of two ≥ √V
+  blocks = -(-v // width)
+  w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, blocks * width - v)])
+  w = w.reshape(*lead, blocks, width)
+  mass = jnp.sum(w, axis=-1)  # [..., blocks]
+  ends = jnp.cumsum(mass, axis=-1)
+  u = jax.random.uniform(key, (*lead, 1), jnp.float32) * ends[..., -1:]
+  # The first block whose running sum exceeds u holds mass; rounding can push
+  # u to the total, so clamp to the last block (then token) with mass.
+  b = jnp.minimum(jnp.sum(ends <= u, axis=-1), _last_positive(mass))
+  start = jnp.take_along_axis(ends, jnp.maximum(b - 1, 0)[..., None], axis=-1)
+  rest = u - jnp.where(b[..., None] > 0, start, 0.0)  # [..., 1] mass to go inside block b
+  row = jnp.take_along_axis(w, b[..., None, None], axis=-2)[..., 0, :]  # [..., width]
+  i = jnp.sum(jnp.cumsum(row, axis=-1) <= rest, axis=-1)
+  return (b * width + jnp.minimum(i, _last_positive(row))).astype(jnp.int32)
+
+
+def _last_positive(w: jax.Array) -> jax.Array:
+  """Index of the last positive entry of each row [..., n] (0 if none)."""
+  n = w.shape[-1]
+  return n - 1 - jnp.argmax(w[..., ::-1] > 0, axis=-1)
 
 
 def make_sampler(temperature: float = 0.0, top_k: Optional[int] = None,

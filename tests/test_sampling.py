@@ -100,6 +100,15 @@ def test_temperature_top_k_top_p_combined_match_numpy_reference():
   assert ((probs > 0).sum(-1) < k).any()  # top-p actually cut below top-k somewhere
 
 
+def _chi2_ok(counts: np.ndarray, probs: np.ndarray) -> bool:
+  """Chi-square of counts against probs (support only) below mean + 6 sd of chi2(df)."""
+  support = probs > 0
+  expected = counts.sum() * probs[support] / probs.sum()
+  chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+  df = int(support.sum()) - 1
+  return chi2 < df + 6 * np.sqrt(2 * df)
+
+
 def test_sample_from_frequencies_match_probs():
   probs = np.array([0.3, 0.0, 0.2, 0.05, 0.25, 0.0, 0.15, 0.05], np.float32)
   n = 40_000
@@ -107,11 +116,32 @@ def test_sample_from_frequencies_match_probs():
   draws = np.asarray(jax.vmap(lambda k: sample_from(k, jnp.asarray(probs)))(keys))
   counts = np.bincount(draws, minlength=len(probs))
   assert counts[probs == 0].sum() == 0  # zero-probability tokens are never drawn
-  support = probs > 0
-  expected = n * probs[support]
-  chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-  df = int(support.sum()) - 1
-  assert chi2 < df + 6 * np.sqrt(2 * df), (chi2, counts)  # mean + 6 sd of chi2(df)
+  assert _chi2_ok(counts, probs), counts
+
+
+@pytest.mark.parametrize("vocab", [3, 1000])  # one block of 2 + a padded one; 32 blocks of 32
+def test_sample_from_matches_probs_across_blocks_and_rejects_a_shifted_distribution(vocab):
+  # Unnormalised weights with zero runs (whole empty blocks) and a tail in the
+  # padded last block: the two-level inverse CDF must still draw each id with
+  # its weight / total, independently per row.
+  rng = np.random.default_rng(vocab)
+  w = rng.gamma(0.5, size=(2, vocab)).astype(np.float32)
+  w[:, vocab // 4:vocab // 2] = 0.0
+  w[1, 0] = 0.0
+  n = 60_000
+  keys = jax.random.split(jax.random.PRNGKey(4), n)
+  draws = np.asarray(jax.vmap(lambda k: sample_from(k, jnp.asarray(w)))(keys))  # [n, 2]
+  for r in range(2):
+    counts = np.bincount(draws[:, r], minlength=vocab)
+    assert len(counts) == vocab and counts[w[r] == 0].sum() == 0
+    assert _chi2_ok(counts, w[r]), r
+    # The same test rejects a distribution with 3% of the mass moved between two
+    # likely ids, so it can tell a wrong draw from a right one.
+    wrong = w[r].copy()
+    a, b = np.argsort(wrong)[-2:]
+    wrong[a], wrong[b] = wrong[a] + 0.03 * wrong.sum(), max(wrong[b] - 0.03 * wrong.sum(), 1e-3)
+    assert not _chi2_ok(counts, wrong)
+  assert np.mean(draws[:, 0] == draws[:, 1]) < 0.5  # rows draw with their own uniforms
 
 
 def test_sampling_sample_returns_its_probs_and_draws_from_support():
