@@ -127,7 +127,7 @@ def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   Inverse CDF in two levels, with one uniform per row: the row is cut into
   blocks of a power of two ≥ √V, u · (total mass) picks a block by the blocks' running sums
   and then a token by the running sum inside that block. Exact up to float32
-  rounding of the partial sums, and 4-16x cheaper on CPU at V = 49,152 (1-16
+  rounding of the partial sums, and 4-23x cheaper on CPU at V = 49,152 (1-16
   rows) than Gumbel-max (``jax.random.categorical``), which draws and takes two
   logs of V uniforms (``benchmarks/results/sampling.md``).
 
