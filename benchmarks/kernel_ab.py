@@ -1,8 +1,8 @@
 """A/B versions of the streaming-matmul source on the embedded model's whole matmul chain.
 
 Usage:
-  python -m benchmarks.kernel_ab --sources a.cc,b.cc[,...] [--rows 1,3,5,9,17,33]
-      [--repeats 7] [--out benchmarks/results/kernel_ab.md]
+  python -m benchmarks.kernel_ab --sources a.cc,a.cc:prefetch,b.cc[,...]
+      [--rows 1,3,5,9,17,33] [--repeats 7] [--out benchmarks/results/kernel_ab.md]
 
 Each source is built like ``specjax/kernels/streaming_matmul.cc`` (same
 compiler flags as the "native" variant) into its own library and FFI target,
@@ -11,12 +11,14 @@ all SmolLM2-135M layers and the head, in forward order (``policy._chain``). The
 versions are timed alternately per row count M (load from elsewhere hits them
 alike); medians and ranges are reported. Every version must give bit-identical
 results to the first (the kernel's contract: one FMA per k, in k order), else
-the run stops. To try a change: copy the source, edit the copy, pass both.
+the run stops. ``path:prefetch`` runs a source with its ``prefetch`` attribute
+on. To try a change: copy the source, edit the copy, pass both.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import subprocess
 import tempfile
@@ -40,7 +42,8 @@ OUT = flags.DEFINE_string("out", "benchmarks/results/kernel_ab.md", "markdown ou
 
 
 def build(source: str, name: str, workdir: str):
-  """Compiles ``source`` and registers it as FFI target ``name``; returns its matmul."""
+  """Compiles ``source`` and registers it as FFI target ``name``; returns its
+  matmul(x, panels, prefetch)."""
   lib_path = os.path.join(workdir, f"{name}.so")
   cmd = ["g++", "-O3", *sm.VARIANTS["native"], "-ffp-contract=fast", "-std=c++17", "-shared",
          "-fPIC", "-w", "-I", jax.ffi.include_dir(), source, "-o", lib_path]
@@ -50,9 +53,9 @@ def build(source: str, name: str, workdir: str):
   lib = ctypes.cdll.LoadLibrary(lib_path)
   jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
 
-  def matmul(x, panels):
+  def matmul(x, panels, prefetch=False):
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 64), jnp.float32)
-    return jax.ffi.ffi_call(name, out)(x, panels)
+    return jax.ffi.ffi_call(name, out)(x, panels, prefetch=np.int32(prefetch))
 
   return matmul
 
@@ -60,7 +63,8 @@ def build(source: str, name: str, workdir: str):
 def main(_):
   if not SOURCES.value:
     raise SystemExit("--sources needs at least one kernel source")
-  missing = [s for s in SOURCES.value if not os.path.isfile(s)]
+  entries = [(s.removesuffix(":prefetch"), s.endswith(":prefetch")) for s in SOURCES.value]
+  missing = [path for path, _ in entries if not os.path.isfile(path)]
   if missing:
     raise SystemExit(f"no such source: {', '.join(missing)}")
   rows = [int(m) for m in ROWS.value]
@@ -70,7 +74,9 @@ def main(_):
   ks = [w.shape[0] for w in weights]
   panels = [jnp.asarray(sm.to_panels(w)) for w in weights]
   with tempfile.TemporaryDirectory() as tmp:
-    fns = [pol._chain(build(s, f"specjax_ab_{i}", tmp), ks) for i, s in enumerate(SOURCES.value)]
+    built = {path: build(path, f"specjax_ab_{i}", tmp)
+             for i, path in enumerate(dict.fromkeys(path for path, _ in entries))}
+    fns = [pol._chain(functools.partial(built[path], prefetch=pf), ks) for path, pf in entries]
     rng = np.random.default_rng(0)
     xs = {m: jnp.asarray(rng.standard_normal((m, ks[0]), dtype=np.float32)) for m in rows}
     for m in rows:  # compile, and check the contract
@@ -85,14 +91,15 @@ def main(_):
           t = time.perf_counter()
           f(panels, xs[m]).block_until_ready()
           times[m][i].append(time.perf_counter() - t)
-  names = [os.path.basename(s) for s in SOURCES.value]
+  names = [os.path.basename(path) + (" +prefetch" if pf else "") for path, pf in entries]
   mb = sum(w.nbytes for w in weights) / 1e6
   flops = sum(w.size for w in weights) * 2
   lines = ["# Streaming-matmul source A/B (SmolLM2-135M projections and head, f32)", "",
            f"{provenance()}; {len(weights)} matrices, {mb:.0f} MB; median [min, max] of "
            f"{REPEATS.value} alternating calls per version.", "",
            "Command: `python -m benchmarks.kernel_ab --sources=" + ",".join(SOURCES.value)
-           + f" --rows={','.join(ROWS.value)} --repeats={REPEATS.value}`", "",
+           + f" --rows={','.join(ROWS.value)} --repeats={REPEATS.value}"
+           + (f" --out={OUT.value}`" if OUT.value != OUT.default else "`"), "",
            "| M | " + " | ".join(f"{n} ms" for n in names) + " | "
            + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + f" | {names[0]} GFLOP/s |",
            "|---" * (2 * len(names) + 1) + "|"]

@@ -94,7 +94,8 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
     # No plain copy (a tied head, or a weight packed for the kernel only):
     # the reference contraction over the panels, correct if slower.
     return sm.reference(x.reshape(rows, k), w.panels)[:, :w.n].reshape(*lead, w.n)
-  y = sm.streaming_matmul(x.reshape(rows, k).astype(jnp.float32), w.panels)
+  y = sm.streaming_matmul(x.reshape(rows, k).astype(jnp.float32), w.panels,
+                         prefetch=w.policy.prefetch_at(rows))
   if y.shape[1] != w.n:
     y = y[:, :w.n]
   return y.reshape(*lead, w.n)

@@ -5,14 +5,16 @@ for decode and verify shapes on some CPUs and was 2-16x slower on others
 before it had an AVX2 path: no fixed rule holds everywhere. So on first use
 ``policy_for`` times both on the model's own projection shapes for a grid of
 row counts M (decode M = batch, verify M = batch x (γ + 1), prefill chunks
-M = batch x 64), keeps the kernel exactly where it was faster, and caches the
+M = batch x 64), keeps the kernel exactly where it was faster, with its
+next-panel prefetch on where that was faster still, and caches the
 decision on disk, keyed by CPU model and flags, jaxlib version, kernel source
 and the weight shapes (``cache_key``). ``SPECJAX_MATMUL=xla|kernel|auto``
 overrides it (default ``auto``).
 
-Worked example: measured medians (ms) {1: (20, 14), 16: (70, 50), 128: (230, 260)}
-as (XLA, kernel) give the policy "kernel for M <= 16, XLA's dot beyond": M = 5
-takes the decision of the next grid point (16), M = 512 that of the last (128).
+Worked example: measured medians (ms) {1: (20, 14, 15), 16: (70, 50, 45),
+128: (230, 260, 250)} as (XLA, kernel, kernel with prefetch) give the policy
+"kernel for M <= 16, prefetching at 16, XLA's dot beyond": M = 5 takes the
+decision of the next grid point (16), M = 512 that of the last (128).
 """
 
 from __future__ import annotations
@@ -50,23 +52,34 @@ class MatmulPolicy:
     kernel: per grid point, whether the kernel runs there. Rows m take the
       decision of the smallest grid point >= m, and of the last one beyond.
     source: why (``"measured"``, ``"SPECJAX_MATMUL=xla"``, ...), for logs.
-    ratios: per grid point, measured kernel time / XLA time (empty if not measured).
+    ratios: per grid point, measured kernel time / XLA time, the faster of the
+      kernel's two modes (empty if not measured).
+    prefetch: per grid point, whether the kernel prefetches the next panel
+      there (``streaming_matmul(prefetch=)``); empty: never.
   """
 
   grid: tuple[int, ...]
   kernel: tuple[bool, ...]
   source: str = ""
   ratios: tuple[float, ...] = ()
+  prefetch: tuple[bool, ...] = ()
 
   def __post_init__(self):
     if not self.grid or len(self.grid) != len(self.kernel) or list(self.grid) != sorted(
-        set(self.grid)) or self.grid[0] < 1:
-      raise ValueError(f"bad policy grid {self.grid} / decisions {self.kernel}")
+        set(self.grid)) or self.grid[0] < 1 or len(self.prefetch) not in (0, len(self.grid)):
+      raise ValueError(f"bad policy grid {self.grid} / decisions {self.kernel} / prefetch "
+                       f"{self.prefetch}")
+
+  def _at(self, rows: int) -> int:
+    return min(int(np.searchsorted(np.asarray(self.grid), rows)), len(self.grid) - 1)
 
   def use_kernel(self, rows: int) -> bool:
     """Whether a product with ``rows`` rows goes to the kernel."""
-    i = int(np.searchsorted(np.asarray(self.grid), rows))
-    return self.kernel[min(i, len(self.grid) - 1)]
+    return self.kernel[self._at(rows)]
+
+  def prefetch_at(self, rows: int) -> bool:
+    """Whether the kernel prefetches the next panel for ``rows`` rows."""
+    return bool(self.prefetch) and self.prefetch[self._at(rows)]
 
   @property
   def never(self) -> bool:
@@ -89,6 +102,9 @@ class MatmulPolicy:
           ranges.append(f"{name} for M {start}-{end}" if end else f"{name} for M >= {start}")
           start = m + 1
       what = ", ".join(ranges)
+    if any(self.prefetch):
+      what += "; prefetching at M = " + ", ".join(
+          str(m) for m, k, p in zip(self.grid, self.kernel, self.prefetch) if k and p)
     text = f"{what} ({self.source})"
     if self.ratios:
       text += "; kernel/XLA time at M = " + ", ".join(
@@ -101,18 +117,24 @@ class MatmulPolicy:
   @classmethod
   def from_json(cls, d: dict) -> "MatmulPolicy":
     return cls(grid=tuple(d["grid"]), kernel=tuple(bool(k) for k in d["kernel"]),
-               source=d.get("source", ""), ratios=tuple(d.get("ratios", ())))
+               source=d.get("source", ""), ratios=tuple(d.get("ratios", ())),
+               prefetch=tuple(bool(p) for p in d.get("prefetch", ())))
 
 
 XLA = MatmulPolicy(grid=(1,), kernel=(False,), source="XLA's dot")
 KERNEL = MatmulPolicy(grid=(1,), kernel=(True,), source="streaming kernel")
 
 
-def choose(timings: dict[int, tuple[float, float]], source: str = "measured") -> MatmulPolicy:
-  """The policy from {M: (XLA seconds, kernel seconds)}: the kernel only where it was faster."""
+def choose(timings: dict[int, tuple[float, ...]], source: str = "measured") -> MatmulPolicy:
+  """The policy from {M: (XLA seconds, kernel seconds[, kernel-with-prefetch seconds])}:
+  the kernel only where one of its modes was faster than XLA, prefetching where that
+  mode was the faster of the two."""
   grid = tuple(sorted(timings))
-  return MatmulPolicy(grid=grid, kernel=tuple(timings[m][1] < timings[m][0] for m in grid),
-                      source=source, ratios=tuple(timings[m][1] / timings[m][0] for m in grid))
+  best = {m: min(timings[m][1:]) for m in grid}
+  prefetch = tuple(len(timings[m]) > 2 and timings[m][2] < timings[m][1] for m in grid)
+  return MatmulPolicy(grid=grid, kernel=tuple(best[m] < timings[m][0] for m in grid),
+                      source=source, ratios=tuple(best[m] / timings[m][0] for m in grid),
+                      prefetch=prefetch if any(prefetch) else ())
 
 
 def projection_weights(params: dict, tie_embeddings: bool, num_layers: int = _MEASURED_LAYERS
@@ -142,21 +164,23 @@ def _chain(matmul: Callable, ks: Sequence[int]):
 
 
 def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repeats: int = 3,
-            variant: str = "native") -> dict[int, tuple[float, float]]:
-  """Median seconds of the product chain with XLA's dot and with the kernel, per row count.
+            variant: str = "native") -> dict[int, tuple[float, float, float]]:
+  """Median seconds of the product chain with XLA's dot, the kernel and the kernel with
+  prefetch, per row count.
 
-  Both paths are timed alternately (XLA, kernel, XLA, ...) after a warm-up, so
-  load from elsewhere on the machine hits both alike.
+  The paths are timed alternately (XLA, kernel, prefetching kernel, XLA, ...)
+  after a warm-up, so load from elsewhere on the machine hits them alike.
   """
   ks = [w.shape[0] for w in weights]
   plain = [jnp.asarray(w) for w in weights]
   panels = [jnp.asarray(sm.to_panels(w)) for w in weights]
   fns = (_chain(lambda x, w: x @ w, ks),
-         _chain(functools.partial(_kernel_dot, variant=variant), ks))
-  args = (plain, panels)
+         _chain(functools.partial(sm.streaming_matmul, variant=variant), ks),
+         _chain(functools.partial(sm.streaming_matmul, variant=variant, prefetch=True), ks))
+  args = (plain, panels, panels)
   rng = np.random.default_rng(0)
   xs = {m: jnp.asarray(rng.standard_normal((m, ks[0]), dtype=np.float32)) for m in grid}
-  times = {m: ([], []) for m in grid}
+  times = {m: tuple([] for _ in fns) for m in grid}
   for m in grid:
     for f, a in zip(fns, args):
       f(a, xs[m]).block_until_ready()
@@ -166,11 +190,7 @@ def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repea
         t = time.perf_counter()
         f(a, xs[m]).block_until_ready()
         times[m][i].append(time.perf_counter() - t)
-  return {m: (float(np.median(t[0])), float(np.median(t[1]))) for m, t in times.items()}
-
-
-def _kernel_dot(x, panels, variant):
-  return sm.streaming_matmul(x, panels, variant)
+  return {m: tuple(float(np.median(ti)) for ti in t) for m, t in times.items()}
 
 
 def cache_key(weight_shapes: Sequence[tuple[int, int]], cpu: Optional[str] = None) -> str:
@@ -188,7 +208,7 @@ def _cache_path(key: str) -> str:
 def policy_for(params: dict, tie_embeddings: bool,
                measure_fn: Callable[[Sequence[np.ndarray]], dict] = measure) -> MatmulPolicy:
   """The matmul policy for this model here: ``SPECJAX_MATMUL``, else the cached or new
-  measurement. Logs the decision (a warning when it measures: that takes ~10-30 s once)."""
+  measurement. Logs the decision (a warning when it measures: that takes ~15-45 s once)."""
   choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
   if choice not in CHOICES:
     raise ValueError(f"{ENV}={choice!r}: choose one of {', '.join(CHOICES)}")

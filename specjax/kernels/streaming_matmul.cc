@@ -21,8 +21,15 @@
 //     once; further row blocks re-read it from L2.
 //   portable (GCC vector extensions): as AVX-512, the compiler splits vectors.
 //
+// Prefetch (the ``prefetch`` attribute): for M > 1 a panel is read several
+// times (row blocks x column chunks); while it is computed from cache, each
+// pass also software-prefetches a share of the lines of the panel this thread
+// will probably claim next into L2. Whether that pays depends on the host (it
+// was 14-20% faster on one AVX2 EPYC and 5-40% slower on another), so
+// ``policy.py`` times it like the kernel itself and turns it on per M.
+//
 // Each (row, column) accumulates over k = 0..K-1 in order with one fused
-// multiply-add per step, whatever the tile, M, panel split or thread count:
+// multiply-add per step, whatever the tile, M, panel split, prefetch or thread count:
 // row m of the result is bit-identical whatever else is in the batch. Panels
 // are shared out dynamically over XLA's intra-op thread pool.
 //
@@ -105,18 +112,40 @@ __attribute__((always_inline)) inline void Step(vf (&acc)[R][C], const float* __
 
 // R rows x C vectors (columns [0, C * kLanes) of ``panel``), accumulated in registers.
 // U unrolls the k loop (more loads in flight while the panel streams from memory).
+// The next panel's lines this pass prefetches into L2 while it computes from cache.
+struct Prefetch {
+  const float* next = nullptr;  // the next panel this thread will likely compute, or null
+  int pass = 0;                 // passes over the current panel so far
+  int passes = 1;               // passes in all (row blocks x column chunks)
+  // Lines [lo, hi) of each next-panel row fall to this pass.
+  void Lines(int* lo, int* hi) const {
+    constexpr int kLines = kPanel / 16;
+    const int per = passes >= kLines ? 1 : kLines / passes;
+    *lo = std::min(pass * per, kLines);
+    *hi = std::min(*lo + per, kLines);
+    if (next == nullptr || passes < 2) *lo = *hi = 0;
+  }
+};
+
 template <int R, int C, int U>
 inline void Tile(const float* __restrict x, int64_t K, const float* __restrict panel,
-                 float* __restrict y, int64_t ldy) {
+                 float* __restrict y, int64_t ldy, Prefetch& pf) {
+  int lo, hi;
+  pf.Lines(&lo, &hi);
+  ++pf.pass;
   vf acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < C; ++j) acc[r][j] = Zero();
   int64_t k = 0;
-  for (; k + U <= K; k += U)
+  for (; k + U <= K; k += U) {
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) Step<R, C>(acc, x, K, panel + (k + u) * kPanel, k + u);
+    for (int l = lo; l < hi; ++l)
+      for (int u = 0; u < U; ++u)
+        __builtin_prefetch(pf.next + (k + u) * kPanel + l * 16, 0, 2);
+  }
   for (; k < K; ++k) Step<R, C>(acc, x, K, panel + k * kPanel, k);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -126,10 +155,11 @@ inline void Tile(const float* __restrict x, int64_t K, const float* __restrict p
 
 // R rows x the whole panel, in column chunks of C vectors.
 template <int R, int C, int U>
-inline void RowBlock(const float* x, int64_t K, const float* panel, float* y, int64_t ldy) {
+inline void RowBlock(const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
+                     Prefetch& pf) {
   static_assert(kVecs % C == 0, "chunks must tile the panel");
   for (int c = 0; c < kVecs; c += C)
-    Tile<R, C, U>(x, K, panel + c * kLanes, y + c * kLanes, ldy);
+    Tile<R, C, U>(x, K, panel + c * kLanes, y + c * kLanes, ldy, pf);
 }
 
 // Rows [0, M) of one panel, in register blocks of B rows and a remainder block.
@@ -143,12 +173,20 @@ inline void RowBlock(const float* x, int64_t K, const float* panel, float* y, in
 // benchmarks/results/streaming_matmul.md.
 // AVX-512 and portable: blocks of 6 rows x the whole panel.
 template <int B, int U>
-void Rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy) {
+void Rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
+          const float* next) {
 #if defined(SPECJAX_AVX2)
-#define SPECJAX_ROWS(R, C) RowBlock<R, C, U>(xr, K, panel, yr, ldy)
+#define SPECJAX_ROWS(R, C) RowBlock<R, C, U>(xr, K, panel, yr, ldy, pf)
+  constexpr int kChunks = B == 6 ? kVecs / 2 : kVecs / 4;
+  static const int kRemChunks[6] = {0, 1, 2, 2, 4, 4};
 #else
-#define SPECJAX_ROWS(R, C) RowBlock<R, kVecs, U>(xr, K, panel, yr, ldy)
+#define SPECJAX_ROWS(R, C) RowBlock<R, kVecs, U>(xr, K, panel, yr, ldy, pf)
+  constexpr int kChunks = 1;
+  static const int kRemChunks[6] = {0, 1, 1, 1, 1, 1};
 #endif
+  Prefetch pf;
+  pf.next = next;
+  pf.passes = (M / B) * kChunks + kRemChunks[M % B];
   int64_t m = 0;
   for (; m + B <= M; m += B) {
     const float* xr = x + m * K;
@@ -177,9 +215,10 @@ constexpr int64_t kLargeM = 1;   // always 6 x 4 blocks (24 of 32 zmm accumulato
 constexpr int kUnroll = 1;       // unmeasured on AVX-512 since the AVX2 path's tuning
 #endif
 
-void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy) {
-  if (M >= kLargeM) Rows<6, kUnroll>(x, M, K, panel, y, ldy);
-  else Rows<3, kUnroll>(x, M, K, panel, y, ldy);
+void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
+           const float* next) {
+  if (M >= kLargeM) Rows<6, kUnroll>(x, M, K, panel, y, ldy, next);
+  else Rows<3, kUnroll>(x, M, K, panel, y, ldy, next);
 }
 
 // Work shared by the calling thread and the pool helpers. Helpers hold it by
@@ -189,19 +228,24 @@ struct Job {
   const float* panels;
   float* y;
   int64_t M, K, P;
+  int64_t workers = 1;
+  bool prefetch = false;  // prefetch the next panel into L2 while computing from cache
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Work() {
     for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < P;) {
-      Panel(x, M, K, panels + p * K * kPanel, y + p * kPanel, P * kPanel);
+      const int64_t guess = p + workers;  // claims alternate between workers
+      Panel(x, M, K, panels + p * K * kPanel, y + p * kPanel, P * kPanel,
+            prefetch && guess < P ? panels + guess * K * kPanel : nullptr);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
 ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                               ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
+                               ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y,
+                               int32_t prefetch) {
   const auto xd = x.dimensions();
   const auto pd = panels.dimensions();
   if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1])
@@ -217,6 +261,8 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->K = xd[1];
   job->P = pd[0];
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->P) - 1;
+  job->workers = helpers + 1;
+  job->prefetch = prefetch != 0;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
   // Every panel was claimed; wait for the ones still being computed by helpers.
@@ -234,4 +280,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxStreamingMatmul, StreamingMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prefetch"));

@@ -19,8 +19,8 @@ Variants (``VARIANTS``): ``"native"`` is built with ``-march=native`` and runs
 the best path of this CPU (AVX-512, AVX2/FMA or portable vector code, see
 ``isa()``); ``"avx2"`` forces the AVX2/FMA path, so that path is built and
 tested on AVX-512 machines too (it needs a CPU with AVX2 and FMA). Whether the
-kernel or XLA's dot runs for a given number of rows is decided by measurement
-(``kernels/policy.py``), not here.
+kernel or XLA's dot runs for a given number of rows, and whether the kernel
+prefetches, is decided by measurement (``kernels/policy.py``), not here.
 """
 
 from __future__ import annotations
@@ -156,8 +156,13 @@ def isa(variant: str = "native") -> Optional[str]:
   return _ISA.get(variant) if available(variant) else None
 
 
-def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native") -> jax.Array:
-  """x [M, K] float32 @ panels [P, K, 64] float32 -> [M, P * 64] float32 (CPU kernel)."""
+def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
+                     prefetch: bool = False) -> jax.Array:
+  """x [M, K] float32 @ panels [P, K, 64] float32 -> [M, P * 64] float32 (CPU kernel).
+
+  ``prefetch``: software-prefetch the next panel while one is computed from cache
+  (M > 1); the same bits either way, only the speed differs by host.
+  """
   reason = _register(variant)
   if reason is not None:
     raise RuntimeError(reason)
@@ -167,7 +172,8 @@ def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native") -
   if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
     raise ValueError(f"streaming_matmul is float32 only, got {x.dtype} and {panels.dtype}")
   out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
-  return jax.ffi.ffi_call(_target(variant), out, vmap_method="sequential")(x, panels)
+  return jax.ffi.ffi_call(_target(variant), out, vmap_method="sequential")(
+      x, panels, prefetch=np.int32(bool(prefetch)))
 
 
 def to_panels(w: np.ndarray | jax.Array) -> np.ndarray:
