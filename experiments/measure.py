@@ -296,19 +296,23 @@ class Bench:
 
   def _rounds(self, draft: Draft, temperature: float, plain: Callable,
               settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
-    """``repeats`` interleaved rounds: per batch, plain decoding then every setting."""
+    """``repeats`` interleaved rounds: per batch, plain decoding and every setting, in an
+    order rotated by one per batch and round, so no setting always runs first (or right
+    after plain decoding) and position effects spread over all of them."""
     seed, budget, first = self.config.seed, self.config.max_new_tokens, self.batches[0]
     plain_t = dict(plain_seconds=[], plain_step_seconds=[])
     spec_t = [dict(seconds=[], step_seconds=[]) for _ in settings]
     bar = tqdm.tqdm(total=self.config.repeats * len(self.batches), leave=False, unit="batch",
                     desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
-    for _ in range(self.config.repeats):
+    for r in range(self.config.repeats):
       plain_one = plain(first, 1, seed).seconds
       spec_one = [call(first, 1, seed).seconds for _, _, call in settings]
       plain_outs, spec_outs = [], [[] for _ in settings]
+      calls = [(plain_outs, plain)] + [(outs, call) for outs, (_, _, call)
+                                       in zip(spec_outs, settings)]
       for i, b in enumerate(self.batches):
-        plain_outs.append(plain(b, budget, seed + i))
-        for outs, (_, _, call) in zip(spec_outs, settings):
+        shift = (r * len(self.batches) + i) % len(calls)
+        for outs, call in calls[shift:] + calls[:shift]:
           outs.append(call(b, budget, seed + i))
         bar.update()
       plain_t["plain_seconds"].append([o.seconds for o in plain_outs])

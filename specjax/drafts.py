@@ -251,9 +251,6 @@ def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
   """Writes an EAGLE draft directory: only its trained weights (+ ``vocab_map``); the
   embedding, final norm and head rows are the target's and are taken at load time.
   ``feature_layers`` (EAGLE-3 fusion) is recorded in draft.json."""
-  from safetensors.numpy import save_file
-
-  os.makedirs(path, exist_ok=True)
   tensors = {k: np.asarray(weights[k], dtype) for k in TRAINED_KEYS
              if k != "layers" and k in weights}
   for i, layer in enumerate(weights["layers"]):
@@ -261,12 +258,20 @@ def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
       tensors[f"layers.{i}.{k}"] = np.asarray(v, dtype)
   if vocab_map is not None:
     tensors["vocab_map"] = np.asarray(vocab_map, np.int32)
-  save_file(tensors, os.path.join(path, "weights.safetensors"))
   meta = dict(format=EAGLE_FORMAT, target_config=config_to_hf_dict(target_cfg),
               num_layers=len(weights["layers"]), target_vocab_size=target_cfg.vocab_size,
               tokenizer_sha256=tokenizer_sha256, info=info or {})
   if feature_layers:
     meta["feature_layers"] = [int(l) for l in feature_layers]
+  _write_eagle(path, tensors, meta)
+
+
+def _write_eagle(path: str, tensors: dict[str, np.ndarray], meta: dict) -> None:
+  """An EAGLE draft directory: weights.safetensors and draft.json."""
+  from safetensors.numpy import save_file
+
+  os.makedirs(path, exist_ok=True)
+  save_file(tensors, os.path.join(path, "weights.safetensors"))
   with open(os.path.join(path, "draft.json"), "w") as f:
     json.dump(meta, f, indent=2)
 
@@ -330,7 +335,7 @@ def cut_eagle_head(src: str, dst: str, rows: int) -> None:
   Raises:
     ValueError: ``rows`` < 2 or beyond the head, or a ``src`` without a reduced vocabulary.
   """
-  from safetensors.numpy import load_file, save_file
+  from safetensors.numpy import load_file
 
   meta = read_draft_metadata(src, (EAGLE_FORMAT,))
   tensors = load_file(os.path.join(src, "weights.safetensors"))
@@ -342,10 +347,7 @@ def cut_eagle_head(src: str, dst: str, rows: int) -> None:
     raise ValueError(f"rows must be in [2, {size}] (the head of {src!r}), got {rows}")
   tensors["vocab_map"] = tensors["vocab_map"][:rows]
   meta["info"] = dict(meta.get("info", {}), draft_vocab=rows, head_cut_from=size)
-  os.makedirs(dst, exist_ok=True)
-  save_file(tensors, os.path.join(dst, "weights.safetensors"))
-  with open(os.path.join(dst, "draft.json"), "w") as f:
-    json.dump(meta, f, indent=2)
+  _write_eagle(dst, tensors, meta)
 
 
 def default_eagle_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):

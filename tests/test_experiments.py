@@ -14,6 +14,7 @@ import pytest
 from experiments import prompts
 from experiments.config import ExperimentConfig
 from specjax import theory
+from specjax.speculative import SpeculativeDecoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW = 8  # max_new_tokens of the smoke run (tests/conftest.py)
@@ -356,12 +357,18 @@ def test_settings_of_one_temperature_share_one_plain_baseline_per_round(tmp_path
   import specjax
   from experiments import experiment
   monkeypatch.setattr("experiments.measure.run_flags", lambda run: [])  # no re-measuring
-  budgets, real = [], specjax.generate
+  calls, real, real_spec = [], specjax.generate, SpeculativeDecoder.generate
   monkeypatch.setattr(specjax, "generate",
-                      lambda *a, **k: budgets.append(a[3]) or real(*a, **k))
-  results = experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), repeats=2))
+                      lambda *a, **k: calls.append(("plain", a[3])) or real(*a, **k))
+  monkeypatch.setattr(SpeculativeDecoder, "generate", lambda self, *a, **k: calls.append(
+      (f"γ={self.gamma}", a[3])) or real_spec(self, *a, **k))
+  results = experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), repeats=3))
   # per temperature: the compiling call, then per round a 1-token call and the one batch
-  assert budgets == [1] + [1, 4] * 2 + [1] + [1, 4] * 2
+  assert [n for who, n in calls if who == "plain"] == [1] + [1, 4] * 3 + [1] + [1, 4] * 3
+  # The batch's calls (4 tokens) rotate from round to round, so no setting always runs
+  # first: rounds of (plain, γ=1, γ=2) in turn, per temperature.
+  batch_calls = [who for who, n in calls if n == 4]
+  assert batch_calls == 2 * ["plain", "γ=1", "γ=2", "γ=1", "γ=2", "plain", "γ=2", "plain", "γ=1"]
   for t in (0.0, 1.0):
     runs = [r for r in results["runs"] if r["temperature"] == t]
     assert sorted(r["gamma"] for r in runs) == [1, 2]
