@@ -95,7 +95,7 @@ def main(argv):
   cfg, params = load_model()
   tok = load_model_tokenizer()
   prompts = [chat_prompt(tok, t) for t in TEXTS[:NUM_PROMPTS.value]]
-  drafter, dp = drafts.default_drafter(tok, cfg.vocab_size)
+  drafter, dp = drafts.default_drafter(tok, cfg.vocab_size, target_embed=params["embed"])
   eagle, eagle_dp = drafts.default_eagle_drafter(cfg, params, tok)
   dyn, lookup = dynamic_tree(nodes, g), lookup_tree(LOOKUP_BRANCHES.value, g)
   cache = max(len(p) for p in prompts) + n + max(g, dyn.cache_headroom,

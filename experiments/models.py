@@ -123,7 +123,8 @@ def _default_draft(target: Target) -> Draft:
     return _random_tiny_draft(target.cfg)
   try:
     from specjax.drafts import default_drafter
-    drafter, dp = default_drafter(target.tokenizer, target.cfg.vocab_size)
+    drafter, dp = default_drafter(target.tokenizer, target.cfg.vocab_size,
+                                  target_embed=target.params["embed"])
   except (ImportError, OSError, ValueError) as e:
     k = default_early_exit_layers(target.cfg)
     logging.warning("default draft unavailable (%s); falling back to early_exit:%d", e, k)

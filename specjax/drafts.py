@@ -177,16 +177,24 @@ def export_hf(out_dir: str, cfg: ModelConfig, params: Params, vocab_map: Optiona
     tokenizer.save_pretrained(out_dir)
 
 
-def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None):
-  """The shipped draft ready for ``SpeculativeDecoder``: (ModelDrafter, draft_params)."""
+def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None,
+                    target_embed=None):
+  """The shipped draft ready for ``SpeculativeDecoder``: (ModelDrafter, draft_params).
+
+  With ``target_embed`` (the target's [V, D] embedding table) the draft reads
+  prompt ids outside its vocabulary through the target's rows (full-vocabulary
+  input, ``ModelDrafter.make_params``) instead of the nearest in-map row.
+  """
   cfg, params, vocab_map, in_map = load_default_draft(tokenizer, target_vocab_size,
                                                       with_input_map=True)
-  return _model_drafter(cfg, params, vocab_map, in_map, target_vocab_size)
+  return _model_drafter(cfg, params, vocab_map, in_map, target_vocab_size, target_embed)
 
 
 def _model_drafter(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray],
-                   input_map: Optional[np.ndarray], target_vocab_size: Optional[int]):
-  """(ModelDrafter, draft_params) of a draft model, reduced-vocabulary or not."""
+                   input_map: Optional[np.ndarray], target_vocab_size: Optional[int],
+                   target_embed=None):
+  """(ModelDrafter, draft_params) of a draft model, reduced-vocabulary or not; a reduced
+  one of the target's width reads ``target_embed`` (if given) for ids outside its map."""
   from specjax.drafters import ModelDrafter
   if vocab_map is None:
     if target_vocab_size is not None and cfg.vocab_size != target_vocab_size:
@@ -195,7 +203,11 @@ def _model_drafter(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndar
     drafter = ModelDrafter(cfg)
     return drafter, drafter.make_params(params)
   drafter = ModelDrafter(cfg, target_vocab_size=target_vocab_size or len(input_map))
-  return drafter, drafter.make_params(params, vocab_map, input_map=input_map)
+  if target_embed is not None and tuple(np.shape(target_embed)) != (drafter.target_vocab_size,
+                                                                     cfg.dim):
+    target_embed = None  # another width: the nearest-row input map it shipped with
+  return drafter, drafter.make_params(params, vocab_map, input_map=input_map,
+                                      input_embed=target_embed)
 
 
 def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params, tokenizer):
@@ -221,7 +233,8 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
     cfg, params, vocab_map, in_map = load_draft(
         path, target_vocab_size=target_cfg.vocab_size, tokenizer_sha256=sha,
         with_input_map=True)
-    return (*_model_drafter(cfg, params, vocab_map, in_map, target_cfg.vocab_size), path)
+    return (*_model_drafter(cfg, params, vocab_map, in_map, target_cfg.vocab_size,
+                            target_params["embed"]), path)
   from specjax.loaders import load_model, load_model_tokenizer
   if sha is not None:
     try:

@@ -165,7 +165,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
   Returns:
     ForwardOutput with logits, last hidden state, intermediates and new cache.
   """
-  x, inter, new_cache = run_layers(params, cfg, params["embed"][tokens], positions, cache, mask,
+  # ``input_embed`` [V_in, D], when present, is the table the input ids index
+  # instead of ``embed`` (a reduced-vocabulary draft reading the target's full
+  # table, ModelDrafter.make_params); ``embed`` stays the tied output head.
+  table = params.get("input_embed", params["embed"])
+  x, inter, new_cache = run_layers(params, cfg, table[tokens], positions, cache, mask,
                                    num_valid, return_layers, attention_impl)
   logits = lm_head(cfg, params, x) if compute_logits else None
   return ForwardOutput(logits=logits, hidden=x, intermediates=inter, cache=new_cache)

@@ -73,6 +73,9 @@ def drafts(target):
       "self": (ModelDrafter(cfg), {"model": params}),
       "noisy": (ModelDrafter(cfg), {"model": noisy}),
       "reduced": (reduced, reduced.make_params(vparams, vocab_map)),
+      # The same with full-vocabulary input: odd ids read the target's rows.
+      "reduced_full_input": (reduced, reduced.make_params(vparams, vocab_map,
+                                                          input_embed=params["embed"])),
       "eagle": make_drafter("eagle", cfg, params, CORPUS),
   }
 
@@ -125,15 +128,36 @@ def test_target_as_its_own_draft_accepts_the_full_depth_every_step(target, draft
 
 
 @pytest.mark.parametrize("tree", ["chain", "branchy", "medusa"])
-@pytest.mark.parametrize("which", ["reduced", "eagle"])
+@pytest.mark.parametrize("which", ["reduced", "reduced_full_input", "eagle"])
 def test_greedy_equality_with_reduced_vocabulary_and_eagle(target, drafts, reference, tree,
                                                            which):
   cfg, params = target
   drafter, dp = drafts[which]
   out = _decoder(cfg, drafter, TREES[tree]).generate(params, dp, PROMPTS, NEW, cache_size=CACHE)
   _assert_same_generations(out, reference, len(PROMPTS))
-  if which == "reduced":  # the slice of the target is right whenever the target's token is even
+  if which.startswith("reduced"):  # the target's slice is right whenever its token is even
     assert out.metrics()["acceptance_rate"] > 0
+
+
+def test_full_vocabulary_input_reads_the_target_rows_outside_the_map(target, drafts):
+  """The even-id slice of the target with the target's table as input is the target
+  itself on the even ids, for prompts full of odd (out-of-map) ids; through the
+  substitute-row input map it is not."""
+  cfg, params = target
+  (drafter, full), (_, nearest) = drafts["reduced_full_input"], drafts["reduced"]
+  vocab_map = np.asarray(full["vocab_map"])
+  tokens = jnp.asarray([[3, 5, 8, 1, 7, 2], [9, 9, 4, 11, 13, 6]]) % cfg.vocab_size
+  pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  run = lambda p, c, ids: forward(p, c, ids, pos, kvc.init_cache(c, 2, 8)).logits
+  want = np.asarray(run(params, cfg, tokens))[..., vocab_map]
+  np.testing.assert_allclose(np.asarray(run(full["model"], drafter.cfg, tokens)), want,
+                             rtol=1e-5, atol=1e-5)
+  mapped = nearest["inverse_map"][tokens]
+  assert not np.allclose(np.asarray(run(nearest["model"], drafter.cfg, mapped)), want, atol=1e-3)
+  with pytest.raises(ValueError, match="input_embed must be"):
+    drafter.make_params(full["model"], vocab_map, input_embed=params["embed"][:, :4])
+  with pytest.raises(ValueError, match="reduced-vocabulary draft"):
+    ModelDrafter(cfg).make_params(params, input_embed=params["embed"])
 
 
 ROOT_BRANCHING = TreeTopology((-1, -1, -1, 0, 1, 3))  # three matches: depths 3, 2, 1

@@ -84,8 +84,8 @@ class ModelDrafter(Drafter):
     return self.target_vocab_size or self.cfg.vocab_size
 
   def make_params(self, params: Params, vocab_map: Optional[np.ndarray] = None,
-                  input_map: Optional[np.ndarray] = None,
-                  unknown_row: int = 0) -> dict[str, Any]:
+                  input_map: Optional[np.ndarray] = None, unknown_row: int = 0,
+                  input_embed: Optional[Any] = None) -> dict[str, Any]:
     """Packs draft weights (and the reduced-vocabulary maps) as ``draft_params``.
 
     Args:
@@ -94,10 +94,22 @@ class ModelDrafter(Drafter):
       input_map: [V] draft row read for each target id; default: its own row
         for ids in the map and ``unknown_row`` for the rest.
       unknown_row: see ``input_map``.
+      input_embed: [V, D] the target's embedding table (same width as the draft):
+        full-vocabulary input. Ids in the map read the draft's own (trained)
+        rows, every other id the target's row instead of a substitute row, so
+        prompt tokens outside the draft's vocabulary keep their meaning
+        (``input_map`` is then unused). The draft keeps its own rows as its
+        output head. The mixed table is a new [V, D] array.
+
+    Example: with vocab_map [0, 7, 3] and input_embed E, target id 7 reads the
+    draft's row 1 and target id 5 reads E[5].
     """
     if vocab_map is None:
       if self.target_vocab_size is not None:
         raise ValueError("a reduced-vocabulary drafter needs a vocab_map")
+      if input_embed is not None:
+        raise ValueError("input_embed is for a reduced-vocabulary draft; this one reads "
+                         "every id through its own embedding already")
       return {"model": params}
     vocab_map = np.asarray(vocab_map, np.int32)
     if self.target_vocab_size is None or vocab_map.shape != (self.cfg.vocab_size,):
@@ -105,6 +117,13 @@ class ModelDrafter(Drafter):
                        "a target_vocab_size")
     if vocab_map.min() < 0 or vocab_map.max() >= self.target_vocab_size:
       raise ValueError("vocab_map has ids outside the target vocabulary")
+    if input_embed is not None:
+      if tuple(np.shape(input_embed)) != (self.target_vocab_size, self.cfg.dim):
+        raise ValueError(f"input_embed must be the target's [{self.target_vocab_size}, "
+                         f"{self.cfg.dim}] embedding table, got {tuple(np.shape(input_embed))}")
+      own = jnp.asarray(params["embed"], jnp.float32)
+      table = jnp.asarray(input_embed, jnp.float32).at[vocab_map].set(own)
+      return {"model": dict(params, input_embed=table), "vocab_map": jnp.asarray(vocab_map)}
     if input_map is None:
       inverse = np.full((self.target_vocab_size,), unknown_row, np.int32)
       inverse[vocab_map] = np.arange(len(vocab_map), dtype=np.int32)
@@ -128,7 +147,8 @@ class ModelDrafter(Drafter):
 
   @staticmethod
   def _draft_ids(dp, tokens):
-    """Target ids -> draft embedding rows (identity without a reduced vocabulary)."""
+    """Target ids -> rows of the input table (identity for a full-vocabulary draft or one
+    that reads the target's table, ``make_params(input_embed=...)``)."""
     return tokens if "inverse_map" not in dp else dp["inverse_map"][tokens]
 
   def _forward(self, dp, tokens, positions, cache, num_valid=None, mask=None):
