@@ -152,8 +152,8 @@ def main(argv):
   with tempfile.TemporaryDirectory() as export_dir:
     dcfg, dparams, vocab_map, in_map = drafts.load_default_draft(tok, cfg.vocab_size,
                                                                  with_input_map=True)
-    drafts.export_hf(export_dir, dcfg, dparams, vocab_map, cfg.vocab_size, input_map=in_map,
-                     tokenizer=tok)
+    drafts.export_hf(export_dir, dcfg, dparams, vocab_map, cfg.vocab_size,
+                     input_embed=params["embed"], tokenizer=tok)  # as specjax's row reads it
     assistant = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
   assistant.generation_config.num_assistant_tokens = g
   assistant.generation_config.num_assistant_tokens_schedule = "constant"

@@ -1,7 +1,8 @@
 """Cost of one draw from a [B, V] distribution: Gumbel-max against ``sample_from``'s inverse CDF.
 
 Usage:
-  python -m benchmarks.sampling [--vocab 49152] [--rows 1,4,16] [--out benchmarks/results/sampling.md]
+  python -m benchmarks.sampling [--vocab 49152] [--rows 1,4,16]
+      [--out benchmarks/results/sampling.md]
 
 Every sampled token of plain and speculative decoding at T > 0 is one such
 draw over the target's vocabulary (and a speculative step's residual draw is

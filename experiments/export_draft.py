@@ -11,7 +11,9 @@ The directory (config.json, model.safetensors, tokenizer files) loads with
 ``transformers.AutoModelForCausalLM.from_pretrained`` and can be passed to
 ``generate(..., assistant_model=...)``; it also reloads with
 ``specjax.loaders.load_hf``. A reduced vocabulary is expanded to the full one
-(see ``specjax.drafts.expand_to_full_vocab`` for what untrained rows hold).
+(see ``specjax.drafts.expand_to_full_vocab`` for what untrained rows hold); input
+ids outside it read the target's embedding rows, as ``default_drafter(target_embed=)``
+does (``--notarget_input``: the draft's shipped nearest-row map instead).
 ``--check`` compares transformers' and specjax's logits on a chat prompt and
 runs one assisted generation against the embedded target (loaded by
 transformers from its GGUF file).
@@ -27,6 +29,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("draft", None, "Draft directory (default: the shipped SmolLM2 draft).")
 flags.DEFINE_bool("check", False, "Verify the export with transformers (slow, loads the target).")
+flags.DEFINE_bool("target_input", True, "Input rows of ids outside a reduced vocabulary from "
+                  "the target's embedding (loads the target's weights); else the shipped map.")
 flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out directory, replacing the "
                   "checkpoint it holds.")
 
@@ -43,7 +47,7 @@ def check_out_dir(out: str, overwrite: bool) -> None:
 def main(argv):
   del argv
   from specjax import drafts
-  from specjax.loaders import chat_prompt, load_hf, load_model_tokenizer
+  from specjax.loaders import chat_prompt, load_hf, load_model, load_model_tokenizer
 
   check_out_dir(FLAGS.out, FLAGS.overwrite)
   tok = load_model_tokenizer()
@@ -51,7 +55,9 @@ def main(argv):
   cfg, params, vocab_map, in_map = drafts.load_draft(
       path, target_vocab_size=len(tok), tokenizer_sha256=drafts.tokenizer_fingerprint(tok),
       with_input_map=True)
-  drafts.export_hf(FLAGS.out, cfg, params, vocab_map, len(tok), tokenizer=tok, input_map=in_map)
+  target_embed = load_model(packed=False)[1]["embed"] if FLAGS.target_input else None
+  drafts.export_hf(FLAGS.out, cfg, params, vocab_map, len(tok), tokenizer=tok, input_map=in_map,
+                   input_embed=target_embed)
   hcfg, _ = load_hf(FLAGS.out)
   size = sum(os.path.getsize(os.path.join(FLAGS.out, f)) for f in os.listdir(FLAGS.out))
   logging.info("exported %s -> %s (%.0f MB, vocab %d, %d layers); reloads through load_hf",

@@ -141,13 +141,15 @@ def load_default_draft(tokenizer=None, target_vocab_size: Optional[int] = None,
 
 
 def expand_to_full_vocab(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray],
-                         target_vocab_size: int, input_map: Optional[np.ndarray] = None
-                         ) -> tuple[ModelConfig, Params]:
+                         target_vocab_size: int, input_map: Optional[np.ndarray] = None,
+                         input_embed=None) -> tuple[ModelConfig, Params]:
   """A full-vocabulary, untied model with the same predictions on the draft's vocabulary.
 
-  Input embeddings: row t = the draft row that specjax reads for t (ids
-  outside the map read the fallback row), so the exported model sees exactly
-  what the reduced draft sees. Output: column t = the draft row of t, and zero
+  Input embeddings: row t = the row that specjax reads for t, so the exported
+  model sees exactly what the reduced draft sees: with ``input_embed`` (the
+  target's [V, D] table, ``ModelDrafter.make_params``) the target's row for
+  ids outside the map, else the row ``input_map`` names (default: the fallback
+  row). Output: column t = the draft row of t, and zero
   for ids outside the map, so their logit is exactly 0 instead of -inf. Such a
   token can only be proposed when every in-map logit is below 0 (greedy) or
   with probability e^0 / Z (sampling); the target rejects what it would not
@@ -161,17 +163,26 @@ def expand_to_full_vocab(cfg: ModelConfig, params: Params, vocab_map: Optional[n
   embed = np.asarray(params["embed"], np.float32)
   head = np.zeros((cfg.dim, target_vocab_size), np.float32)
   head[:, vm] = embed.T
-  full = dict(params, embed=jnp.asarray(embed[im]), lm_head=jnp.asarray(head))
+  if input_embed is None:
+    inputs = embed[im]
+  else:
+    inputs = np.array(input_embed, np.float32)
+    if inputs.shape != (target_vocab_size, cfg.dim):
+      raise ValueError(f"input_embed must be the target's [{target_vocab_size}, {cfg.dim}] "
+                       f"embedding table, got {inputs.shape}")
+    inputs[vm] = embed
+  full = dict(params, embed=jnp.asarray(inputs), lm_head=jnp.asarray(head))
   return dataclasses.replace(cfg, vocab_size=target_vocab_size, tie_embeddings=False), full
 
 
 def export_hf(out_dir: str, cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray],
-              target_vocab_size: int, tokenizer=None, input_map: Optional[np.ndarray] = None
-              ) -> None:
-  """Writes a standard HF Llama directory (config.json, model.safetensors, tokenizer)."""
+              target_vocab_size: int, tokenizer=None, input_map: Optional[np.ndarray] = None,
+              input_embed=None) -> None:
+  """Writes a standard HF Llama directory (config.json, model.safetensors, tokenizer);
+  ``input_map`` / ``input_embed`` as in ``expand_to_full_vocab``."""
   from specjax.loaders import save_hf
   full_cfg, full_params = expand_to_full_vocab(cfg, params, vocab_map, target_vocab_size,
-                                               input_map)
+                                               input_map, input_embed)
   save_hf(out_dir, full_cfg, full_params)
   if tokenizer is not None:
     tokenizer.save_pretrained(out_dir)

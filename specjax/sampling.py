@@ -125,8 +125,9 @@ def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   with no positive entry is drawn uniformly. The weights need not sum to 1.
 
   Inverse CDF in two levels, with one uniform per row: the row is cut into
-  blocks of a power of two ≥ √V, u · (total mass) picks a block by the blocks' running sums
-  and then a token by the running sum inside that block. Exact up to float32
+  blocks (a power of two ≥ √V wide), u · (total mass) picks a block by the
+  blocks' running sums and then a token by the running sum inside that block.
+  Exact up to float32
   rounding of the partial sums, and 4-23x cheaper on CPU at V = 49,152 (1-16
   rows) than Gumbel-max (``jax.random.categorical``), which draws and takes two
   logs of V uniforms (``benchmarks/results/sampling.md``).
@@ -137,7 +138,7 @@ def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   w = jnp.where(ok, probs, 0.0).astype(jnp.float32)
   w = jnp.where(jnp.any(ok, axis=-1, keepdims=True), w, 1.0)
   *lead, v = w.shape
-  width = 1 << max(0, math.isqrt(v - 1)).bit_length()  # a power of two ≥ √V
+  width = 1 << math.isqrt(v - 1).bit_length()  # a power of two ≥ √V
   blocks = -(-v // width)
   w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, blocks * width - v)])
   w = w.reshape(*lead, blocks, width)

@@ -315,3 +315,23 @@ def test_exported_hf_directory_matches_transformers_and_load_hf(toy, tmp_path):
   np.testing.assert_allclose(ours[..., vm], reduced, atol=1e-5)
   outside = np.setdiff1d(np.arange(cfg.vocab_size), vm)
   assert np.all(ours[..., outside] == 0.0)
+
+
+def test_export_with_the_target_table_reads_what_the_full_input_drafter_reads(toy, tmp_path):
+  from specjax.drafters import ModelDrafter
+  cfg, tparams, _, _, vm = toy
+  draft, params = _draft(toy)
+  drafter = ModelDrafter(draft.cfg, target_vocab_size=cfg.vocab_size)
+  dp = drafter.make_params(params, vm, input_embed=tparams["embed"])
+  hcfg, hparams = drafts.expand_to_full_vocab(draft.cfg, params, vm, cfg.vocab_size,
+                                              input_embed=tparams["embed"])
+  np.testing.assert_array_equal(np.asarray(hparams["embed"]),
+                                np.asarray(dp["model"]["input_embed"]))
+  seq = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 10)))
+  pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+  ours = forward(hparams, hcfg, seq, pos, init_cache(hcfg, 2, 10)).logits
+  theirs = forward(dp["model"], draft.cfg, seq, pos, init_cache(draft.cfg, 2, 10)).logits
+  np.testing.assert_allclose(np.asarray(ours)[..., vm], np.asarray(theirs), atol=1e-5)
+  with pytest.raises(ValueError, match="input_embed must be"):
+    drafts.expand_to_full_vocab(draft.cfg, params, vm, cfg.vocab_size,
+                                input_embed=tparams["embed"][:3])

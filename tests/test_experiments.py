@@ -368,7 +368,8 @@ def test_settings_of_one_temperature_share_one_plain_baseline_per_round(tmp_path
   # The batch's calls (4 tokens) rotate from round to round, so no setting always runs
   # first: rounds of (plain, γ=1, γ=2) in turn, per temperature.
   batch_calls = [who for who, n in calls if n == 4]
-  assert batch_calls == 2 * ["plain", "γ=1", "γ=2", "γ=1", "γ=2", "plain", "γ=2", "plain", "γ=1"]
+  assert batch_calls == 2 * ["plain", "γ=1", "γ=2", "γ=1", "γ=2", "plain",
+                             "γ=2", "plain", "γ=1"]
   for t in (0.0, 1.0):
     runs = [r for r in results["runs"] if r["temperature"] == t]
     assert sorted(r["gamma"] for r in runs) == [1, 2]

@@ -131,7 +131,9 @@ def choose(timings: dict[int, tuple[float, ...]], source: str = "measured") -> M
   mode was the faster of the two."""
   grid = tuple(sorted(timings))
   best = {m: min(timings[m][1:]) for m in grid}
-  prefetch = tuple(len(timings[m]) > 2 and timings[m][2] < timings[m][1] for m in grid)
+  # One row is one pass over each panel: nothing runs from cache to prefetch during.
+  prefetch = tuple(m > 1 and len(timings[m]) > 2 and timings[m][2] < timings[m][1]
+                   for m in grid)
   return MatmulPolicy(grid=grid, kernel=tuple(best[m] < timings[m][0] for m in grid),
                       source=source, ratios=tuple(best[m] / timings[m][0] for m in grid),
                       prefetch=prefetch if any(prefetch) else ())
