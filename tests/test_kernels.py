@@ -206,14 +206,14 @@ def test_policy_prefetches_only_where_the_prefetching_kernel_was_faster():
     pol.MatmulPolicy(grid=(1, 2), kernel=(True, True), prefetch=(True,))
 
 
-@pytest.mark.skipif(not sm.available(), reason="streaming matmul kernel unavailable")
-@pytest.mark.parametrize("rows", [1, 3, 7, 30])
-def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows):
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows", [2, 4, 7, 30])  # AVX2: 2, 3, 5 and 20 passes per panel
+def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, variant):
   w = _rand((200, 64 * 9 + 5), rows)
   panels = jnp.asarray(sm.to_panels(w))
   x = jnp.asarray(_rand((rows, 200), rows + 1))
-  a = np.asarray(sm.streaming_matmul(x, panels))
-  b = np.asarray(sm.streaming_matmul(x, panels, prefetch=True))
+  a = np.asarray(sm.streaming_matmul(x, panels, variant))
+  b = np.asarray(sm.streaming_matmul(x, panels, variant, prefetch=True))
   np.testing.assert_array_equal(a, b)
   np.testing.assert_allclose(b, np.asarray(sm.reference(x, panels)), rtol=1e-5, atol=1e-4)
 

@@ -102,9 +102,9 @@ class MatmulPolicy:
           ranges.append(f"{name} for M {start}-{end}" if end else f"{name} for M >= {start}")
           start = m + 1
       what = ", ".join(ranges)
-    if any(self.prefetch):
-      what += "; prefetching at M = " + ", ".join(
-          str(m) for m, k, p in zip(self.grid, self.kernel, self.prefetch) if k and p)
+    prefetching = [str(m) for m, k, p in zip(self.grid, self.kernel, self.prefetch) if k and p]
+    if prefetching:
+      what += "; prefetching at M = " + ", ".join(prefetching)
     text = f"{what} ({self.source})"
     if self.ratios:
       text += "; kernel/XLA time at M = " + ", ".join(
@@ -130,10 +130,10 @@ def choose(timings: dict[int, tuple[float, ...]], source: str = "measured") -> M
   the kernel only where one of its modes was faster than XLA, prefetching where that
   mode was the faster of the two."""
   grid = tuple(sorted(timings))
-  best = {m: min(timings[m][1:]) for m in grid}
   # One row is one pass over each panel: nothing runs from cache to prefetch during.
   prefetch = tuple(m > 1 and len(timings[m]) > 2 and timings[m][2] < timings[m][1]
                    for m in grid)
+  best = {m: timings[m][2 if p else 1] for m, p in zip(grid, prefetch)}  # the mode that runs
   return MatmulPolicy(grid=grid, kernel=tuple(best[m] < timings[m][0] for m in grid),
                       source=source, ratios=tuple(best[m] / timings[m][0] for m in grid),
                       prefetch=prefetch if any(prefetch) else ())

@@ -120,7 +120,7 @@ struct Prefetch {
   // Lines [lo, hi) of each next-panel row fall to this pass.
   void Lines(int* lo, int* hi) const {
     constexpr int kLines = kPanel / 16;
-    const int per = passes >= kLines ? 1 : kLines / passes;
+    const int per = (kLines + passes - 1) / passes;  // every line falls to some pass
     *lo = std::min(pass * per, kLines);
     *hi = std::min(*lo + per, kLines);
     if (next == nullptr || passes < 2) *lo = *hi = 0;
@@ -261,7 +261,7 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->K = xd[1];
   job->P = pd[0];
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->P) - 1;
-  job->workers = helpers + 1;
+  job->workers = std::max<int64_t>(helpers + 1, 1);
   job->prefetch = prefetch != 0;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
