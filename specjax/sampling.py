@@ -128,7 +128,7 @@ def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   blocks (a power of two ≥ √V wide); u₁ · (total mass) picks a block by the
   blocks' running sums, then u₂ · (that block's mass) a token by the running
   sum inside it (no subtraction, so no cancellation). Exact up to float32
-  rounding of the partial sums, and 4-23x cheaper on CPU at V = 49,152 (1-16
+  rounding of the partial sums, and 5-12x cheaper on CPU at V = 49,152 (1-16
   rows) than Gumbel-max (``jax.random.categorical``), which draws and takes two
   logs of V uniforms (``benchmarks/results/sampling.md``).
 
