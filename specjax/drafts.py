@@ -163,14 +163,8 @@ def expand_to_full_vocab(cfg: ModelConfig, params: Params, vocab_map: Optional[n
   embed = np.asarray(params["embed"], np.float32)
   head = np.zeros((cfg.dim, target_vocab_size), np.float32)
   head[:, vm] = embed.T
-  if input_embed is None:
-    inputs = embed[im]
-  else:
-    inputs = np.array(input_embed, np.float32)
-    if inputs.shape != (target_vocab_size, cfg.dim):
-      raise ValueError(f"input_embed must be the target's [{target_vocab_size}, {cfg.dim}] "
-                       f"embedding table, got {inputs.shape}")
-    inputs[vm] = embed
+  inputs = (embed[im] if input_embed is None else
+            vocab.full_input_embed(embed, vm, input_embed, target_vocab_size))
   full = dict(params, embed=jnp.asarray(inputs), lm_head=jnp.asarray(head))
   return dataclasses.replace(cfg, vocab_size=target_vocab_size, tie_embeddings=False), full
 
@@ -214,8 +208,7 @@ def _model_drafter(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndar
     drafter = ModelDrafter(cfg)
     return drafter, drafter.make_params(params)
   drafter = ModelDrafter(cfg, target_vocab_size=target_vocab_size or len(input_map))
-  if target_embed is not None and tuple(np.shape(target_embed)) != (drafter.target_vocab_size,
-                                                                     cfg.dim):
+  if target_embed is not None and np.shape(target_embed)[-1] != cfg.dim:
     target_embed = None  # another width: the nearest-row input map it shipped with
   return drafter, drafter.make_params(params, vocab_map, input_map=input_map,
                                       input_embed=target_embed)

@@ -59,6 +59,26 @@ def nearest_input_map(vocab_map: np.ndarray, target_embed: np.ndarray,
   return out
 
 
+def full_input_embed(own_embed, vocab_map: np.ndarray, target_embed,
+                     target_vocab_size: int) -> np.ndarray:
+  """[V, D] input table of a reduced draft with full-vocabulary input: the target's
+  rows, with the draft's own (trained) rows at its ``vocab_map`` ids (a new array).
+
+  Example: vocab_map [0, 7, 3] -> row 7 is the draft's row 1, row 5 the target's row 5.
+
+  Raises:
+    ValueError: ``target_embed`` is not [target_vocab_size, D] for the draft's width D.
+  """
+  own = np.asarray(own_embed, np.float32)
+  want = (target_vocab_size, own.shape[1])
+  if tuple(np.shape(target_embed)) != want:
+    raise ValueError(f"input_embed must be the target's {list(want)} embedding table, got "
+                     f"{tuple(np.shape(target_embed))}")
+  table = np.array(target_embed, np.float32)
+  table[np.asarray(vocab_map)] = own
+  return table
+
+
 def input_map(vocab_map: jax.Array, target_vocab_size: int) -> jax.Array:
   """[V] target id -> draft row; ids outside the map -> FALLBACK_ROW (0)."""
   vm = jnp.asarray(vocab_map, jnp.int32)

@@ -32,6 +32,7 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
+from specjax.distill.vocab import full_input_embed
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import prefill
@@ -118,12 +119,9 @@ class ModelDrafter(Drafter):
     if vocab_map.min() < 0 or vocab_map.max() >= self.target_vocab_size:
       raise ValueError("vocab_map has ids outside the target vocabulary")
     if input_embed is not None:
-      if tuple(np.shape(input_embed)) != (self.target_vocab_size, self.cfg.dim):
-        raise ValueError(f"input_embed must be the target's [{self.target_vocab_size}, "
-                         f"{self.cfg.dim}] embedding table, got {tuple(np.shape(input_embed))}")
-      own = jnp.asarray(params["embed"], jnp.float32)
-      table = jnp.asarray(input_embed, jnp.float32).at[vocab_map].set(own)
-      return {"model": dict(params, input_embed=table), "vocab_map": jnp.asarray(vocab_map)}
+      table = full_input_embed(params["embed"], vocab_map, input_embed, self.target_vocab_size)
+      return {"model": dict(params, input_embed=jnp.asarray(table)),
+              "vocab_map": jnp.asarray(vocab_map)}
     if input_map is None:
       inverse = np.full((self.target_vocab_size,), unknown_row, np.int32)
       inverse[vocab_map] = np.arange(len(vocab_map), dtype=np.int32)
