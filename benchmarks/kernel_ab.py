@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import subprocess
 import tempfile
 import time
 
@@ -45,11 +44,10 @@ def build(source: str, name: str, workdir: str):
   """Compiles ``source`` and registers it as FFI target ``name``; returns its
   matmul(x, panels, prefetch)."""
   lib_path = os.path.join(workdir, f"{name}.so")
-  cmd = ["g++", "-O3", *sm.VARIANTS["native"], "-ffp-contract=fast", "-std=c++17", "-shared",
-         "-fPIC", "-w", "-I", jax.ffi.include_dir(), source, "-o", lib_path]
-  done = subprocess.run(cmd, capture_output=True, text=True)
-  if done.returncode:
-    raise SystemExit(f"building {source} failed:\n{done.stderr[-2000:]}")
+  try:
+    sm.build_library(lib_path, "native", source)  # the library's own compiler and flags
+  except RuntimeError as e:
+    raise SystemExit(f"building {source} failed:\n{e}") from None
   lib = ctypes.cdll.LoadLibrary(lib_path)
   jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
 

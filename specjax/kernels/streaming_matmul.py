@@ -95,7 +95,8 @@ def _library_path(variant: str) -> str:
   return os.path.join(cache_dir(), f"streaming_matmul-{variant}-{key}.so")
 
 
-def _build(path: str, variant: str) -> None:
+def build_library(path: str, variant: str, source: str = _SOURCE) -> None:
+  """Compiles ``source`` (default: the kernel's own) with the variant's flags into ``path``."""
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None:
     raise RuntimeError("no C++ compiler (g++/c++ or $CXX) on PATH")
@@ -103,7 +104,7 @@ def _build(path: str, variant: str) -> None:
   with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
     out = os.path.join(tmp, "lib.so")
     cmd = [compiler, "-O3", *VARIANTS[variant], "-ffp-contract=fast", "-std=c++17", "-shared",
-           "-fPIC", "-w", "-I", jax.ffi.include_dir(), _SOURCE, "-o", out]
+           "-fPIC", "-w", "-I", jax.ffi.include_dir(), source, "-o", out]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
       raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -127,7 +128,7 @@ def _register(variant: str = "native") -> Optional[str]:
   try:
     path = _library_path(variant)
     if not os.path.exists(path):
-      _build(path, variant)
+      build_library(path, variant)
     lib = ctypes.cdll.LoadLibrary(path)
     jax.ffi.register_ffi_target(_target(variant),
                                 jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
