@@ -30,6 +30,7 @@ from absl import app, flags
 
 import specjax
 from benchmarks.common import probe_output_dir, provenance, write_markdown
+from experiments.measure import step_seconds
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
 from specjax.sampling import make_sampler
@@ -79,7 +80,7 @@ def main(_):
       for i, p in enumerate(prompts):
         full, t_full = _timed(lambda: plain(p, new + 1, i))
         _, t_one = _timed(lambda: plain(p, 1, i))
-        t1s.append((t_full - t_one) / new)
+        t1s.append(step_seconds(t_full, t_one, new + 1))
         shares.append(t_one / t_full)
         refs[i] = full.generated(0)[:new]
     t1 = float(np.median(t1s))

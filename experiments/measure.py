@@ -317,10 +317,10 @@ class Bench:
         bar.update()
       plain_t["plain_seconds"].append([o.seconds for o in plain_outs])
       plain_t["plain_step_seconds"].append(
-          _step_seconds(plain_outs[0].seconds, plain_one, plain_outs[0].steps))
+          step_seconds(plain_outs[0].seconds, plain_one, plain_outs[0].steps))
       for t, outs, one in zip(spec_t, spec_outs, spec_one):
         t["seconds"].append([o.seconds for o in outs])
-        t["step_seconds"].append(_step_seconds(outs[0].seconds, one, outs[0].steps))
+        t["step_seconds"].append(step_seconds(outs[0].seconds, one, outs[0].steps))
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
@@ -392,7 +392,7 @@ def _spec_outputs(outs: Sequence[Any], batches: Sequence[Batch]) -> dict[str, An
               steps=[int(o.steps) for o in outs])
 
 
-def _step_seconds(full: float, one_step: float, steps: int) -> float:
+def step_seconds(full: float, one_step: float, steps: int) -> float:
   """Seconds per loop step, prefill excluded: (full call − 1-step call) / (steps − 1)."""
   step = (full - one_step) / max(steps - 1, 1)
   if not step > 0:  # timer noise on a tiny model: fall back to the mean including prefill
