@@ -210,7 +210,8 @@ def _cache_path(key: str) -> str:
 def policy_for(params: dict, tie_embeddings: bool,
                measure_fn: Callable[[Sequence[np.ndarray]], dict] = measure) -> MatmulPolicy:
   """The matmul policy for this model here: ``SPECJAX_MATMUL``, else the cached or new
-  measurement. Logs the decision (a warning when it measures: that takes ~15-45 s once)."""
+  measurement. Logs the decision (a warning when it measures: once per machine, 28 s
+  measured on a slow 2-core host)."""
   choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
   if choice not in CHOICES:
     raise ValueError(f"{ENV}={choice!r}: choose one of {', '.join(CHOICES)}")
