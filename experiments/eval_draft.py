@@ -188,7 +188,7 @@ def main(argv):
   a0, a1, c = res["heldout"]["alpha_T0"], res["alpha_T1_exact_subset"]["alpha"], res["timing"]["c"]
   res["expected_walltime_improvement"] = {  # Leviathan et al. Thm 3.8
       f"T{t}_gamma{g}": (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
-      for t, a in ((0, a0), (1, a1)) for g in (1, 2, 3, 4)}
+      for t, a in ((0, a0), (1, a1)) if a is not None for g in (1, 2, 3, 4)}
   res["size_bytes"] = {f: os.path.getsize(os.path.join(path, f))
                        for f in ("weights.safetensors", "draft.json")}
   logging.info("%s", json.dumps(res, indent=2))
@@ -208,9 +208,12 @@ def _seq_len(meta: dict) -> int:
 
 
 def _exact_subset(tparams, tcfg, held, draft_logits, layers=()) -> dict:
+  """Exact T=1 α on the first sampled held-out responses (α None when the corpus has
+  no sampled held-out response)."""
   sampled = [r for r in held if r["mode"] != "greedy"][:FLAGS.exact_records]
   return dict(records=len(sampled), tokens=int(sum(len(r["response"]) for r in sampled)),
-              alpha=exact_alpha_t1(tparams, tcfg, sampled, draft_logits, layers))
+              alpha=exact_alpha_t1(tparams, tcfg, sampled, draft_logits, layers)
+              if sampled else None)
 
 
 def eval_token_draft(path: str, meta: dict, tok) -> dict:
@@ -218,7 +221,7 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   import jax
   import jax.numpy as jnp
   from specjax import drafts
-  from specjax.distill import teacher, train
+  from specjax.distill import teacher, train, vocab
   from specjax.distill.vocab import lift_logits
   from specjax.kv_cache import init_cache
   from specjax.loaders import load_model
@@ -232,16 +235,27 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   corpus = FLAGS.corpus or corpus_path(meta["info"]["corpus"])
   held = teacher.load_corpus(corpus, "heldout")
   k = meta["info"].get("topk", 64)
-  alpha = lambda recs: train.heldout_alpha(dparams, draft, recs, _seq_len(meta), k)
+  # Read ids as inference does (specjax.drafts.drafter_from_path): a reduced draft of
+  # the target's width reads ids outside its vocabulary through the target's rows.
+  full_input = vm is not None and dcfg.dim == tcfg.dim
+  objective = train.TokenObjective(dcfg, full_input=full_input)
+  frozen = train.full_input_frozen(tparams["embed"], vm) if full_input else None
+  alpha = lambda recs: train.heldout_alpha(dparams, draft, recs, _seq_len(meta), k,
+                                           objective=objective, frozen=frozen)
   res = dict(heldout=alpha(held), by_category={
       cat: alpha([r for r in held if r["category"] == cat])
       for cat in sorted({r["category"] for r in held})})
   d_vm, d_im = draft.maps()
   fwd = jax.jit(forward, static_argnames=("cfg",))
+  read_params, read = dparams, lambda toks: d_im[toks]
+  if full_input:
+    read_params = dict(dparams, input_embed=jnp.asarray(
+        vocab.full_input_embed(dparams["embed"], vm, tparams["embed"], tcfg.vocab_size)))
+    read = lambda toks: toks
 
   def draft_logits(toks, pos, out):
     del out
-    dl = fwd(dparams, dcfg, d_im[toks], pos, init_cache(dcfg, *toks.shape)).logits[0]
+    dl = fwd(read_params, dcfg, read(toks), pos, init_cache(dcfg, *toks.shape)).logits[0]
     return lift_logits(dl, d_vm, tcfg.vocab_size)
 
   res["alpha_T1_exact_subset"] = _exact_subset(tparams, tcfg, held, draft_logits)

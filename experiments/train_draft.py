@@ -69,6 +69,10 @@ flags.DEFINE_integer("on_policy_every", 0, "Every n-th step trains on draft samp
                      "the target (0 = off).")
 flags.DEFINE_integer("draft_vocab", 8192, "Draft vocabulary size (0 = full target vocabulary).")
 flags.DEFINE_list("draft_layers", ["0"], "Target layers that initialise the draft's layers.")
+flags.DEFINE_bool("target_input", True, "Token draft with --draft_vocab: read ids outside its "
+                  "vocabulary through the target's embedding rows during training, as "
+                  "inference does (ModelDrafter.make_params(input_embed=...)); off: through "
+                  "the nearest kept row.")
 flags.DEFINE_float("max_minutes", 1e9, "Stop (checkpointed, resumable) after this long.")
 flags.DEFINE_enum("draft_kind", "token", ["token", "eagle"], "A token draft model, or an EAGLE "
                   "feature drafter over the target's last hidden state.")
@@ -226,6 +230,9 @@ def run_train_stage(directory: str, workdir: str) -> None:
       setup.update(feature_layers=list(feature_layers))
   if online:
     setup.update(teacher="online", teacher_topk=k)
+  target_input = FLAGS.target_input and bool(FLAGS.draft_vocab) and not eagle_run
+  if target_input:
+    setup.update(target_input=True)  # (absent when off, so earlier runs still resume)
   if os.path.exists(setup_file):  # resuming: the corpus and the draft must be the same
     with open(setup_file) as f:
       old = json.load(f)
@@ -266,6 +273,9 @@ def run_train_stage(directory: str, workdir: str) -> None:
   else:
     spec = vocab.DraftSpec(vocab_size=FLAGS.draft_vocab or None, layers=layers)
     dcfg, dparams = vocab.init_from_target(cfg, params, spec, vocab_map)
+    if target_input:
+      objective = train.TokenObjective(dcfg, full_input=True)
+      frozen = train.full_input_frozen(params["embed"], vocab_map)
   draft = train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size, vocab_map=vocab_map,
                       input_map=in_map)
   tc = train.TrainConfig(

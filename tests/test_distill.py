@@ -192,6 +192,62 @@ def test_tiny_training_lowers_loss_and_raises_alpha(toy, tmp_path, kind):
   assert hist[-1]["alpha_T1"] <= hist[-1]["alpha_T1_upper"] <= 1.0
 
 
+def test_full_input_objective_reads_what_the_full_input_drafter_reads(toy):
+  """Training with ``TokenObjective(full_input=True)`` sees the log-probs inference sees
+  through ``ModelDrafter.make_params(input_embed=target_embed)``, on sequences full of ids
+  outside the draft's vocabulary; the substitute-row objective does not."""
+  from specjax.drafters import ModelDrafter
+  cfg, tparams, _, _, vm = toy
+  draft, params = _draft(toy)
+  dp = ModelDrafter(draft.cfg, target_vocab_size=cfg.vocab_size).make_params(
+      params, vm, input_embed=tparams["embed"])
+  rng = np.random.default_rng(2)
+  outside = np.setdiff1d(np.arange(cfg.vocab_size), vm)
+  seq = np.where(rng.random((2, 12)) < 0.5, rng.choice(outside, (2, 12)), rng.choice(vm, (2, 12)))
+  batch = dict(tokens=jnp.asarray(seq), pred_pos=jnp.broadcast_to(jnp.arange(12), (2, 12)))
+  pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  served = jax.nn.log_softmax(forward(dp["model"], draft.cfg, batch["tokens"], pos,
+                                      init_cache(draft.cfg, 2, 12)).logits, -1)
+  _, im = draft.maps()
+  frozen = train.full_input_frozen(tparams["embed"], vm)
+  full, _ = train.TokenObjective(draft.cfg, full_input=True).logp_and_aux(
+      params, frozen, im, batch, None)
+  mapped, _ = train.TokenObjective(draft.cfg).logp_and_aux(params, {}, im, batch, None)
+  np.testing.assert_allclose(np.asarray(full), np.asarray(served), atol=1e-5)
+  assert np.abs(np.asarray(mapped) - np.asarray(served)).max() > 1e-2
+  with pytest.raises(ValueError, match="frozen"):
+    train.TokenObjective(draft.cfg, full_input=True).logp_and_aux(params, {}, im, batch, None)
+
+
+def test_tiny_full_input_training_lowers_loss_and_raises_alpha(toy, tmp_path):
+  """The full-vocabulary-input token draft trains (its own rows and layers; the target's
+  rows stay frozen), and full input is refused where it has no meaning."""
+  cfg, tparams, recs, held, vm = toy
+  draft, params = _draft(toy)
+  objective = train.TokenObjective(draft.cfg, full_input=True)
+  frozen = train.full_input_frozen(tparams["embed"], vm)
+  tc = dataclasses.replace(TC, lr=1e-2, steps=60, batch_size=8, eval_every=60,
+                           checkpoint_every=60)
+  batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], tc.seq_len, K).items()}
+  vm_j, im = draft.maps()
+  before = float(train.loss_fn(params, objective, "fkl", vm_j, im, frozen, batch))
+  trained, hist = train.train(draft, params, recs, held, tc, str(tmp_path / "run"), k=K,
+                              log=lambda m: 0, progress=False, objective=objective,
+                              frozen=frozen)
+  after = float(train.loss_fn(trained, objective, "fkl", vm_j, im, frozen, batch))
+  assert after < 0.8 * before
+  assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"] + 0.1
+  assert set(trained) == set(params)  # the target's table is not a trained parameter
+  full_vocab = train.Draft(cfg=cfg, target_vocab_size=cfg.vocab_size)
+  with pytest.raises(ValueError, match="reduced-vocabulary"):
+    train.train(full_vocab, tparams, recs, held, tc, str(tmp_path / "a"), k=K,
+                objective=train.TokenObjective(cfg, full_input=True), frozen=frozen)
+  with pytest.raises(ValueError, match="on-policy"):
+    train.train(draft, params, recs, held, dataclasses.replace(tc, on_policy_every=2),
+                str(tmp_path / "b"), k=K, target=(cfg, tparams), objective=objective,
+                frozen=frozen)
+
+
 def test_heldout_alpha_t1_bounds_contain_exact_beta(toy):
   cfg, tparams, _, held, _ = toy
   draft, params = _draft(toy)

@@ -178,15 +178,22 @@ class Teacher:
 # ------------------------------------------------------------------ model pieces
 
 
-def draft_logp_at(params: Params, cfg: ModelConfig, in_map: jax.Array, tokens: jax.Array,
+def draft_logp_at(params: Params, cfg: ModelConfig, input_ids: jax.Array,
                   pred_pos: jax.Array) -> jax.Array:
-  """[B, R, Vd] the draft's log-probs at ``pred_pos`` given target-id ``tokens`` [B, L]."""
-  b, l = tokens.shape
+  """[B, R, Vd] the draft's log-probs at ``pred_pos`` given its input ids [B, L] (draft
+  rows, or target ids when ``params`` hold a full-vocabulary ``input_embed``)."""
+  b, l = input_ids.shape
   pos = jnp.broadcast_to(jnp.arange(l), (b, l))
-  out = forward(params, cfg, in_map[tokens], pos, kvc.init_cache(cfg, b, l),
-                compute_logits=False)
+  out = forward(params, cfg, input_ids, pos, kvc.init_cache(cfg, b, l), compute_logits=False)
   hidden = jnp.take_along_axis(out.hidden, pred_pos[:, :, None], axis=1)
   return jax.nn.log_softmax(lm_head(cfg, params, hidden), axis=-1)
+
+
+def full_input_frozen(target_embed: jax.Array, vocab_map: np.ndarray) -> dict[str, jax.Array]:
+  """The frozen arrays of ``TokenObjective(full_input=True)``: the target's [V, D]
+  embedding table and the draft's [Vd] ``vocab_map``."""
+  return dict(input_embed=jnp.asarray(target_embed, jnp.float32),
+              vocab_map=jnp.asarray(vocab_map, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,13 +204,31 @@ class TokenObjective:
   to ([B, R, Vd] log-probs at ``batch["pred_pos"]``, auxiliary loss); the
   divergence to the target is added by ``loss_fn``. Feature drafters have
   their own (``specjax.distill.eagle.EagleObjective``).
+
+  Attributes:
+    cfg: the draft's config.
+    full_input: a reduced-vocabulary draft reads every target id as it does at
+      inference with ``ModelDrafter.make_params(input_embed=target_embed)``:
+      the target's row (frozen: ``frozen["input_embed"]``), or its own trainable
+      row for ids in ``frozen["vocab_map"]`` (``full_input_frozen``). Otherwise
+      ids go through ``in_map`` (ids outside the vocabulary read a substitute
+      row). Example: vocab_map [0, 7, 3]: id 7 reads draft row 1, id 5 the
+      target's row 5.
   """
 
   cfg: ModelConfig
+  full_input: bool = False
 
   def logp_and_aux(self, params, frozen, in_map, batch, key):
-    del frozen, key
-    return draft_logp_at(params, self.cfg, in_map, batch["tokens"], batch["pred_pos"]), 0.0
+    del key
+    if not self.full_input:
+      return draft_logp_at(params, self.cfg, in_map[batch["tokens"]], batch["pred_pos"]), 0.0
+    if "input_embed" not in frozen or "vocab_map" not in frozen:
+      raise ValueError("TokenObjective(full_input=True) reads frozen['input_embed'] and "
+                       "frozen['vocab_map'] (train.full_input_frozen)")
+    table = frozen["input_embed"].at[frozen["vocab_map"]].set(params["embed"])
+    return draft_logp_at(dict(params, input_embed=table), self.cfg, batch["tokens"],
+                         batch["pred_pos"]), 0.0
 
 
 def _coarsened(draft_logp, topk_ids, topk_logp, vocab_map, in_map):
@@ -406,6 +431,13 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     raise ValueError(f"k={k} but the teacher keeps its top {teacher[0].k}")
   if tc.on_policy_every and not isinstance(objective, TokenObjective):
     raise ValueError("on-policy steps are implemented for token drafts only")
+  if isinstance(objective, TokenObjective) and objective.full_input:
+    if draft.vocab_map is None:
+      raise ValueError("full_input is for a reduced-vocabulary draft; this one reads every "
+                       "id through its own table")
+    if tc.on_policy_every:
+      raise ValueError("on-policy steps sample the draft in its own id space; they are not "
+                       "implemented for a full-vocabulary-input draft")
   frozen = frozen or {}
   os.makedirs(workdir, exist_ok=True)
   mngr = ckpt.manager(os.path.join(workdir, "checkpoints"))
