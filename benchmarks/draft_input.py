@@ -46,7 +46,8 @@ def main(_):
       "nearest in-map row (`input_map`, shipped)": drafter.make_params(dparams, vocab_map,
                                                                       input_map=input_map),
       "target's row outside the map (full-vocabulary input)": full,
-      "target's rows for every id": dict(full, model=dict(full["model"], input_embed=embed)),
+      "target's rows for every id": dict(full, model={k: x for k, x in full["model"].items()
+                                                       if k != "input_rows"}),
   }
   prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
   batches = [prompts[i:i + 4] for i in range(0, len(prompts), 4)]

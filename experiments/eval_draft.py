@@ -221,7 +221,7 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   import jax
   import jax.numpy as jnp
   from specjax import drafts
-  from specjax.distill import teacher, train, vocab
+  from specjax.distill import teacher, train
   from specjax.distill.vocab import lift_logits
   from specjax.kv_cache import init_cache
   from specjax.loaders import load_model
@@ -249,9 +249,7 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   fwd = jax.jit(forward, static_argnames=("cfg",))
   read_params, read = dparams, lambda toks: d_im[toks]
   if full_input:
-    read_params = dict(dparams, input_embed=jnp.asarray(
-        vocab.full_input_embed(dparams["embed"], vm, tparams["embed"], tcfg.vocab_size)))
-    read = lambda toks: toks
+    read_params, read = dict(dparams, **frozen), lambda toks: toks
 
   def draft_logits(toks, pos, out):
     del out

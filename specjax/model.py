@@ -89,6 +89,27 @@ def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
   return x, k_cache, v_cache
 
 
+def embed_inputs(params: Params, tokens: jax.Array) -> jax.Array:
+  """[.., D] input embeddings of ``tokens``: rows of ``embed`` by default.
+
+  A reduced-vocabulary draft with full-vocabulary input
+  (``ModelDrafter.make_params(input_embed=...)``) carries ``input_embed``
+  [V_in, D], the target's table, which the ids index instead, and
+  ``input_rows`` [V_in] int32: ids whose entry is >= 0 read that row of its own
+  ``embed`` (trained), the rest the target's row. The target's table is shared,
+  not copied; ``embed`` stays the tied output head. Example: input_rows
+  [-1, 0, -1, 2]: id 1 reads embed[0], id 2 input_embed[2].
+  """
+  if "input_embed" not in params:
+    return params["embed"][tokens]
+  x = params["input_embed"][tokens]
+  if "input_rows" not in params:
+    return x
+  rows = params["input_rows"][tokens]
+  own = params["embed"][jnp.maximum(rows, 0)].astype(x.dtype)
+  return jnp.where((rows >= 0)[..., None], own, x)
+
+
 def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   """Final norm + output projection: [B, T, D] -> [B, T, V] float32 logits."""
   x = rms_norm(hidden, params["final_norm"], cfg.norm_eps)
@@ -165,12 +186,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
   Returns:
     ForwardOutput with logits, last hidden state, intermediates and new cache.
   """
-  # ``input_embed`` [V_in, D], when present, is the table the input ids index
-  # instead of ``embed`` (a reduced-vocabulary draft reading the target's full
-  # table, ModelDrafter.make_params); ``embed`` stays the tied output head.
-  table = params.get("input_embed", params["embed"])
-  x, inter, new_cache = run_layers(params, cfg, table[tokens], positions, cache, mask,
-                                   num_valid, return_layers, attention_impl)
+  x, inter, new_cache = run_layers(params, cfg, embed_inputs(params, tokens), positions, cache,
+                                   mask, num_valid, return_layers, attention_impl)
   logits = lm_head(cfg, params, x) if compute_logits else None
   return ForwardOutput(logits=logits, hidden=x, intermediates=inter, cache=new_cache)
 

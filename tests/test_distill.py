@@ -12,7 +12,7 @@ from specjax import drafts
 from specjax.distill import checkpoint as ckpt
 from specjax.distill import losses, train, vocab
 from specjax.loaders import CheckpointError, load_hf
-from specjax.model import forward, init_params
+from specjax.model import embed_inputs, forward, init_params
 from specjax.kv_cache import init_cache
 
 K = 8
@@ -190,6 +190,18 @@ def test_tiny_training_lowers_loss_and_raises_alpha(toy, tmp_path, kind):
   assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"] + 0.1
   assert hist[-1]["alpha_T1"] > hist[0]["alpha_T1"] + 0.1
   assert hist[-1]["alpha_T1"] <= hist[-1]["alpha_T1_upper"] <= 1.0
+
+
+def test_full_input_rows_and_lookup_match_their_docstring_examples():
+  reads = vocab.full_input(np.array([0, 7, 3]), np.zeros((8, 2)), 8, 2)
+  np.testing.assert_array_equal(reads["input_rows"], [0, -1, -1, 2, -1, -1, -1, 1])
+  own = jnp.asarray([[10.0], [11.0], [12.0]])
+  target = jnp.asarray([[0.0], [1.0], [2.0], [3.0]])
+  params = dict(embed=own, input_embed=target, input_rows=jnp.asarray([-1, 0, -1, 2]))
+  np.testing.assert_array_equal(embed_inputs(params, jnp.asarray([0, 1, 2, 3]))[:, 0],
+                                [0.0, 10.0, 2.0, 12.0])
+  with pytest.raises(ValueError, match="input_embed must be"):
+    vocab.full_input(np.array([0, 7, 3]), np.zeros((8, 3)), 8, 2)
 
 
 def test_full_input_objective_reads_what_the_full_input_drafter_reads(toy):
@@ -381,8 +393,10 @@ def test_export_with_the_target_table_reads_what_the_full_input_drafter_reads(to
   dp = drafter.make_params(params, vm, input_embed=tparams["embed"])
   hcfg, hparams = drafts.expand_to_full_vocab(draft.cfg, params, vm, cfg.vocab_size,
                                               input_embed=tparams["embed"])
+  every_id = jnp.arange(cfg.vocab_size)
   np.testing.assert_array_equal(np.asarray(hparams["embed"]),
-                                np.asarray(dp["model"]["input_embed"]))
+                                np.asarray(embed_inputs(dp["model"], every_id)))
+  assert dp["model"]["input_embed"] is tparams["embed"]  # shared, not copied
   seq = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 10)))
   pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
   ours = forward(hparams, hcfg, seq, pos, init_cache(hcfg, 2, 10)).logits

@@ -25,7 +25,7 @@ import optax
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.distill import checkpoint as ckpt
-from specjax.distill import losses
+from specjax.distill import losses, vocab
 from specjax.distill.vocab import input_map
 from specjax.model import Params, forward, lm_head, target_features
 
@@ -191,9 +191,9 @@ def draft_logp_at(params: Params, cfg: ModelConfig, input_ids: jax.Array,
 
 def full_input_frozen(target_embed: jax.Array, vocab_map: np.ndarray) -> dict[str, jax.Array]:
   """The frozen arrays of ``TokenObjective(full_input=True)``: the target's [V, D]
-  embedding table and the draft's [Vd] ``vocab_map``."""
-  return dict(input_embed=jnp.asarray(target_embed, jnp.float32),
-              vocab_map=jnp.asarray(vocab_map, jnp.int32))
+  embedding table and each id's draft row (``vocab.full_input``)."""
+  v, d = np.shape(target_embed)
+  return vocab.full_input(vocab_map, target_embed, v, d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +210,8 @@ class TokenObjective:
     full_input: a reduced-vocabulary draft reads every target id as it does at
       inference with ``ModelDrafter.make_params(input_embed=target_embed)``:
       the target's row (frozen: ``frozen["input_embed"]``), or its own trainable
-      row for ids in ``frozen["vocab_map"]`` (``full_input_frozen``). Otherwise
+      row for ids in its vocabulary (``frozen["input_rows"]``; both from
+      ``full_input_frozen``). Otherwise
       ids go through ``in_map`` (ids outside the vocabulary read a substitute
       row). Example: vocab_map [0, 7, 3]: id 7 reads draft row 1, id 5 the
       target's row 5.
@@ -223,12 +224,11 @@ class TokenObjective:
     del key
     if not self.full_input:
       return draft_logp_at(params, self.cfg, in_map[batch["tokens"]], batch["pred_pos"]), 0.0
-    if "input_embed" not in frozen or "vocab_map" not in frozen:
+    if "input_embed" not in frozen or "input_rows" not in frozen:
       raise ValueError("TokenObjective(full_input=True) reads frozen['input_embed'] and "
-                       "frozen['vocab_map'] (train.full_input_frozen)")
-    table = frozen["input_embed"].at[frozen["vocab_map"]].set(params["embed"])
-    return draft_logp_at(dict(params, input_embed=table), self.cfg, batch["tokens"],
-                         batch["pred_pos"]), 0.0
+                       "frozen['input_rows'] (train.full_input_frozen)")
+    reads = dict(params, input_embed=frozen["input_embed"], input_rows=frozen["input_rows"])
+    return draft_logp_at(reads, self.cfg, batch["tokens"], batch["pred_pos"]), 0.0
 
 
 def _coarsened(draft_logp, topk_ids, topk_logp, vocab_map, in_map):

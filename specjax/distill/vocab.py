@@ -59,10 +59,36 @@ def nearest_input_map(vocab_map: np.ndarray, target_embed: np.ndarray,
   return out
 
 
+def _check_target_table(target_embed, target_vocab_size: int, dim: int) -> None:
+  want = (target_vocab_size, dim)
+  if tuple(np.shape(target_embed)) != want:
+    raise ValueError(f"input_embed must be the target's {list(want)} embedding table, got "
+                     f"{tuple(np.shape(target_embed))}")
+
+
+def full_input(vocab_map: np.ndarray, target_embed, target_vocab_size: int,
+               dim: int) -> dict[str, jax.Array]:
+  """The arrays a reduced draft of width ``dim`` adds to its params to read every target id
+  (``model.embed_inputs``): ``input_embed``, the target's [V, D] table (shared, not
+  copied), and ``input_rows`` [V], the draft row of each id in ``vocab_map``, else -1.
+
+  Example: vocab_map [0, 7, 3], V = 8 -> input_rows [0, -1, -1, 2, -1, -1, -1, 1].
+
+  Raises:
+    ValueError: ``target_embed`` is not [target_vocab_size, dim].
+  """
+  _check_target_table(target_embed, target_vocab_size, dim)
+  rows = np.full((target_vocab_size,), -1, np.int32)
+  vocab_map = np.asarray(vocab_map)
+  rows[vocab_map] = np.arange(len(vocab_map), dtype=np.int32)
+  return dict(input_embed=jnp.asarray(target_embed, jnp.float32), input_rows=jnp.asarray(rows))
+
+
 def full_input_embed(own_embed, vocab_map: np.ndarray, target_embed,
                      target_vocab_size: int) -> np.ndarray:
-  """[V, D] input table of a reduced draft with full-vocabulary input: the target's
-  rows, with the draft's own (trained) rows at its ``vocab_map`` ids (a new array).
+  """[V, D] the table ``full_input`` reads, written out (a new array): the target's rows,
+  with the draft's own (trained) rows at its ``vocab_map`` ids. For exports that need
+  one table (``specjax.drafts.expand_to_full_vocab``).
 
   Example: vocab_map [0, 7, 3] -> row 7 is the draft's row 1, row 5 the target's row 5.
 
@@ -70,10 +96,7 @@ def full_input_embed(own_embed, vocab_map: np.ndarray, target_embed,
     ValueError: ``target_embed`` is not [target_vocab_size, D] for the draft's width D.
   """
   own = np.asarray(own_embed, np.float32)
-  want = (target_vocab_size, own.shape[1])
-  if tuple(np.shape(target_embed)) != want:
-    raise ValueError(f"input_embed must be the target's {list(want)} embedding table, got "
-                     f"{tuple(np.shape(target_embed))}")
+  _check_target_table(target_embed, target_vocab_size, own.shape[1])
   table = np.array(target_embed, np.float32)
   table[np.asarray(vocab_map)] = own
   return table

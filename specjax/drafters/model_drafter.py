@@ -32,7 +32,7 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
-from specjax.distill.vocab import full_input_embed
+from specjax.distill.vocab import full_input
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import prefill
@@ -100,7 +100,8 @@ class ModelDrafter(Drafter):
         rows, every other id the target's row instead of a substitute row, so
         prompt tokens outside the draft's vocabulary keep their meaning
         (``input_map`` is then unused). The draft keeps its own rows as its
-        output head. The mixed table is a new [V, D] array.
+        output head. The target's table is shared, not copied
+        (``model.embed_inputs``).
 
     Example: with vocab_map [0, 7, 3] and input_embed E, target id 7 reads the
     draft's row 1 and target id 5 reads E[5].
@@ -119,9 +120,8 @@ class ModelDrafter(Drafter):
     if vocab_map.min() < 0 or vocab_map.max() >= self.target_vocab_size:
       raise ValueError("vocab_map has ids outside the target vocabulary")
     if input_embed is not None:
-      table = full_input_embed(params["embed"], vocab_map, input_embed, self.target_vocab_size)
-      return {"model": dict(params, input_embed=jnp.asarray(table)),
-              "vocab_map": jnp.asarray(vocab_map)}
+      reads = full_input(vocab_map, input_embed, self.target_vocab_size, self.cfg.dim)
+      return {"model": dict(params, **reads), "vocab_map": jnp.asarray(vocab_map)}
     if input_map is None:
       inverse = np.full((self.target_vocab_size,), unknown_row, np.int32)
       inverse[vocab_map] = np.arange(len(vocab_map), dtype=np.int32)
