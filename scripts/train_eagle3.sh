@@ -3,6 +3,7 @@
 #
 #   scripts/train_eagle3.sh data  WORKDIR   # the corpus: token ids of the target's answers
 #   scripts/train_eagle3.sh train WORKDIR   # train (resumable: rerun to continue)
+#   scripts/train_eagle3.sh token WORKDIR2  # a token draft on the same corpus (its own workdir)
 #
 # data: the extended prompt set plus chat prompts the target writes itself; the
 # target answers each train prompt in several passes (greedy, then T=1), batched
@@ -10,11 +11,15 @@
 # train: a fused-feature (low/mid/last layer) EAGLE drafter with training-time
 # test (3 unrolled steps), forward KL to the target's top-64 recomputed
 # teacher-forced on every batch (--teacher=online), for $STEPS steps or until
-# $TRAIN_MINUTES. The defaults are the accelerator run; every knob is an
+# $TRAIN_MINUTES. token: the independent token draft (issue #15 item 3) on the same
+# corpus: one layer from the target's layer 0, an 11,008-id vocabulary (the shipped
+# draft's size, under 20 MB in float16), full-vocabulary input (--target_input,
+# train_draft's default), forward KL to the online teacher's top-64; not run yet at
+# this scale. The defaults are the accelerator run; every knob is an
 # environment variable, so the same command runs small on a CPU.
 set -euo pipefail
-stage=${1:?usage: train_eagle3.sh data|train WORKDIR [extra train_draft flags]}
-workdir=${2:?usage: train_eagle3.sh data|train WORKDIR [extra train_draft flags]}
+stage=${1:?usage: train_eagle3.sh data|train|token WORKDIR [extra train_draft flags]}
+workdir=${2:?usage: train_eagle3.sh data|train|token WORKDIR [extra train_draft flags]}
 shift 2
 DATA=(--prompt_set=extended --self_instruct_per_topic="${SELF_INSTRUCT:-4}"
       --gen_batch="${GEN_BATCH:-512}" --max_new_tokens="${MAX_NEW:-256}" --topk=1
@@ -33,5 +38,13 @@ case "$stage" in
       --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
       --eval_records="${EVAL_RECORDS:-384}" \
       --feature_weight=0.1 --feature_noise=0.05 "$@" ;;
-  *) echo "unknown stage $stage (data or train)" >&2; exit 2 ;;
+  token)
+    python -m experiments.train_draft --stage=train "${DATA[@]}" --workdir="$workdir" \
+      --draft_kind=token --draft_layers=0 --target_input --teacher=online --teacher_topk=64 \
+      --draft_vocab="${VOCAB:-11008}" --loss=fkl --steps="${STEPS:-2000}" \
+      --batch_size="${BATCH:-64}" --seq_len=416 --lr="${LR:-1e-3}" \
+      --warmup_steps="${WARMUP:-100}" --eval_every="${EVAL_EVERY:-250}" \
+      --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
+      --eval_records="${EVAL_RECORDS:-384}" "$@" ;;
+  *) echo "unknown stage $stage (data, train or token)" >&2; exit 2 ;;
 esac
