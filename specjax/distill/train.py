@@ -211,10 +211,9 @@ class TokenObjective:
       inference with ``ModelDrafter.make_params(input_embed=target_embed)``:
       the target's row (frozen: ``frozen["input_embed"]``), or its own trainable
       row for ids in its vocabulary (``frozen["input_rows"]``; both from
-      ``full_input_frozen``). Otherwise
-      ids go through ``in_map`` (ids outside the vocabulary read a substitute
-      row). Example: vocab_map [0, 7, 3]: id 7 reads draft row 1, id 5 the
-      target's row 5.
+      ``full_input_frozen``). Otherwise ids go through ``in_map`` (ids outside
+      the vocabulary read a substitute row). Example: vocab_map [0, 7, 3]: id 7
+      reads draft row 1, id 5 the target's row 5.
   """
 
   cfg: ModelConfig
