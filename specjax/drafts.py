@@ -214,7 +214,8 @@ def _model_drafter(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndar
                                       input_embed=target_embed)
 
 
-def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params, tokenizer):
+def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params, tokenizer,
+                      *, target_input: bool = True):
   """(drafter, draft_params, note) of a draft at ``path``, checked against the target.
 
   ``path`` is a specjax draft directory (token or EAGLE), a Hugging Face model
@@ -223,6 +224,12 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
   drafts, the fingerprint of the model's own tokenizer otherwise. Only a
   target without a tokenizer (``tokenizer=None``, e.g. a random test model)
   skips the check.
+
+  A reduced-vocabulary specjax token draft of the target's width reads input
+  ids outside its vocabulary through the target's rows (full-vocabulary input,
+  what ``experiments.train_draft`` trains with by default); ``target_input=False``
+  keeps the input map it shipped with instead (how drafts trained with
+  ``--notarget_input``, like the shipped one, were trained).
 
   Raises:
     ValueError: the draft belongs to another tokenizer or vocabulary.
@@ -238,7 +245,7 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
         path, target_vocab_size=target_cfg.vocab_size, tokenizer_sha256=sha,
         with_input_map=True)
     return (*_model_drafter(cfg, params, vocab_map, in_map, target_cfg.vocab_size,
-                            target_params["embed"]), path)
+                            target_params["embed"] if target_input else None), path)
   from specjax.loaders import load_model, load_model_tokenizer
   if sha is not None:
     try:

@@ -361,6 +361,21 @@ def test_draft_save_load_roundtrip_and_refusal(toy, tmp_path):
     drafts.load_draft(str(tmp_path / "nope"))
 
 
+def test_drafter_from_path_serves_full_input_unless_told_not_to(toy, tmp_path):
+  """A saved reduced token draft is served with the target's rows for out-of-map ids by
+  default, and with the input map it shipped with when ``target_input=False``."""
+  cfg, tparams, _, _, vm = toy
+  draft, params = _draft(toy)
+  im = vocab.nearest_input_map(vm, np.asarray(tparams["embed"]))
+  drafts.save_draft(str(tmp_path), draft.cfg, params, vm, target_vocab_size=cfg.vocab_size,
+                    tokenizer_sha256="a" * 64, input_map=im)
+  _, full, _ = drafts.drafter_from_path(str(tmp_path), cfg, tparams, None)
+  _, mapped, _ = drafts.drafter_from_path(str(tmp_path), cfg, tparams, None, target_input=False)
+  assert full["model"]["input_embed"] is tparams["embed"] and "inverse_map" not in full
+  assert "input_embed" not in mapped["model"]
+  np.testing.assert_array_equal(mapped["inverse_map"], im)
+
+
 def test_exported_hf_directory_matches_transformers_and_load_hf(toy, tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
