@@ -221,7 +221,7 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   import jax
   import jax.numpy as jnp
   from specjax import drafts
-  from specjax.distill import teacher, train
+  from specjax.distill import teacher, train, vocab
   from specjax.distill.vocab import lift_logits
   from specjax.kv_cache import init_cache
   from specjax.loaders import load_model
@@ -235,11 +235,11 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   corpus = FLAGS.corpus or corpus_path(meta["info"]["corpus"])
   held = teacher.load_corpus(corpus, "heldout")
   k = meta["info"].get("topk", 64)
-  # Read ids as inference does (specjax.drafts.drafter_from_path): a reduced draft of
-  # the target's width reads ids outside its vocabulary through the target's rows.
-  full_input = vm is not None and dcfg.dim == tcfg.dim
+  # Read ids as inference does (specjax.drafts.drafter_from_path).
+  full_input = drafts.reads_target_rows(dcfg, vm, tcfg.dim)
   objective = train.TokenObjective(dcfg, full_input=full_input)
-  frozen = train.full_input_frozen(tparams["embed"], vm) if full_input else None
+  frozen = (vocab.full_input(vm, tparams["embed"], tcfg.vocab_size, dcfg.dim)
+            if full_input else None)
   alpha = lambda recs: train.heldout_alpha(dparams, draft, recs, _seq_len(meta), k,
                                            objective=objective, frozen=frozen)
   res = dict(heldout=alpha(held), by_category={

@@ -275,7 +275,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
     dcfg, dparams = vocab.init_from_target(cfg, params, spec, vocab_map)
     if target_input:
       objective = train.TokenObjective(dcfg, full_input=True)
-      frozen = train.full_input_frozen(params["embed"], vocab_map)
+      frozen = vocab.full_input(vocab_map, params["embed"], cfg.vocab_size, dcfg.dim)
   draft = train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size, vocab_map=vocab_map,
                       input_map=in_map)
   tc = train.TrainConfig(

@@ -195,6 +195,12 @@ def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None,
   return _model_drafter(cfg, params, vocab_map, in_map, target_vocab_size, target_embed)
 
 
+def reads_target_rows(cfg: ModelConfig, vocab_map: Optional[np.ndarray], target_dim: int) -> bool:
+  """Whether a token draft is served with full-vocabulary input: a reduced-vocabulary
+  draft of the target's width (another width keeps the input map it shipped with)."""
+  return vocab_map is not None and cfg.dim == target_dim
+
+
 def _model_drafter(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray],
                    input_map: Optional[np.ndarray], target_vocab_size: Optional[int],
                    target_embed=None):
@@ -208,8 +214,9 @@ def _model_drafter(cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndar
     drafter = ModelDrafter(cfg)
     return drafter, drafter.make_params(params)
   drafter = ModelDrafter(cfg, target_vocab_size=target_vocab_size or len(input_map))
-  if target_embed is not None and np.shape(target_embed)[-1] != cfg.dim:
-    target_embed = None  # another width: the nearest-row input map it shipped with
+  if target_embed is not None and not reads_target_rows(cfg, vocab_map,
+                                                        np.shape(target_embed)[-1]):
+    target_embed = None
   return drafter, drafter.make_params(params, vocab_map, input_map=input_map,
                                       input_embed=target_embed)
 

@@ -128,9 +128,9 @@ def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   blocks (a power of two ≥ √V wide); u · (total mass) picks a block by the
   blocks' running sums, then a token by the running sum inside that block.
   Exact up to float32 rounding: u has 2^-23 resolution, so ids whose share of
-  the mass is below ~1e-7 are drawn with a rounded probability. 4-13x cheaper on CPU at V = 49,152 (1-16
-  rows) than Gumbel-max (``jax.random.categorical``), which draws and takes two
-  logs of V uniforms (``benchmarks/results/sampling.md``).
+  the mass is below ~1e-7 are drawn with a rounded probability. 4-13x cheaper
+  on CPU at V = 49,152 (1-16 rows) than Gumbel-max (``jax.random.categorical``),
+  which draws and takes two logs of V uniforms (``benchmarks/results/sampling.md``).
 
   Example: probs [0.5, 0, 0.5] gives 0 or 2, each half the time, never 1.
   """

@@ -221,7 +221,7 @@ def test_full_input_objective_reads_what_the_full_input_drafter_reads(toy):
   served = jax.nn.log_softmax(forward(dp["model"], draft.cfg, batch["tokens"], pos,
                                       init_cache(draft.cfg, 2, 12)).logits, -1)
   _, im = draft.maps()
-  frozen = train.full_input_frozen(tparams["embed"], vm)
+  frozen = vocab.full_input(vm, tparams["embed"], cfg.vocab_size, draft.cfg.dim)
   full, _ = train.TokenObjective(draft.cfg, full_input=True).logp_and_aux(
       params, frozen, im, batch, None)
   mapped, _ = train.TokenObjective(draft.cfg).logp_and_aux(params, {}, im, batch, None)
@@ -237,7 +237,7 @@ def test_tiny_full_input_training_lowers_loss_and_raises_alpha(toy, tmp_path):
   cfg, tparams, recs, held, vm = toy
   draft, params = _draft(toy)
   objective = train.TokenObjective(draft.cfg, full_input=True)
-  frozen = train.full_input_frozen(tparams["embed"], vm)
+  frozen = vocab.full_input(vm, tparams["embed"], cfg.vocab_size, draft.cfg.dim)
   tc = dataclasses.replace(TC, lr=1e-2, steps=60, batch_size=8, eval_every=60,
                            checkpoint_every=60)
   batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], tc.seq_len, K).items()}

@@ -25,7 +25,7 @@ import optax
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.distill import checkpoint as ckpt
-from specjax.distill import losses, vocab
+from specjax.distill import losses
 from specjax.distill.vocab import input_map
 from specjax.model import Params, forward, lm_head, target_features
 
@@ -189,13 +189,6 @@ def draft_logp_at(params: Params, cfg: ModelConfig, input_ids: jax.Array,
   return jax.nn.log_softmax(lm_head(cfg, params, hidden), axis=-1)
 
 
-def full_input_frozen(target_embed: jax.Array, vocab_map: np.ndarray) -> dict[str, jax.Array]:
-  """The frozen arrays of ``TokenObjective(full_input=True)``: the target's [V, D]
-  embedding table and each id's draft row (``vocab.full_input``)."""
-  v, d = np.shape(target_embed)
-  return vocab.full_input(vocab_map, target_embed, v, d)
-
-
 @dataclasses.dataclass(frozen=True)
 class TokenObjective:
   """What a token draft is trained on: its log-probs at the trained positions.
@@ -211,7 +204,7 @@ class TokenObjective:
       inference with ``ModelDrafter.make_params(input_embed=target_embed)``:
       the target's row (frozen: ``frozen["input_embed"]``), or its own trainable
       row for ids in its vocabulary (``frozen["input_rows"]``; both from
-      ``full_input_frozen``). Otherwise ids go through ``in_map`` (ids outside
+      ``vocab.full_input``). Otherwise ids go through ``in_map`` (ids outside
       the vocabulary read a substitute row). Example: vocab_map [0, 7, 3]: id 7
       reads draft row 1, id 5 the target's row 5.
   """
@@ -225,7 +218,7 @@ class TokenObjective:
       return draft_logp_at(params, self.cfg, in_map[batch["tokens"]], batch["pred_pos"]), 0.0
     if "input_embed" not in frozen or "input_rows" not in frozen:
       raise ValueError("TokenObjective(full_input=True) reads frozen['input_embed'] and "
-                       "frozen['input_rows'] (train.full_input_frozen)")
+                       "frozen['input_rows'] (specjax.distill.vocab.full_input)")
     reads = dict(params, input_embed=frozen["input_embed"], input_rows=frozen["input_rows"])
     return draft_logp_at(reads, self.cfg, batch["tokens"], batch["pred_pos"]), 0.0
 
