@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax.kernels import build
+from specjax.kernels.build import cache_dir, cpu_flags, cpu_model, cpu_signature, cpuinfo_field  # noqa: F401  (re-exported)
 
 PANEL = 64
 _TARGET = "specjax_streaming_matmul"
@@ -55,60 +53,17 @@ def reference(x: jax.Array, panels: jax.Array) -> jax.Array:
   return y.reshape(x.shape[0], -1)
 
 
-def cpuinfo_field(name: str, path: str = "/proc/cpuinfo") -> Optional[str]:
-  """The first ``name: value`` of ``path`` ("" if absent), or None where it cannot be read."""
-  try:
-    with open(path) as f:
-      return next((line.split(":", 1)[1].strip() for line in f
-                   if line.split(":", 1)[0].strip() == name), "")
-  except OSError:
-    return None
-
-
-def cpu_model() -> str:
-  """The CPU's model name (``/proc/cpuinfo``), or the machine type where it is not readable."""
-  return cpuinfo_field("model name") or platform.processor() or platform.machine()
-
-
-def cpu_flags() -> frozenset[str]:
-  """The CPU's feature flags (``/proc/cpuinfo``; empty where it is not readable)."""
-  return frozenset((cpuinfo_field("flags") or "").split())
-
-
-def cpu_signature() -> str:
-  """Machine type, CPU model and flags: what a build or a timing decision is valid for."""
-  return f"{platform.machine()}|{cpu_model()}|{' '.join(sorted(cpu_flags()))}"
-
-
 def source_hash() -> str:
-  with open(_SOURCE, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()[:16]
-
-
-def cache_dir() -> str:
-  return os.path.join(os.path.expanduser("~"), ".cache", "specjax", "kernels")
+  return build.source_hash(_SOURCE)
 
 
 def _library_path(variant: str) -> str:
-  key = hashlib.sha256("|".join((source_hash(), jax.lib.__version__, cpu_signature(),
-                                 *VARIANTS[variant])).encode()).hexdigest()[:16]
-  return os.path.join(cache_dir(), f"streaming_matmul-{variant}-{key}.so")
+  return build.library_path(_SOURCE, f"streaming_matmul-{variant}", VARIANTS[variant])
 
 
 def build_library(path: str, variant: str, source: str = _SOURCE) -> None:
   """Compiles ``source`` (default: the kernel's own) with the variant's flags into ``path``."""
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-  if compiler is None:
-    raise RuntimeError("no C++ compiler (g++/c++ or $CXX) on PATH")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
-    out = os.path.join(tmp, "lib.so")
-    cmd = [compiler, "-O3", *VARIANTS[variant], "-ffp-contract=fast", "-std=c++17", "-shared",
-           "-fPIC", "-w", "-I", jax.ffi.include_dir(), source, "-o", out]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-      raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    os.replace(out, path)  # atomic: concurrent builders never see a partial file
+  build.build_library(path, VARIANTS[variant], source)
 
 
 _ISA: dict[str, str] = {}
