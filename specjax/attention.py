@@ -8,18 +8,24 @@ committed slot ``< lengths[b]`` and new slot j iff ``mask[b, i, j]``
 
 Implementations, chosen by the static ``impl`` name:
 
-  "reference"             dense [B, T, S] visibility mask in plain jnp; the
-                          CPU default (fastest there, bit-identical to the
+  "reference"             dense [B, T, S] visibility mask in plain jnp (the
                           model's attention before this module existed).
+  "cpu"                   the CPU FFI kernel (``kernels/cpu_attention.py``):
+                          reads only each row's filled slots, and scores a
+                          query bit-identically whatever else is in the call.
+                          Float32, head dim a multiple of 8, windows of at
+                          most ``cpu_attention.MAX_TOKENS`` slots.
   "pallas_tpu"            Pallas Mosaic kernel (TPU).
   "pallas_gpu"            Pallas Triton kernel, flash-decoding (GPU).
   "pallas"                whichever of the two matches the default backend.
   "pallas_tpu_interpret", "pallas_gpu_interpret"
                           the same kernels in Pallas interpret mode, on CPU
                           (tests, debugging).
-  "auto"                  "reference" on CPU, "pallas" on TPU and GPU (the reference
-                          there too for window masks and for more new tokens than
-                          the kernels' tree budget: prefill, training).
+  "auto"                  "cpu" on CPU where it is built and takes the block
+                          (the reference otherwise: prefill, training, other
+                          dtypes), "pallas" on TPU and GPU (the reference there
+                          too for window masks and for more new tokens than the
+                          kernels' tree budget).
 
 The choice is logged once per (name, backend).
 """
@@ -33,9 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.tree_attention.reference import batched_mask, check_inputs
+from specjax.kernels import cpu_attention
 
-IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
-         "pallas_gpu_interpret")
+IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_tpu", "pallas_gpu",
+         "pallas_tpu_interpret", "pallas_gpu_interpret")
 
 _logged: set[tuple[str, str, str]] = set()
 
@@ -44,14 +51,21 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   """Maps an implementation name to a concrete one (never "auto" or "pallas").
 
   Raises:
-    ValueError: unknown name, or "pallas" on a backend without a kernel.
+    ValueError: unknown name, "pallas" on a backend without a kernel, or "cpu" where
+      the CPU kernel is not available (the reason is in the message).
   """
   if impl not in IMPLS:
     raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLS}")
   backend = backend or jax.default_backend()
   resolved = impl
   if impl == "auto":
-    resolved = "reference" if backend not in ("tpu", "gpu", "cuda", "rocm") else "pallas"
+    if backend in ("tpu", "gpu", "cuda", "rocm"):
+      resolved = "pallas"
+    else:
+      resolved = "cpu" if backend == "cpu" and cpu_attention.available() else "reference"
+  if resolved == "cpu" and (backend != "cpu" or not cpu_attention.available()):
+    raise ValueError(f"the 'cpu' attention kernel does not run here (backend {backend!r}: "
+                     f"{cpu_attention.unavailable_reason()}); use 'reference'")
   if resolved == "pallas":
     if backend == "tpu":
       resolved = "pallas_tpu"
@@ -117,6 +131,12 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
   return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
+def _cpu_kernel_takes(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> bool:
+  """Whether "auto" sends this block to the CPU kernel: operands it takes and a window
+  of at most ``cpu_attention.MAX_TOKENS`` slots (prefill and training are for the reference)."""
+  return cpu_attention.supports(q, k, v) and mask.shape[-1] <= cpu_attention.MAX_TOKENS
+
+
 def _kernels_take(mask: jax.Array, t: int, block_sizes) -> bool:
   """Whether the kernels accept this block: a [.., T, T] mask and T within their budget
   (window masks, prefill and teacher-forced training are for the reference)."""
@@ -135,14 +155,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     v: [B, K, S, H] the layer's values.
     lengths: [B] int committed slots per row (before the new tokens).
     mask: [T, T] or [B, T, T] bool, which new tokens each new token sees; or
-      [B, T, W], W > T (reference only; "auto" picks it on every backend): the
-      new tokens are the last T of a window of W slots from lengths[b], and see
-      window slot j iff mask.
+      [B, T, W], W > T (the reference and "cpu" only; "auto" picks one of them
+      on every backend): the new tokens are the last T of a window of W slots
+      from lengths[b], and see window slot j iff mask.
     impl: static implementation name (see the module docstring).
     block_sizes: ``pallas_kernels.tree_attention.BlockSizes`` for the kernels.
 
   Returns:
-    [B, T, N, H]; v's dtype on the reference path, q's on the kernels.
+    [B, T, N, H]; v's dtype on the reference path, q's on the kernels (float32
+    on "cpu").
 
   Raises:
     ValueError (at trace time, before any kernel is built): unknown ``impl``,
@@ -150,17 +171,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     unsupported dtype or T over the kernels' budget.
   """
   t = q.shape[1]
-  if impl == "auto" and not _kernels_take(mask, t, block_sizes):
-    impl = "reference"  # on every backend
   resolved = resolve_impl(impl)
-  if mask.shape[-1] != t:  # a window of W > T slots (tree drafting, EAGLE's training-time test)
-    if resolved != "reference" or mask.shape[-2] != t or mask.shape[-1] < t:
-      raise ValueError(f"a [.., T, W] window mask needs W >= T={t} and the reference "
-                       f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
-    return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),
-                                               k.shape[2]))
+  if impl == "auto":
+    takes = (_cpu_kernel_takes(q, k, v, mask) if resolved == "cpu"
+             else _kernels_take(mask, t, block_sizes))
+    resolved = resolved if takes else "reference"
+  window = mask.shape[-1] != t  # W > T slots (tree drafting, EAGLE's training-time test)
+  if window and (resolved not in ("reference", "cpu") or mask.shape[-2] != t
+                 or mask.shape[-1] < t):
+    raise ValueError(f"a [.., T, W] window mask needs W >= T={t} and the reference or cpu "
+                     f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
+  if resolved == "cpu":
+    return cpu_attention.cpu_attention(q, k, v, lengths, batched_mask(mask, q.shape[0]))
   if resolved == "reference":
-    check_inputs(q, k, v, lengths, mask, dtypes=None)
+    if not window:
+      check_inputs(q, k, v, lengths, mask, dtypes=None)
     return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),
                                                k.shape[2]))
   if resolved.startswith("pallas_tpu"):

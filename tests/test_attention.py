@@ -32,8 +32,16 @@ def _inputs(b=2, t=3, kh=2, g=3, s=40, h=16, seed=0):
   return q, k, v, lengths, jnp.tril(jnp.ones((t, t), bool))
 
 
-def test_resolve_auto_and_pallas_per_backend():
+def test_resolve_auto_and_pallas_per_backend(monkeypatch):
+  assert attention.resolve_impl("auto", "cpu") == (
+      "cpu" if attention.cpu_attention.available() else "reference")
+  monkeypatch.setattr(attention.cpu_attention, "available", lambda: False)
   assert attention.resolve_impl("auto", "cpu") == "reference"
+  with pytest.raises(ValueError, match="'cpu' attention kernel does not run here"):
+    attention.resolve_impl("cpu", "cpu")
+  monkeypatch.undo()
+  with pytest.raises(ValueError, match="'cpu' attention kernel does not run here"):
+    attention.resolve_impl("cpu", "tpu")
   assert attention.resolve_impl("auto", "tpu") == "pallas_tpu"
   assert attention.resolve_impl("auto", "gpu") == "pallas_gpu"
   assert attention.resolve_impl("pallas", "cuda") == "pallas_gpu"
