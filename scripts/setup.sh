@@ -26,6 +26,6 @@ w = params["layers"][0]["wqkv"]
 print("CPU:", sm.cpu_model(), "| streaming matmul kernel:",
       f"ready ({sm.isa()} path)" if sm.available() else sm.unavailable_reason())
 print("matmul path:", w.policy.describe() if isinstance(w, PackedWeight) else "XLA's dot for every M")
-print("attention:", "CPU kernel for decode and verify blocks" if ca.available()
+print("attention:", f"CPU kernel for blocks of up to {ca.MAX_TOKENS} new tokens" if ca.available()
       else f"jnp reference ({ca.unavailable_reason()})")
 PY

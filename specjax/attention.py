@@ -13,8 +13,8 @@ Implementations, chosen by the static ``impl`` name:
   "cpu"                   the CPU FFI kernel (``kernels/cpu_attention.py``):
                           reads only each row's filled slots, and scores a
                           query bit-identically whatever else is in the call.
-                          Float32, head dim a multiple of 8, windows of at
-                          most ``cpu_attention.MAX_TOKENS`` slots.
+                          Float32, head dim a multiple of 8; differentiated
+                          calls compute the reference's value and gradient.
   "pallas_tpu"            Pallas Mosaic kernel (TPU).
   "pallas_gpu"            Pallas Triton kernel, flash-decoding (GPU).
   "pallas"                whichever of the two matches the default backend.
@@ -22,10 +22,11 @@ Implementations, chosen by the static ``impl`` name:
                           the same kernels in Pallas interpret mode, on CPU
                           (tests, debugging).
   "auto"                  "cpu" on CPU where it is built and takes the block
-                          (the reference otherwise: prefill, training, other
-                          dtypes), "pallas" on TPU and GPU (the reference there
-                          too for window masks and for more new tokens than the
-                          kernels' tree budget).
+                          (the reference otherwise: longer blocks, other
+                          dtypes; differentiated calls run the reference
+                          inside the kernel's wrapper), "pallas" on TPU and
+                          GPU (the reference there too for window masks and
+                          for more new tokens than the kernels' tree budget).
 
 The choice is logged once per (name, backend).
 """
@@ -53,6 +54,8 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   Raises:
     ValueError: unknown name, "pallas" on a backend without a kernel, or "cpu" where
       the CPU kernel is not available (the reason is in the message).
+
+  Resolving "auto" or "cpu" on CPU builds the CPU kernel (once per machine, cached).
   """
   if impl not in IMPLS:
     raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLS}")
@@ -64,8 +67,9 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     else:
       resolved = "cpu" if backend == "cpu" and cpu_attention.available() else "reference"
   if resolved == "cpu" and (backend != "cpu" or not cpu_attention.available()):
-    raise ValueError(f"the 'cpu' attention kernel does not run here (backend {backend!r}: "
-                     f"{cpu_attention.unavailable_reason()}); use 'reference'")
+    why = (cpu_attention.unavailable_reason() if backend == "cpu"
+           else f"backend is {backend}, not cpu")
+    raise ValueError(f"the 'cpu' attention kernel does not run here ({why}); use 'reference'")
   if resolved == "pallas":
     if backend == "tpu":
       resolved = "pallas_tpu"
@@ -133,8 +137,33 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
 
 def _cpu_kernel_takes(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> bool:
   """Whether "auto" sends this block to the CPU kernel: operands it takes and a window
-  of at most ``cpu_attention.MAX_TOKENS`` slots (prefill and training are for the reference)."""
+  of at most ``cpu_attention.MAX_TOKENS`` slots (longer prefills go to the reference)."""
   return cpu_attention.supports(q, k, v) and mask.shape[-1] <= cpu_attention.MAX_TOKENS
+
+
+def _reference(q, k, v, lengths, mask):
+  """The reference path over a [B, T, W] mask."""
+  return dense_attention(q, k, v, visibility(lengths, mask, k.shape[2]))
+
+
+@jax.custom_vjp
+def _cpu_kernel(q, k, v, lengths, mask):
+  """The CPU kernel; differentiated (training), the reference path's value and gradient,
+  so training computes exactly what it did before the kernel existed."""
+  return cpu_attention.cpu_attention(q, k, v, lengths, mask)
+
+
+def _cpu_kernel_fwd(q, k, v, lengths, mask):
+  return _reference(q, k, v, lengths, mask), (q, k, v, lengths, mask)
+
+
+def _cpu_kernel_bwd(res, g):
+  q, k, v, lengths, mask = res
+  _, vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, lengths, mask), q, k, v)
+  return (*vjp(g), None, None)
+
+
+_cpu_kernel.defvjp(_cpu_kernel_fwd, _cpu_kernel_bwd)
 
 
 def _kernels_take(mask: jax.Array, t: int, block_sizes) -> bool:
@@ -166,7 +195,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     on "cpu").
 
   Raises:
-    ValueError (at trace time, before any kernel is built): unknown ``impl``,
+    ValueError (at trace time, before any Pallas kernel is built): unknown ``impl``,
     mismatched shapes or head counts, a mask of the wrong shape or dtype, an
     unsupported dtype or T over the kernels' budget.
   """
@@ -182,12 +211,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
     raise ValueError(f"a [.., T, W] window mask needs W >= T={t} and the reference or cpu "
                      f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
   if resolved == "cpu":
-    return cpu_attention.cpu_attention(q, k, v, lengths, batched_mask(mask, q.shape[0]))
+    return _cpu_kernel(q, k, v, lengths, batched_mask(mask, q.shape[0]))
   if resolved == "reference":
     if not window:
       check_inputs(q, k, v, lengths, mask, dtypes=None)
-    return dense_attention(q, k, v, visibility(lengths, batched_mask(mask, q.shape[0]),
-                                               k.shape[2]))
+    return _reference(q, k, v, lengths, batched_mask(mask, q.shape[0]))
   if resolved.startswith("pallas_tpu"):
     from jax.experimental.pallas import tpu as pltpu
     from pallas_kernels.tree_attention.tpu_kernel import tree_attention_tpu

@@ -180,8 +180,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     compute_logits: skip the LM head (e.g. during prefill) when False.
     return_layers: indices of decoder layers whose outputs to return.
     attention_impl: static name of the attention implementation
-      (``specjax.attention.IMPLS``; "auto" is the reference on CPU and the
-      Pallas kernel on TPU/GPU).
+      (``specjax.attention.IMPLS``; "auto" is the CPU kernel on CPU and the
+      Pallas kernel on TPU/GPU, each where it takes the block, else the reference).
 
   Returns:
     ForwardOutput with logits, last hidden state, intermediates and new cache.

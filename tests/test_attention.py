@@ -82,9 +82,10 @@ def test_every_impl_matches_the_kernel_reference(impl):
                              atol=1e-5, rtol=1e-5)
 
 
-def test_auto_takes_window_masks_to_the_reference_on_every_backend(monkeypatch):
+def test_auto_takes_window_masks_to_the_reference_on_gpu_and_tpu(monkeypatch):
   """Tree drafting and EAGLE's training-time test pass [B, T, W] window masks, which no
-  kernel takes: "auto" must not send them to a kernel on a GPU or TPU."""
+  Pallas kernel takes: "auto" must not send them to a kernel on a GPU or TPU (on CPU the
+  CPU kernel takes them: tests/test_cpu_attention.py)."""
   q, k, v, lengths, _ = _inputs()
   b, t = q.shape[:2]
   window = jnp.ones((b, t, t + 2), bool)

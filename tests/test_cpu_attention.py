@@ -2,9 +2,10 @@
 
 Pins: the kernel's output equals ``tree_attention_reference`` for trees, windows,
 ragged lengths, full caches and rows that see nothing; a query's output is
-bit-identical whatever else is in the call (other tokens, other rows, a wider
-window); its gradient is the reference's; "auto" sends decode and verify blocks
-to it on CPU and the rest to the reference; operands it does not take are refused.
+bit-identical whatever else is in the call (other tokens, other rows) and to
+decoding it alone; differentiated calls compute the reference path's value and
+gradient; "auto" sends blocks of up to ``MAX_TOKENS`` to it on CPU and the rest
+to the reference; operands it does not take are refused.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _random_trees(rng, b, t):
 
 @pytest.mark.parametrize("b,t,kh,g,s,h", [(1, 1, 3, 3, 64, 64), (2, 7, 2, 3, 40, 16),
                                           (3, 5, 1, 4, 9, 8), (2, 4, 2, 2, 30, 256),
-                                          (4, 16, 3, 3, 80, 64), (1, 3, 2, 1, 12, 24)])
+                                          (4, 16, 3, 3, 80, 64), (1, 3, 2, 1, 12, 24),
+                                          (2, 3, 2, 2, 20, 96)])  # 8 + 4 value vectors
 def test_matches_the_reference_on_random_trees_and_ragged_lengths(b, t, kh, g, s, h):
   rng = np.random.default_rng(b * 100 + t)
   q, k, v = _operands(b, t, kh, g, s, h, seed=t)
@@ -96,25 +98,36 @@ def test_a_query_is_bit_identical_whatever_else_is_in_the_call():
     np.testing.assert_array_equal(np.asarray(row)[0], block[b])
 
 
-def test_a_wrong_variant_fails_the_same_check():
-  """The comparison above is not vacuous: dropping one committed slot changes the output."""
-  q, k, v = _operands(1, 2, 2, 2, 20, 8, seed=9)
-  mask = jnp.tril(jnp.ones((1, 2, 2), bool))
-  got = np.asarray(ca.cpu_attention(q, k, v, jnp.asarray([6], jnp.int32), mask))
-  short = np.asarray(tree_attention_reference(q, k.at[:, :, 0].set(0.0), v.at[:, :, 0].set(0.0),
-                                              jnp.asarray([6], jnp.int32), mask))
-  assert np.abs(got - short).max() > 1e-3
+def test_a_verified_token_is_scored_exactly_as_decoding_it_would_be():
+  """Chain verification (a causal block of T tokens after L committed) and decoding each token
+  alone (T = 1 after L + i committed slots, the earlier tokens now committed) give the same
+  bits. Control: decoding with one committed slot fewer changes the output, so the
+  comparison would catch a kernel that loses a slot."""
+  t, length = 5, 17
+  q, k, v = _operands(1, t, 3, 3, 64, 64, seed=6)
+  block = np.asarray(ca.cpu_attention(q, k, v, jnp.asarray([length], jnp.int32),
+                                      jnp.tril(jnp.ones((1, t, t), bool))))
+  one = jnp.ones((1, 1, 1), bool)
+  for i in range(t):
+    alone = ca.cpu_attention(q[:, i:i + 1], k, v, jnp.asarray([length + i], jnp.int32), one)
+    np.testing.assert_array_equal(np.asarray(alone)[:, 0], block[:, i])
+  short = ca.cpu_attention(q[:, 2:3], k, v, jnp.asarray([length + 1], jnp.int32), one)
+  assert np.abs(np.asarray(short)[:, 0] - block[:, 2]).max() > 1e-3
 
 
-def test_gradient_is_the_references():
+def test_differentiated_calls_compute_the_reference_paths_value_and_gradient():
+  """Training through the "cpu" implementation computes what it did before the kernel: the
+  reference path's forward and gradient (the kernel has no derivative of its own)."""
   q, k, v = _operands(2, 3, 2, 2, 12, 8, seed=2)
   lengths = jnp.asarray([4, 9], jnp.int32)
   mask = jnp.broadcast_to(jnp.tril(jnp.ones((3, 3), bool)), (2, 3, 3))
-  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, lengths, mask)))
-  got = jax.jit(jax.grad(loss(ca.cpu_attention), argnums=(0, 1, 2)))(q, k, v)
-  want = jax.grad(loss(tree_attention_reference), argnums=(0, 1, 2))(q, k, v)
+  loss = lambda impl: lambda q, k, v: jnp.sum(jnp.sin(
+      attention.attention(q, k, v, lengths, mask, impl=impl)))
+  grad = lambda impl: jax.jit(jax.value_and_grad(loss(impl), argnums=(0, 1, 2)))(q, k, v)
+  (got_value, got), (want_value, want) = grad("cpu"), grad("reference")
+  np.testing.assert_allclose(float(got_value), float(want_value), rtol=1e-6)
   for g, w in zip(got, want):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
 
 
 def test_vmap_over_a_leading_axis():
@@ -138,8 +151,8 @@ def test_auto_sends_decode_and_verify_blocks_here_and_the_rest_to_the_reference(
   lengths = jnp.asarray([3], jnp.int32)
   attention.attention(q, k, v, lengths, jnp.tril(jnp.ones((4, 4), bool)))
   assert calls == [(1, 4, 4, 8)]
-  t = ca.MAX_TOKENS + 1  # a prefill-sized block
-  qp, kp, vp = _operands(1, t, 2, 2, 200, 8)
+  t = ca.MAX_TOKENS + 1  # a long prefill
+  qp, kp, vp = _operands(1, t, 2, 2, t + 8, 8)
   attention.attention(qp, kp, vp, lengths, jnp.tril(jnp.ones((t, t), bool)))
   attention.attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
                       lengths, jnp.tril(jnp.ones((4, 4), bool)))
@@ -153,7 +166,7 @@ def test_refuses_operands_it_does_not_take():
   with pytest.raises(ValueError, match="multiple of 8"):
     ca.cpu_attention(q, k, v, lengths, mask)
   q, k, v = _operands(1, 2, 1, 2, 8, 8)
-  with pytest.raises(ValueError, match="multiple of 8"):
+  with pytest.raises(ValueError, match="float32"):
     ca.cpu_attention(q.astype(jnp.bfloat16), k, v, lengths, mask)
   with pytest.raises(ValueError, match=r"mask \[B, T, W\]"):
     ca.cpu_attention(q, k, v, lengths, mask[:, :, :1])

@@ -1,4 +1,4 @@
-// Decode and verify attention for CPU: T new tokens' queries against one layer's KV cache.
+// CPU attention of T new tokens against one layer's KV cache (decode, verify, trees, prefill).
 //
 //   out[b, t, n, :] = softmax_s(q[b, t, n, :] . k[b, n / G, s, :] / sqrt(H)) v[b, n / G, s, :]
 //

@@ -83,7 +83,7 @@ class SpeculativeDecoder:
     tree: the static topology (``TreeTopology``), default the chain of γ; or
       an EAGLE-2 ``DynamicTree`` (N nodes of depth <= D, per-row parents).
     attention_impl: the target's attention in verification (``specjax.attention``:
-      "auto", "reference", "pallas", "pallas_tpu_interpret", ...).
+      "auto", "reference", "cpu", "pallas", "pallas_tpu_interpret", ...).
 
   Example::
 
