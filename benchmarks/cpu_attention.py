@@ -48,7 +48,8 @@ LAYER_SHAPES = [("decode", 1, 512, 200, 1), ("verify γ=1", 1, 512, 200, 2),
                 ("verify γ=3, batch 4", 4, 320, 100, 4),
                 ("generation, batch 64", 64, 256, 150, 1),
                 ("generation, batch 256", 256, 320, 200, 1),
-                ("prefill 32", 1, 512, 0, 32), ("prefill 64", 1, 512, 0, 64)]
+                ("prefill 32", 1, 512, 0, 32), ("prefill 64", 1, 512, 0, 64),
+                ("prefill 256", 1, 512, 0, 256), ("prefill 160, batch 16", 16, 256, 0, 160)]
 CACHE = 512
 
 
