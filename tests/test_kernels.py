@@ -227,6 +227,21 @@ def test_policy_cache_key_changes_with_cpu_flags_and_shapes():
   assert pol.cache_key([(576, 960)], cpu="x86_64|EPYC|avx avx2 fma") != base
 
 
+def test_source_hash_covers_the_local_headers_a_kernel_includes(tmp_path):
+  from specjax.kernels import build
+  src, header = tmp_path / "k.cc", tmp_path / "shared.h"
+  src.write_text('#include "shared.h"\n#include "xla/ffi/api/ffi.h"\nint f() { return g(); }\n')
+  header.write_text("inline int g() { return 1; }\n")
+  base = build.source_hash(str(src))
+  assert build.source_hash(str(src)) == base
+  header.write_text("inline int g() { return 2; }\n")
+  assert build.source_hash(str(src)) != base  # a changed header rebuilds the kernel
+  # The real kernels include the shared header from the kernels folder.
+  kernel = build.os.path.join(build.KERNELS_DIR, "streaming_matmul.cc")
+  assert build._local_headers(open(kernel, "rb").read(), kernel) == [
+      build.os.path.join(build.KERNELS_DIR, "parallel_for.h")]
+
+
 def test_policy_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
   monkeypatch.setattr(sm, "cache_dir", lambda: str(tmp_path))
   monkeypatch.delenv(pol.ENV, raising=False)

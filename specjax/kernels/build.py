@@ -3,8 +3,9 @@
 Each kernel (``streaming_matmul.cc``, ``cpu_attention.cc``) is an XLA FFI
 custom call compiled on first use with the system C++ compiler and the FFI
 headers that ship with jaxlib, and cached under ``cache_dir()`` keyed by its
-source, the jaxlib version, the CPU and the compiler flags
-(``library_path``), so a changed source, jaxlib or machine rebuilds it.
+source and the shared headers it includes (``parallel_for.h``), the jaxlib
+version, the CPU and the compiler flags (``library_path``), so a changed
+source, header, jaxlib or machine rebuilds it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -45,10 +47,32 @@ def cpu_signature() -> str:
   return f"{platform.machine()}|{cpu_model()}|{' '.join(sorted(cpu_flags()))}"
 
 
+KERNELS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _local_headers(text: bytes, source: str) -> list[str]:
+  """The ``#include "name"`` files of a source that lie beside it or in ``KERNELS_DIR``."""
+  out = []
+  for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, re.M):
+    for folder in (os.path.dirname(os.path.abspath(source)), KERNELS_DIR):
+      path = os.path.join(folder, name.decode())
+      if os.path.isfile(path):
+        out.append(path)
+        break
+  return out
+
+
 def source_hash(source: str) -> str:
-  """The first 16 hex digits of the SHA-256 of the file ``source``."""
+  """The first 16 hex digits of the SHA-256 of the file ``source`` and its local headers
+  (``#include "..."`` found beside it or in ``KERNELS_DIR``; the XLA FFI headers are
+  covered by the jaxlib version in ``library_path``)."""
   with open(source, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()[:16]
+    text = f.read()
+  digest = hashlib.sha256(text)
+  for header in _local_headers(text, source):
+    with open(header, "rb") as f:
+      digest.update(f.read())
+  return digest.hexdigest()[:16]
 
 
 def cache_dir() -> str:
@@ -65,6 +89,9 @@ def library_path(source: str, name: str, flags: Sequence[str]) -> str:
 def build_library(path: str, flags: Sequence[str], source: str) -> None:
   """Compiles ``source`` with ``flags`` (beside -O3, C++17, PIC) into the shared library ``path``.
 
+  ``KERNELS_DIR`` is on the include path, so a copy of a kernel elsewhere (an A/B
+  variant) still finds the shared headers.
+
   Raises:
     RuntimeError: no C++ compiler on PATH (nor ``$CXX``), or the compilation failed (its
       command and the end of its error output are in the message).
@@ -76,7 +103,7 @@ def build_library(path: str, flags: Sequence[str], source: str) -> None:
   with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
     out = os.path.join(tmp, "lib.so")
     cmd = [compiler, "-O3", *flags, "-ffp-contract=fast", "-std=c++17", "-shared",
-           "-fPIC", "-w", "-I", jax.ffi.include_dir(), source, "-o", out]
+           "-fPIC", "-w", "-I", KERNELS_DIR, "-I", jax.ffi.include_dir(), source, "-o", out]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
       raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

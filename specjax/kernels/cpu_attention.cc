@@ -27,14 +27,12 @@
 // joined by the compiler on other ISAs), so H must be a multiple of 8.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -189,30 +187,6 @@ void Head(const Shapes& d, const float* q, const float* k, const float* v, int64
   }
 }
 
-// Work shared by the calling thread and the pool helpers (held by shared_ptr:
-// a helper that starts after the caller returned finds no items left).
-struct Job {
-  Shapes d;
-  const float *q, *k, *v;
-  const int32_t* lengths;
-  const bool* mask;
-  float* out;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    thread_local Scratch scratch;
-    const int64_t items = d.B * d.K;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t b = i / d.K, kh = i % d.K;
-      const int64_t kv = (b * d.K + kh) * d.S * d.H;
-      Head(d, q + (b * d.T * d.N + kh * d.G) * d.H, k + kv, v + kv, lengths[b],
-           mask + b * d.T * d.W, out + (b * d.T * d.N + kh * d.G) * d.H, scratch);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error CpuAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                             ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                             ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> mask,
@@ -230,19 +204,17 @@ ffi::Error CpuAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       lengths.element_count() != static_cast<size_t>(d.B))
     return ffi::Error::InvalidArgument("cpu_attention: inconsistent shapes");
   d.G = d.N / d.K;
-  auto job = std::make_shared<Job>();
-  job->d = d;
-  job->q = q.typed_data();
-  job->k = k.typed_data();
-  job->v = v.typed_data();
-  job->lengths = lengths.typed_data();
-  job->mask = mask.typed_data();
-  job->out = out->typed_data();
-  const int64_t items = d.B * d.K;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
+  const int32_t* lens = lengths.typed_data();
+  const bool* masks = mask.typed_data();
+  float* outs = out->typed_data();
+  specjax::ParallelFor(pool, d.B * d.K, [=](int64_t i) {
+    thread_local Scratch scratch;
+    const int64_t b = i / d.K, kh = i % d.K;
+    const int64_t kv = (b * d.K + kh) * d.S * d.H;
+    Head(d, qs + (b * d.T * d.N + kh * d.G) * d.H, ks + kv, vs + kv, lens[b],
+         masks + b * d.T * d.W, outs + (b * d.T * d.N + kh * d.G) * d.H, scratch);
+  });
   return ffi::Error::Success();
 }
 

@@ -39,11 +39,9 @@
 // tested on AVX-512 machines too.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(SPECJAX_ISA_AVX2)
@@ -222,28 +220,6 @@ void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, i
   else Rows<3, kUnroll>(x, M, K, panel, y, ldy, next);
 }
 
-// Work shared by the calling thread and the pool helpers. Helpers hold it by
-// shared_ptr: one that starts after the caller returned finds no panels left.
-struct Job {
-  const float* x;
-  const float* panels;
-  float* y;
-  int64_t M, K, P;
-  int64_t workers = 1;
-  bool prefetch = false;  // prefetch the next panel into L2 while computing from cache
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < P;) {
-      const int64_t guess = p + workers;  // claims alternate between workers
-      Panel(x, M, K, panels + p * K * kPanel, y + p * kPanel, P * kPanel,
-            prefetch && guess < P ? panels + guess * K * kPanel : nullptr);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y,
                                int32_t prefetch) {
@@ -254,20 +230,16 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("streaming_matmul: want y [M, P * 64]");
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->panels = panels.typed_data();
-  job->y = y->typed_data();
-  job->M = xd[0];
-  job->K = xd[1];
-  job->P = pd[0];
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->P) - 1;
-  job->workers = std::max<int64_t>(helpers + 1, 1);
-  job->prefetch = prefetch != 0;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  // Every panel was claimed; wait for the ones still being computed by helpers.
-  while (job->done.load(std::memory_order_acquire) < job->P) std::this_thread::yield();
+  const float* xs = x.typed_data();
+  const float* ps = panels.typed_data();
+  float* ys = y->typed_data();
+  const int64_t M = xd[0], K = xd[1], P = pd[0];
+  const int64_t workers = specjax::Workers(pool, P);
+  specjax::ParallelFor(pool, P, [=](int64_t p) {
+    const int64_t guess = p + workers;  // claims alternate between workers
+    Panel(xs, M, K, ps + p * K * kPanel, ys + p * kPanel, P * kPanel,
+          prefetch && guess < P ? ps + guess * K * kPanel : nullptr);
+  });
   return ffi::Error::Success();
 }
 
