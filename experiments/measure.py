@@ -5,17 +5,19 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
   1. compile: one call with ``max_new_tokens=1`` on the first batch, for each
      method (budgets are arrays and every batch has the same shape and cache
      size, so this is the program that is then timed);
-  2. ``repeats`` interleaved rounds: each round times a 1-token call of every
-     method on the first batch, then, batch by batch, a plain call and each
-     setting's speculative call with the full budget. Plain and speculative
+  2. ``repeats`` interleaved rounds: each round times, batch by batch, a plain
+     call and each setting's speculative call with the full budget (in an order
+     rotated by one per batch and round). Plain and speculative
      decoding thus alternate every few seconds and share the machine's state,
      and one plain call per batch and round is the baseline of every setting of
      the group (so a γ sweep times plain decoding once per round, not once per
      γ). The speedup of a setting in a round is Σ plain / Σ speculative seconds
      (prefill included, identically for both); the reported figure is the
      median over rounds;
-  3. step time of each fused loop, prefill excluded: (time of the first batch −
-     the 1-token call) / (steps − 1), per round; for plain decoding this is t₁,
+  3. every call reports when its prefill ended (``prefill_seconds``), so each
+     round also gives the decode-only speedup (Σ plain / Σ speculative loop
+     seconds) and the step time of each fused loop, prefill excluded: Σ loop
+     seconds / Σ steps over the round's batches; for plain decoding this is t₁,
      the unit of c and of the verify cost;
   4. draft cost (once per draft and temperature, right after the rounds of its
      first group): ``SpeculativeDecoder.stream`` at γ = ``alpha_gamma`` on the
@@ -71,8 +73,11 @@ class SpecRun:
     steps: per batch, speculative steps.
     seconds: [rounds][batches] speculative wall times (None when not timed).
     plain_seconds: [rounds][batches] plain-decoding wall times, interleaved.
+    prefill_seconds, plain_prefill_seconds: [rounds][batches] the part of each
+      wall time until the prompts were prefilled (None in records of runs that
+      predate them).
     plain_generated: per batch, plain decoding's ids of each real row.
-    step_seconds: [rounds] speculative seconds per fused-loop step.
+    step_seconds: [rounds] speculative seconds per fused-loop step (pooled over batches).
     plain_step_seconds: [rounds] t₁, plain seconds per step.
     costs: the draft's phase costs (``Bench.draft_cost``), timed runs.
     compile_seconds: the first (compiling) speculative call, when timed.
@@ -91,6 +96,8 @@ class SpecRun:
   plain_generated: Optional[list[list[list[int]]]] = None
   step_seconds: Optional[list[float]] = None
   plain_step_seconds: Optional[list[float]] = None
+  prefill_seconds: Optional[list[list[float]]] = None
+  plain_prefill_seconds: Optional[list[list[float]]] = None
   costs: Optional[dict[str, float]] = None
   compile_seconds: Optional[float] = None
   load_average: Optional[list[Optional[list[float]]]] = None
@@ -144,6 +151,16 @@ def round_speedups(run: SpecRun, batch_indices: Sequence[int]) -> list[float]:
   """Per interleaved round: Σ plain seconds / Σ speculative seconds over the given batches."""
   return [sum(p[i] for i in batch_indices) / sum(s[i] for i in batch_indices)
           for p, s in zip(run.plain_seconds, run.seconds)]
+
+
+def round_decode_speedups(run: SpecRun, batch_indices: Sequence[int]) -> Optional[list[float]]:
+  """Per round: Σ plain / Σ speculative decode-loop seconds (wall time − prefill) over the
+  given batches; None for runs recorded without prefill times."""
+  if run.prefill_seconds is None or run.plain_prefill_seconds is None:
+    return None
+  loop = lambda total, pre: sum(total[i] - pre[i] for i in batch_indices)
+  return [loop(p, pp) / loop(s, sp) for p, pp, s, sp in
+          zip(run.plain_seconds, run.plain_prefill_seconds, run.seconds, run.prefill_seconds)]
 
 
 def costs(run: SpecRun) -> tuple[Optional[float], Optional[float]]:
@@ -299,14 +316,12 @@ class Bench:
     """``repeats`` interleaved rounds: per batch, plain decoding and every setting, in an
     order rotated by one per batch and round, so no setting always runs first (or right
     after plain decoding) and position effects spread over all of them."""
-    seed, budget, first = self.config.seed, self.config.max_new_tokens, self.batches[0]
-    plain_t = dict(plain_seconds=[], plain_step_seconds=[])
-    spec_t = [dict(seconds=[], step_seconds=[]) for _ in settings]
+    seed, budget = self.config.seed, self.config.max_new_tokens
+    plain_t = dict(plain_seconds=[], plain_prefill_seconds=[], plain_step_seconds=[])
+    spec_t = [dict(seconds=[], prefill_seconds=[], step_seconds=[]) for _ in settings]
     bar = tqdm.tqdm(total=self.config.repeats * len(self.batches), leave=False, unit="batch",
                     desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
     for r in range(self.config.repeats):
-      plain_one = plain(first, 1, seed).seconds
-      spec_one = [call(first, 1, seed).seconds for _, _, call in settings]
       plain_outs, spec_outs = [], [[] for _ in settings]
       calls = [(plain_outs, plain)] + [(outs, call) for outs, (_, _, call)
                                        in zip(spec_outs, settings)]
@@ -316,11 +331,12 @@ class Bench:
           outs.append(call(b, budget, seed + i))
         bar.update()
       plain_t["plain_seconds"].append([o.seconds for o in plain_outs])
-      plain_t["plain_step_seconds"].append(
-          step_seconds(plain_outs[0].seconds, plain_one, plain_outs[0].steps))
-      for t, outs, one in zip(spec_t, spec_outs, spec_one):
+      plain_t["plain_prefill_seconds"].append([o.prefill_seconds for o in plain_outs])
+      plain_t["plain_step_seconds"].append(loop_step_seconds(plain_outs))
+      for t, outs in zip(spec_t, spec_outs):
         t["seconds"].append([o.seconds for o in outs])
-        t["step_seconds"].append(step_seconds(outs[0].seconds, one, outs[0].steps))
+        t["prefill_seconds"].append([o.prefill_seconds for o in outs])
+        t["step_seconds"].append(loop_step_seconds(outs))
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
@@ -390,6 +406,13 @@ def _spec_outputs(outs: Sequence[Any], batches: Sequence[Batch]) -> dict[str, An
               generated=[[o.generated(r) for r in range(b.num_real)]
                          for o, b in zip(outs, batches)],
               steps=[int(o.steps) for o in outs])
+
+
+def loop_step_seconds(outs: Sequence[Any]) -> float:
+  """Seconds per fused-loop step, prefill excluded, pooled over calls (``generate`` outputs
+  with ``prefill_seconds``): Σ (seconds − prefill_seconds) / Σ steps."""
+  return (sum(o.seconds - o.prefill_seconds for o in outs)
+          / max(sum(o.steps for o in outs), 1))
 
 
 def step_seconds(full: float, one_step: float, steps: int) -> float:

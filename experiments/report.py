@@ -16,7 +16,7 @@ from experiments.rows import ALL
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
                "acceptance_rate", "tokens_per_call", "expected_tokens_per_call", "speedup",
-               "speedup_spread", "rounds", "flags", "remeasured", "predicted_speedup",
+               "speedup_spread", "decode_speedup", "ar_prefill_share", "rounds", "flags", "remeasured", "predicted_speedup",
                "calibrated_speedup", "c", "verify_cost", "spec_seconds",
                "ar_seconds", "step_seconds", "target_calls", "drafted", "accepted", "emitted",
                "generated_tokens", "steps", "greedy_match")
@@ -65,13 +65,16 @@ def _f(x, fmt="{:.2f}", suffix="") -> str:
 
 def _speed_table(rows: Sequence[dict], key: str, key_name: str) -> list[str]:
   out = [f"| {key_name} | α | accept rate | tokens/call | c | verify T(γ+1)/T(1) | "
-         "measured speedup | spread | predicted (paper) | predicted (calibrated) | check |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "measured speedup | spread | decode-only speedup | plain prefill share | "
+         "predicted (paper) | predicted (calibrated) | check |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     out.append(f"| {r[key]:g} | {_f(r['alpha'])} | {_f(r['acceptance_rate'])} | "
                f"{_f(r['tokens_per_call'])} | {_f(r['c'], '{:.3f}')} | "
                f"{_f(r['verify_cost'])} | **{_f(r['speedup'], suffix='×')}** | "
                f"{_f(r['speedup_spread'], '{:.0%}')} | "
+               f"{_f(r.get('decode_speedup'), suffix='×')} | "
+               f"{_f(r.get('ar_prefill_share'), '{:.0%}')} | "
                f"{_f(r['predicted_speedup'], suffix='×')} | "
                f"{_f(r['calibrated_speedup'], suffix='×')} | {_check(r)} |")
   return out
@@ -182,8 +185,12 @@ def tables_markdown(results: dict) -> str:
       "accept rate = accepted / drafted; tokens/call = emitted tokens (accepted + corrected or "
       "bonus, cut at the budget) per target call. Measured speedup = warm wall time of "
       "`specjax.generate` / warm wall time of speculative decoding on the same batches "
-      f"({_timing_note(cfg.get('repeats', 1))}). "
-      "t₁ = one step of plain decoding (fused loop, prefill excluded); c = draft time per draft "
+      f"({_timing_note(cfg.get('repeats', 1))}). Decode-only speedup = the same with each "
+      "call's prefill taken out (plain / speculative decode-loop time); plain prefill share = "
+      "the share of plain decoding's wall time spent prefilling the prompts (the measured "
+      "speedup lies between 1 and the decode-only one, nearer 1 the larger that share). "
+      "t₁ = one step of plain decoding (fused loop, prefill excluded, pooled over the round's "
+      "batches); c = draft time per draft "
       f"token / t₁ (phase timings of `stream` at γ = {cfg['alpha_gamma']}); verify T(γ+1)/T(1) = "
       "measured speculative step / t₁ − γc (target forward over γ+1 tokens + acceptance and "
       "bookkeeping). Predicted (paper) = (1 − α^{γ+1}) / ((1 − α)(γc + 1)); calibrated "
@@ -251,14 +258,16 @@ def _tree_section(results: dict) -> list[str]:
     chains = [r["tokens_per_call"] for r in sub if r["tree"] is None and r["tokens_per_call"]]
     best_chain = max(chains) if chains else None
     lines += [f"### T = {t:g}", "",
-              "| shape | N | D | tokens/call | × best chain | measured speedup | spread | check |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| shape | N | D | tokens/call | × best chain | measured speedup | spread | "
+              "decode-only speedup | check |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(sub, key=lambda r: (r["shape"], r["num_nodes"])):
       shape = f"chain γ={r['gamma']}" if r["tree"] is None else r["shape"]
       ratio = (r["tokens_per_call"] / best_chain) if best_chain and r["tokens_per_call"] else None
       lines.append(f"| {shape} | {r['num_nodes']} | {r['gamma']} | {_f(r['tokens_per_call'])} "
                    f"| {_f(ratio)} | **{_f(r['speedup'], suffix='×')}** | "
-                   f"{_f(r['speedup_spread'], '{:.0%}')} | {_check(r)} |")
+                   f"{_f(r['speedup_spread'], '{:.0%}')} | "
+                   f"{_f(r.get('decode_speedup'), suffix='×')} | {_check(r)} |")
     cal = results.get("tree_calibration", {}).get(f"{t:g}")
     if cal:
       lines += ["", f"Calibration: full tree {tuple(cal['branching'])} on {cal['prompts']} "

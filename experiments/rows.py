@@ -10,6 +10,11 @@ Conventions (those of ``specjax.speculative.metrics``):
     seconds / speculative seconds on the same batches, both warm; its spread
     is (max − min) / median over the rounds, and ``flags`` lists what
     ``checks.setting_flags`` found;
+  * decode-only speedup = the same median with each call's prefill taken out
+    (plain / speculative decode-loop seconds), and ``ar_prefill_share`` the
+    share of plain decoding's wall time spent in its prefill: the measured
+    speedup lies between 1 and the decode-only one, closer to 1 the larger
+    that share;
   * predicted = ``walltime_improvement(α, γ, c)`` (paper Thm 3.8) and
     calibrated = ``calibrated_walltime_improvement`` with the measured verify
     cost, where c = draft seconds per draft token / t₁ (``Bench.draft_cost``)
@@ -27,7 +32,7 @@ import numpy as np
 from specjax import theory
 
 from experiments import checks
-from experiments.measure import SpecRun, costs, round_speedups, run_flags
+from experiments.measure import SpecRun, costs, round_decode_speedups, round_speedups, run_flags
 from experiments.prompts import Batch
 
 ALL = "all"
@@ -86,11 +91,17 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       steps=int(sum(run.steps[i] for i in sel)),
       accept_len_hist=[int(x) for x in c["accept_len_hist"]],
       spec_seconds=None, ar_seconds=None, speedup=None, speedup_spread=None, rounds=None,
+      decode_speedup=None, ar_prefill_share=None,
       step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,
       calibrated_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags))
   if not run.timed:
     return row
   ratios = round_speedups(run, sel)
+  decode = round_decode_speedups(run, sel)
+  if decode is not None:
+    row.update(decode_speedup=float(np.median(decode)), ar_prefill_share=float(np.median(
+        [sum(pp[i] for i in sel) / sum(p[i] for i in sel)
+         for p, pp in zip(run.plain_seconds, run.plain_prefill_seconds)])))
   row.update(spec_seconds=float(np.median([sum(s[i] for i in sel) for s in run.seconds])),
              ar_seconds=float(np.median([sum(p[i] for i in sel) for p in run.plain_seconds])),
              speedup=float(np.median(ratios)), speedup_spread=checks.spread(ratios),

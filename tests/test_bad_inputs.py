@@ -269,7 +269,8 @@ def no_compile(monkeypatch):
 
   def fail(*args, **kwargs):
     raise AssertionError("reached the jitted program")
-  monkeypatch.setattr(gen, "_generate", fail)
+  monkeypatch.setattr(gen, "_prefill", fail)
+  monkeypatch.setattr(gen, "_decode", fail)
   monkeypatch.setattr(SpeculativeDecoder, "init", fail)
 
 

@@ -82,6 +82,32 @@ def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
       assert r["ar_seconds"] == pytest.approx(np.median([sum(p) for p in run["plain_seconds"]]))
 
 
+def test_decode_only_speedups_take_each_calls_prefill_out(smoke):
+  results = smoke[0]
+  runs = [r for r in results["runs"] if r["seconds"] is not None]
+  assert runs
+  for run in runs:
+    for total, pre in ((run["seconds"], run["prefill_seconds"]),
+                       (run["plain_seconds"], run["plain_prefill_seconds"])):
+      assert np.all(0 < np.asarray(pre)) and np.all(np.asarray(pre) < np.asarray(total))
+    loop = lambda total, pre: sum(t - p for t, p in zip(total, pre))
+    ratios = [loop(p, pp) / loop(s, sp) for p, pp, s, sp in zip(
+        run["plain_seconds"], run["plain_prefill_seconds"], run["seconds"],
+        run["prefill_seconds"])]
+    share = [sum(pp) / sum(p) for p, pp in zip(run["plain_seconds"],
+                                                run["plain_prefill_seconds"])]
+    key = (run["draft"], run["gamma"], run["temperature"], run["tree"])
+    for r in results["rows"]:
+      if (r["draft"], r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"])) == key \
+          and r["category"] == "all" and r["speedup"] is not None:
+        assert r["decode_speedup"] == pytest.approx(np.median(ratios))
+        assert r["ar_prefill_share"] == pytest.approx(np.median(share))
+    # t₁ and the speculative step: loop seconds over loop steps, pooled over the round
+    steps = sum(run["steps"])
+    assert run["step_seconds"] == pytest.approx(
+        [loop(s, sp) / steps for s, sp in zip(run["seconds"], run["prefill_seconds"])])
+
+
 def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):
   predicted = [r for r in smoke[0]["rows"] if r["predicted_speedup"] is not None]
   assert predicted
@@ -363,8 +389,9 @@ def test_settings_of_one_temperature_share_one_plain_baseline_per_round(tmp_path
   monkeypatch.setattr(SpeculativeDecoder, "generate", lambda self, *a, **k: calls.append(
       (f"γ={self.gamma}", a[3])) or real_spec(self, *a, **k))
   results = experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), repeats=3))
-  # per temperature: the compiling call, then per round a 1-token call and the one batch
-  assert [n for who, n in calls if who == "plain"] == [1] + [1, 4] * 3 + [1] + [1, 4] * 3
+  # per temperature: the compiling call, then per round the one batch (prefill and loop
+  # times come from each call itself)
+  assert [n for who, n in calls if who == "plain"] == [1] + [4] * 3 + [1] + [4] * 3
   # The batch's calls (4 tokens) rotate from round to round, so no setting always runs
   # first: rounds of (plain, γ=1, γ=2) in turn, per temperature.
   batch_calls = [who for who, n in calls if n == 4]

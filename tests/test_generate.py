@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from specjax.generate import _generate, generate
+from specjax.generate import _decode, _prefill, generate
 from specjax.testing import tiny_model
 
 CACHE = 64
@@ -29,6 +29,12 @@ def test_batched_greedy_equals_each_row_alone(model):
     assert batch.generated(i) == alone.generated(0)
     assert batch.tokens[i, :len(p)].tolist() == p
   np.testing.assert_array_equal(batch.num_generated, [12, 12, 12])
+
+
+def test_wall_time_splits_into_prefill_and_decode_loop(model):
+  cfg, params = model
+  out = generate(params, cfg, [_prompt(cfg, 30, 5)], 6, cache_size=CACHE, eos_ids=())
+  assert 0 < out.prefill_seconds < out.seconds and out.steps == 6
 
 
 def test_eos_stops_its_row_right_after_it_while_others_continue(model):
@@ -64,14 +70,18 @@ def test_zero_new_tokens_returns_the_prompt_unchanged(model):
     assert out.generated(i) == []
 
 
+def _compiled() -> int:
+  return _prefill._cache_size() + _decode._cache_size()
+
+
 def test_no_recompilation_across_prompt_lengths_and_budgets(model):
   cfg, params = model
   generate(params, cfg, [_prompt(cfg, 3, 0), _prompt(cfg, 2, 1)], 4, cache_size=CACHE)  # warm-up
-  compiled = _generate._cache_size()
+  compiled = _compiled()
   for i, (n0, n1, budget) in enumerate([(1, 5, 4), (17, 40, 8), (40, 1, 2), (5, 17, 0)]):
     generate(params, cfg, [_prompt(cfg, n0, 2 * i), _prompt(cfg, n1, 2 * i + 1)], budget,
              cache_size=CACHE)
-  assert _generate._cache_size() == compiled
+  assert _compiled() == compiled
 
 
 @pytest.mark.parametrize("prompts, max_new, match", [
@@ -85,10 +95,10 @@ def test_no_recompilation_across_prompt_lengths_and_budgets(model):
 ])
 def test_bad_input_raises_before_compiling(model, prompts, max_new, match):
   cfg, params = model
-  compiled = _generate._cache_size()
+  compiled = _compiled()
   with pytest.raises(ValueError, match=match):
     generate(params, cfg, prompts, max_new, cache_size=CACHE)
-  assert _generate._cache_size() == compiled
+  assert _compiled() == compiled
 
 
 def test_cache_beyond_a_sliding_window_is_refused():

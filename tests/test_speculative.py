@@ -94,6 +94,8 @@ def test_stream_twin_matches_fused_loop(target, draft):
   np.testing.assert_array_equal(profiled.tokens, fused.tokens)
   m = profiled.metrics()
   assert 0 < m["draft_seconds"] + m["verify_seconds"] + m["other_seconds"] <= m["seconds"]
+  assert profiled.prefill_seconds is None  # the fused loop's split only
+  assert 0 < fused.metrics()["prefill_seconds"] < fused.seconds
 
 
 def test_metrics_are_consistent(target, draft):

@@ -35,6 +35,8 @@ class SpecResult:
     gamma: the draft length (a tree's depth D).
     per_row: dict of [B] / [B, γ(+1)] arrays (see ``SpecCounters``).
     timing: seconds in draft / verify / other, when generated with ``profile=True``.
+    prefill_seconds: the part of ``seconds`` until both models were prefilled
+      (the fused loop only; None with ``profile=True``).
   """
 
   tokens: np.ndarray
@@ -45,6 +47,7 @@ class SpecResult:
   gamma: int
   per_row: dict[str, np.ndarray]
   timing: Optional[dict[str, float]] = None
+  prefill_seconds: Optional[float] = None
 
   def generated(self, row: int) -> list[int]:
     return self.tokens[row, self.prompt_lens[row]:self.seq_lens[row]].tolist()
@@ -63,6 +66,8 @@ class SpecResult:
                  tokens_per_second=float(self.num_generated.sum()) / max(self.seconds, 1e-9))
     if self.timing is not None:
       total.update({f"{k}_seconds": v for k, v in self.timing.items()})
+    if self.prefill_seconds is not None:
+      total.update(prefill_seconds=self.prefill_seconds)
     return total
 
 
