@@ -122,11 +122,11 @@ _prefill = jax.jit(init_decode_state, static_argnames=("cfg",), donate_argnums=(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler", "eos_ids"), donate_argnums=(2,))
-def _decode(params, cfg, state: DecodeState, sampler, eos_ids):
-  """Decode steps until every row is done: (tokens, seq_lens, steps)."""
+def _decode(params, cfg, state: DecodeState, sampler, eos_ids) -> DecodeState:
+  """Decode steps until every row is done (the whole state comes back, so every donated
+  buffer, the cache included, is reused in place)."""
   step = functools.partial(decode_step, params, cfg, sampler, eos_ids)
-  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-  return state.tokens, state.seq_lens, state.steps
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
 
 
 class GenerateOutput(NamedTuple):
@@ -191,8 +191,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       params, cfg, jnp.asarray(tokens), jnp.asarray(lens),
       jnp.full(lens.shape, max_new_tokens, jnp.int32), jax.random.PRNGKey(seed)))
   prefilled = time.perf_counter()
-  out_tokens, seq_lens, steps = _decode(params, cfg, state, sampler, eos)
-  out_tokens = np.asarray(out_tokens)
+  state = _decode(params, cfg, state, sampler, eos)
+  out_tokens = np.asarray(state.tokens)
   end = time.perf_counter()
-  return GenerateOutput(tokens=out_tokens, prompt_lens=lens, seq_lens=np.asarray(seq_lens),
-                        steps=int(steps), seconds=end - start, prefill_seconds=prefilled - start)
+  return GenerateOutput(tokens=out_tokens, prompt_lens=lens, seq_lens=np.asarray(state.seq_lens),
+                        steps=int(state.steps), seconds=end - start,
+                        prefill_seconds=prefilled - start)
