@@ -43,26 +43,41 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax
   concatenated ([B, S, len(feature_layers)·D], ``model.target_features``).
   """
   b, s = tokens.shape
-  chunk = min(chunk, s)
 
-  def body(carry):
-    i, cache, hidden = carry
-    idx = i * chunk + jnp.arange(chunk)
+  def step(idx, valid, carry):
+    cache, hidden = carry
     chunk_tokens = jnp.take(tokens, jnp.clip(idx, 0, s - 1), axis=1)
-    valid = jnp.clip(num_tokens - i * chunk, 0, chunk)
-    out = forward(params, cfg, chunk_tokens, jnp.broadcast_to(idx, (b, chunk)), cache,
+    out = forward(params, cfg, chunk_tokens, jnp.broadcast_to(idx, (b, idx.shape[0])), cache,
                   num_valid=valid, compute_logits=False,
                   return_layers=feature_layers if return_hidden else ())
     if return_hidden:
       feats = target_features(out, feature_layers)
       hidden = hidden.at[:, idx].set(feats.astype(hidden.dtype), mode="drop")
-    return i + 1, out.cache, hidden
+    return out.cache, hidden
 
   width = cfg.dim * max(1, len(feature_layers))
   hidden = jnp.zeros((b, s, width) if return_hidden else (0,), jnp.float32)
-  _, cache, hidden = jax.lax.while_loop(lambda c: c[0] * chunk < jnp.max(num_tokens), body,
-                                        (0, cache, hidden))
+  cache, hidden = over_chunks(step, (cache, hidden), num_tokens, s, chunk)
   return (cache, hidden) if return_hidden else cache
+
+
+def over_chunks(step, carry, num_tokens: jax.Array, length: int, chunk: int = PREFILL_CHUNK):
+  """Feeds positions 0 … max(num_tokens) − 1 in chunks: ``carry = step(idx, valid, carry)``
+  with idx [C] the chunk's positions (C = min(chunk, length); the last chunk may run past
+  ``length``) and valid [B] how many of them each row commits (its first ``valid[b]``).
+
+  The number of chunks is dynamic (a ``while_loop``), so one program serves every prompt
+  length and its cost follows the longest prompt of the batch, not the buffer's length.
+  """
+  chunk = min(chunk, length)
+
+  def body(c):
+    i, carry = c
+    idx = i * chunk + jnp.arange(chunk)
+    return i + 1, step(idx, jnp.clip(num_tokens - i * chunk, 0, chunk), carry)
+
+  _, carry = jax.lax.while_loop(lambda c: c[0] * chunk < jnp.max(num_tokens), body, (0, carry))
+  return carry
 
 
 def last_tokens(tokens: jax.Array, seq_lens: jax.Array) -> jax.Array:

@@ -76,6 +76,32 @@ def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(
   assert checked >= 8
 
 
+def test_init_in_chunks_builds_the_pairs_of_feeding_the_whole_prompt_at_once(monkeypatch):
+  """The prompt's pairs (f_{i−1}, x_i), i < P − 1, fed chunk by chunk (ragged prompts over
+  several chunks) give the cache of one forward over all of them, and nothing past P − 1."""
+  import functools
+
+  from specjax.drafters import eagle as eagle_module
+  from specjax.generate import over_chunks
+  monkeypatch.setattr(eagle_module, "over_chunks", functools.partial(over_chunks, chunk=4))
+  cfg, params = tiny_model(seed=0)
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(7), num_fused=2)
+  drafter, dp = eagle_drafter(cfg, params, weights, None, (0, 1))
+  lens = jnp.asarray([11, 3, 6])
+  s = 16
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (3, s), 0, cfg.vocab_size)
+  feats = jax.random.normal(jax.random.PRNGKey(2), (3, s, 2 * cfg.dim))
+  state = drafter.init(dp, tokens, lens, features=feats)
+  fused = drafter.fuse(dp, feats)
+  shifted = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
+  _, whole = drafter.hidden(dp, shifted, tokens, jnp.broadcast_to(jnp.arange(s), (3, s)),
+                            init_cache(drafter.cfg, 3, s), num_valid=lens - 1)
+  np.testing.assert_array_equal(state.cache.lengths, lens - 1)
+  valid = (jnp.arange(s)[None, :] < (lens - 1)[:, None])[:, None, :, None]
+  for got, want in zip(state.cache.k + state.cache.v, whole.k + whole.v):
+    np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), atol=1e-5)
+
+
 def test_fused_drafter_greedy_equals_plain_greedy_decoding():
   cfg, params = tiny_model(seed=0)
   weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)

@@ -51,6 +51,7 @@ from specjax.config import ModelConfig
 from specjax.distill.vocab import lift_logits
 from specjax.drafters.base import Drafter
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
+from specjax.generate import over_chunks
 from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, policy_of, unpacked
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, init_params, rms_norm, run_layers
@@ -159,14 +160,20 @@ class EagleDrafter(Drafter):
     return True  # ``init`` gets the prompt's features, ``observe`` each accepted path's
 
   def init(self, draft_params, tokens, prompt_lens, features=None) -> EagleState:
-    """Feeds the prompt's pairs 0…P−2; pair P−1 is pending for the first ``propose``."""
+    """Feeds the prompt's pairs 0…P−2 in chunks (as the target's prefill: the cost follows
+    the longest prompt, not the buffer); pair P−1 is pending for the first ``propose``."""
     b, s = tokens.shape
-    state = EagleState(cache=kvc.init_cache(self.cfg, b, s), features=features)
-    fused = self.fuse(draft_params, features)
-    shifted = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
-    _, cache = self.hidden(draft_params, shifted, tokens, jnp.broadcast_to(jnp.arange(s), (b, s)),
-                           state.cache, num_valid=prompt_lens - 1)
-    return state.replace(cache=cache)
+
+    def step(idx, valid, cache):
+      pos = jnp.clip(idx, 0, s - 1)
+      prev = jnp.take(features, jnp.clip(idx - 1, 0, s - 1), axis=1)  # f_{i−1}, f_{−1} = 0
+      fused = jnp.where((idx >= 1)[None, :, None], self.fuse(draft_params, prev), 0.0)
+      _, cache = self.hidden(draft_params, fused, jnp.take(tokens, pos, axis=1),
+                             jnp.broadcast_to(idx, (b, idx.shape[0])), cache, num_valid=valid)
+      return cache
+
+    cache = over_chunks(step, kvc.init_cache(self.cfg, b, s), prompt_lens - 1, s)
+    return EagleState(cache=cache, features=features)
 
   def observe(self, state: EagleState, hidden: jax.Array, start: jax.Array) -> EagleState:
     """Stores the target's features ``hidden`` [B, T, D] of positions start[b] + t."""
