@@ -18,7 +18,9 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
      round also gives the decode-only speedup (Σ plain / Σ speculative loop
      seconds) and the step time of each fused loop, prefill excluded: Σ loop
      seconds / Σ steps over the round's batches; for plain decoding this is t₁,
-     the unit of c and of the verify cost;
+     the unit of c and of the verify cost (c divides a draft phase timed on the
+     first batch by this t₁ of all batches: within 1% of the first batch's own
+     t₁ in the committed run);
   4. draft cost (once per draft and temperature, right after the rounds of its
      first group): ``SpeculativeDecoder.stream`` at γ = ``alpha_gamma`` on the
      first batch times draft / verify / other phase by phase for ``cost_steps``

@@ -16,7 +16,8 @@ from experiments.rows import ALL
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
                "acceptance_rate", "tokens_per_call", "expected_tokens_per_call", "speedup",
-               "speedup_spread", "decode_speedup", "ar_prefill_share", "rounds", "flags", "remeasured", "predicted_speedup",
+               "speedup_spread", "decode_speedup", "ar_prefill_share", "rounds", "flags",
+               "remeasured", "predicted_speedup",
                "calibrated_speedup", "c", "verify_cost", "spec_seconds",
                "ar_seconds", "step_seconds", "target_calls", "drafted", "accepted", "emitted",
                "generated_tokens", "steps", "greedy_match")
@@ -187,8 +188,10 @@ def tables_markdown(results: dict) -> str:
       "`specjax.generate` / warm wall time of speculative decoding on the same batches "
       f"({_timing_note(cfg.get('repeats', 1))}). Decode-only speedup = the same with each "
       "call's prefill taken out (plain / speculative decode-loop time); plain prefill share = "
-      "the share of plain decoding's wall time spent prefilling the prompts (the measured "
-      "speedup lies between 1 and the decode-only one, nearer 1 the larger that share). "
+      "the share of plain decoding's wall time spent prefilling the prompts. The measured "
+      "speedup lies between the decode-only one and the prefill ratio (plain / speculative "
+      "prefill time, below 1 where the draft has a prefill of its own), nearer the latter "
+      "the larger the prefill share. "
       "t₁ = one step of plain decoding (fused loop, prefill excluded, pooled over the round's "
       "batches); c = draft time per draft "
       f"token / t₁ (phase timings of `stream` at γ = {cfg['alpha_gamma']}); verify T(γ+1)/T(1) = "

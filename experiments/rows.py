@@ -13,8 +13,9 @@ Conventions (those of ``specjax.speculative.metrics``):
   * decode-only speedup = the same median with each call's prefill taken out
     (plain / speculative decode-loop seconds), and ``ar_prefill_share`` the
     share of plain decoding's wall time spent in its prefill: the measured
-    speedup lies between 1 and the decode-only one, closer to 1 the larger
-    that share;
+    speedup lies between the decode-only one and the prefill ratio (plain /
+    speculative prefill seconds, below 1 where the draft has its own
+    prefill), closer to the latter the larger that share;
   * predicted = ``walltime_improvement(α, γ, c)`` (paper Thm 3.8) and
     calibrated = ``calibrated_walltime_improvement`` with the measured verify
     cost, where c = draft seconds per draft token / t₁ (``Bench.draft_cost``)

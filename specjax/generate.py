@@ -153,8 +153,9 @@ class GenerateOutput(NamedTuple):
     seq_lens: [B] prompt + generated.
     steps: target forward calls in the decode loop.
     seconds: wall time of the call (after compilation when warm).
-    prefill_seconds: the part of ``seconds`` until the prompts were prefilled;
-      the rest is the decode loop, (seconds − prefill_seconds) / steps per step.
+    prefill_seconds: the part of ``seconds`` until the prompts were prefilled
+      (validation and packing included); the rest is the decode loop,
+      (seconds − prefill_seconds) / steps per step.
   """
 
   tokens: np.ndarray
@@ -195,13 +196,13 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     eos_ids: stop tokens (default ``cfg.eos_token_ids``); () never stops early.
   """
   check_sampler(sampler)
+  start = time.perf_counter()  # validation and packing count, as in SpeculativeDecoder
   validation.check_params(params, cfg, "params")
   tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size, vocab_size=cfg.vocab_size,
                                  max_cache_size=cfg.max_cache_size,
                                  max_positions=cfg.max_position_embeddings,
                                  cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
   eos = validation.token_ids(cfg.eos_token_ids if eos_ids is None else eos_ids, "eos_ids")
-  start = time.perf_counter()
   state = jax.block_until_ready(_prefill(
       params, cfg, jnp.asarray(tokens), jnp.asarray(lens),
       jnp.full(lens.shape, max_new_tokens, jnp.int32), jax.random.PRNGKey(seed)))

@@ -97,15 +97,21 @@ def test_decode_only_speedups_take_each_calls_prefill_out(smoke):
     share = [sum(pp) / sum(p) for p, pp in zip(run["plain_seconds"],
                                                 run["plain_prefill_seconds"])]
     key = (run["draft"], run["gamma"], run["temperature"], run["tree"])
-    for r in results["rows"]:
-      if (r["draft"], r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"])) == key \
-          and r["category"] == "all" and r["speedup"] is not None:
-        assert r["decode_speedup"] == pytest.approx(np.median(ratios))
-        assert r["ar_prefill_share"] == pytest.approx(np.median(share))
+    matched = [r for r in results["rows"]
+               if (r["draft"], r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"])) == key
+               and r["category"] == "all" and r["speedup"] is not None]
+    assert matched
+    for r in matched:
+      assert r["decode_speedup"] == pytest.approx(np.median(ratios))
+      assert r["ar_prefill_share"] == pytest.approx(np.median(share))
     # t₁ and the speculative step: loop seconds over loop steps, pooled over the round
-    steps = sum(run["steps"])
+    # (plain decoding takes one step per new token: EOS is ignored)
+    steps, plain_steps = sum(run["steps"]), NEW * len(run["steps"])
     assert run["step_seconds"] == pytest.approx(
         [loop(s, sp) / steps for s, sp in zip(run["seconds"], run["prefill_seconds"])])
+    assert run["plain_step_seconds"] == pytest.approx(
+        [loop(p, pp) / plain_steps for p, pp in zip(run["plain_seconds"],
+                                                    run["plain_prefill_seconds"])])
 
 
 def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):

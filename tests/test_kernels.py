@@ -238,7 +238,9 @@ def test_source_hash_covers_the_local_headers_a_kernel_includes(tmp_path):
   assert build.source_hash(str(src)) != base  # a changed header rebuilds the kernel
   # The real kernels include the shared header from the kernels folder.
   kernel = build.os.path.join(build.KERNELS_DIR, "streaming_matmul.cc")
-  assert build._local_headers(open(kernel, "rb").read(), kernel) == [
+  with open(kernel, "rb") as f:
+    text = f.read()
+  assert build._local_headers(text, kernel) == [
       build.os.path.join(build.KERNELS_DIR, "parallel_for.h")]
 
 

@@ -51,7 +51,8 @@ KERNELS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _local_headers(text: bytes, source: str) -> list[str]:
-  """The ``#include "name"`` files of a source that lie beside it or in ``KERNELS_DIR``."""
+  """The ``#include "name"`` files of a source that lie beside it or in ``KERNELS_DIR``
+  (one level: a shared header includes only system and XLA FFI headers)."""
   out = []
   for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, re.M):
     for folder in (os.path.dirname(os.path.abspath(source)), KERNELS_DIR):
@@ -71,7 +72,7 @@ def source_hash(source: str) -> str:
   digest = hashlib.sha256(text)
   for header in _local_headers(text, source):
     with open(header, "rb") as f:
-      digest.update(f.read())
+      digest.update(b"\0" + os.path.basename(header).encode() + b"\0" + f.read())
   return digest.hexdigest()[:16]
 
 

@@ -10,7 +10,8 @@ once and reuses it for all rows, so a verify step costs about one decode step.
 
 The shared library is compiled on first use with the system C++ compiler and
 the XLA FFI headers that ship with jaxlib, and cached under
-``~/.cache/specjax/kernels`` keyed by source, jaxlib version and CPU.
+``~/.cache/specjax/kernels`` keyed by source (and its shared headers), jaxlib version and
+CPU (``build.library_path``).
 ``available()`` is False (with the reason in ``unavailable_reason()``) when
 the backend is not CPU or the build fails; callers then keep XLA's dot.
 ``reference`` is the pure-jnp definition the kernel is tested against.
