@@ -34,8 +34,7 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax
             feature_layers: tuple[int, ...] = ()):
   """Commits ``tokens[b, :num_tokens[b]]`` to an empty cache, ``chunk`` tokens at a time.
 
-  The number of chunks is dynamic (a while loop), so one compiled program
-  serves every prompt length and its cost grows with the longest prompt.
+  The chunks run in ``over_chunks`` (one program for every prompt length).
   Returns the cache, or ``(cache, hidden)`` with ``return_hidden=True``:
   [B, S, D] last hidden states (before the final norm) of the committed
   positions, what feature drafters (EAGLE) read; other slots are undefined.

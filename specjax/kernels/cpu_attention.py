@@ -101,8 +101,6 @@ def _call(q, k, v, lengths, mask):
       q, k, v, lengths.astype(jnp.int32), mask)
 
 
-
-
 def cpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                   mask: jax.Array) -> jax.Array:
   """Attention of T new tokens over a layer's cache, on the CPU kernel.
