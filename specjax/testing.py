@@ -105,11 +105,13 @@ VARIED_BATCHES = ([[5, 6, 7, 8], [9]], [[1] * 30, [2] * 11], [[3, 4], [5]])
 
 
 def new_compiles_across_batches(dec, target_params, draft_params) -> int:
-  """Compiles of ``SpeculativeDecoder.run`` that prompts, budgets and seeds different from a
-  warm-up call still cause (0 when shapes stay static): two-row batches, cache size 64."""
-  from specjax.speculative import SpeculativeDecoder
+  """Compiles of the speculative loop and prefill (``SpeculativeDecoder.run``,
+  ``prefill_models``) that prompts, budgets and seeds different from a warm-up call still
+  cause (0 when shapes stay static): two-row batches, cache size 64."""
+  from specjax.speculative.decoder import SpeculativeDecoder, prefill_models
+  count = lambda: SpeculativeDecoder.run._cache_size() + prefill_models._cache_size()
   dec.generate(target_params, draft_params, [[1], [2, 3]], 8, cache_size=64)
-  before = SpeculativeDecoder.run._cache_size()
+  before = count()
   for seed, prompts in enumerate(VARIED_BATCHES):
     dec.generate(target_params, draft_params, prompts, 8 + seed, cache_size=64, seed=seed)
-  return SpeculativeDecoder.run._cache_size() - before
+  return count() - before

@@ -7,6 +7,7 @@ import specjax
 from specjax.drafters import ModelDrafter
 from specjax.sampling import Greedy, Sampling, make_sampler
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.decoder import prefill_models
 from specjax.testing import new_compiles_across_batches, tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11, 12, 13], [3]]
@@ -79,6 +80,22 @@ def test_no_recompilation_across_prompts_and_acceptance_patterns(target, draft):
   cfg, params = target
   dec = _decoder(cfg, draft[0], 2, Sampling(temperature=1.0))
   assert new_compiles_across_batches(dec, params, dec.drafter.make_params(draft[1])) == 0
+
+
+def test_one_prefill_program_serves_every_gamma_and_sampler(target, draft):
+  """The prefill is keyed by the target and drafter only: a γ sweep compiles it once."""
+  cfg, params = target
+  prompts = [[3, 1, 4, 1, 5], [9, 2]]
+  dp = ModelDrafter(draft[0]).make_params(draft[1])
+  _decoder(cfg, draft[0], 1).generate(params, dp, prompts, 4, cache_size=40)
+  before = prefill_models._cache_size()
+  for gamma, sampler in [(2, Greedy()), (5, Sampling(temperature=0.7)), (3, make_sampler(1.0))]:
+    out = _decoder(cfg, draft[0], gamma, sampler).generate(params, dp, prompts, 4,
+                                                           cache_size=40)
+    assert out.num_generated.tolist() == [4, 4]
+  assert prefill_models._cache_size() == before
+  _decoder(cfg, draft[0], 2).generate(params, dp, prompts, 4, cache_size=48)  # a new shape
+  assert prefill_models._cache_size() == before + 1
 
 
 def test_stream_twin_matches_fused_loop(target, draft):

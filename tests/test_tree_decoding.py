@@ -26,6 +26,7 @@ from specjax.drafters import ModelDrafter
 from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.decoder import prefill_models
 from specjax.speculative.tree import TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint,
@@ -337,7 +338,7 @@ def test_one_compiled_run_serves_prompts_budgets_and_acceptance_patterns(target,
   tree = (-1, -1, 0, 0, 1)
   dec = _decoder(cfg, drafter, TreeTopology(tree), Sampling(temperature=1.0))
   dec.generate(params, dp, [[1], [2, 3]], 8, cache_size=CACHE)
-  runs, inits = SpeculativeDecoder.run._cache_size(), SpeculativeDecoder.init._cache_size()
+  runs, inits = SpeculativeDecoder.run._cache_size(), prefill_models._cache_size()
   lengths = set()
   for seed, prompts in enumerate([[[5, 6, 7, 8], [9]], [[1] * 30, [2] * 11], [[3, 4], [5]]]):
     # An equal decoder built anew (an equal topology) is the same static argument.
@@ -346,7 +347,7 @@ def test_one_compiled_run_serves_prompts_budgets_and_acceptance_patterns(target,
     lengths |= {tuple(h) for h in out.per_row["accept_len_hist"]}
   assert len(lengths) > 1  # different acceptance patterns went through the same program
   assert SpeculativeDecoder.run._cache_size() == runs
-  assert SpeculativeDecoder.init._cache_size() == inits
+  assert prefill_models._cache_size() == inits
 
 
 # --- 5. the exact distribution through the decoder -------------------------------------------
@@ -484,14 +485,14 @@ def test_cache_too_small_for_the_tree_is_refused_before_compiling(target, drafts
   topo = TreeTopology((-1, -1, -1, 0, 0, 0, 1))  # N = 7, D = 2; used by no other test
   dec = _decoder(cfg, drafter, topo)
   prompt, new = PROMPTS[2], 10
-  runs, inits = SpeculativeDecoder.run._cache_size(), SpeculativeDecoder.init._cache_size()
+  runs, inits = SpeculativeDecoder.run._cache_size(), prefill_models._cache_size()
   size = len(prompt) + new + topo.num_nodes
   with pytest.raises(ValueError, match="cache"):
     dec.generate(params, dp, [prompt], new, cache_size=size - 1)
   with pytest.raises(ValueError, match="cache"):
     dec.prepare(params, dp, [prompt], new, cache_size=size - 1)
   assert SpeculativeDecoder.run._cache_size() == runs
-  assert SpeculativeDecoder.init._cache_size() == inits
+  assert prefill_models._cache_size() == inits
   out = dec.generate(params, dp, [prompt], new, cache_size=size)  # exactly enough
   ref = specjax.generate(params, cfg, [prompt], new, eos_ids=())
   assert out.generated(0) == ref.generated(0)

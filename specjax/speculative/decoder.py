@@ -54,6 +54,28 @@ if TYPE_CHECKING:
   from specjax.drafters.base import Drafter
 
 
+@functools.partial(jax.jit, static_argnames=("target_cfg", "drafter"))
+def prefill_models(target_cfg: ModelConfig, drafter: "Drafter", target_params: Params,
+                   draft_params: Any, tokens: jax.Array, prompt_lens: jax.Array
+                   ) -> tuple[kvc.KVCache, Any]:
+  """Commits ``tokens[b, :prompt_lens[b] − 1]`` to the target's cache and the drafter's state.
+
+  Its own program, keyed by the target's config and the drafter only, so a sweep
+  over γ, trees or temperatures compiles the prefill once (the step loop is what
+  they change). A feature drafter (EAGLE) starts from the target's features of
+  the prompt, read off the same prefill.
+  """
+  b, s = tokens.shape
+  empty = kvc.init_cache(target_cfg, b, s)
+  if drafter.reads_target_features():
+    target_cache, hidden = prefill(target_params, target_cfg, tokens, prompt_lens - 1, empty,
+                                   return_hidden=True,
+                                   feature_layers=drafter.target_feature_layers())
+    return target_cache, drafter.init(draft_params, tokens, prompt_lens, features=hidden)
+  target_cache = prefill(target_params, target_cfg, tokens, prompt_lens - 1, empty)
+  return target_cache, drafter.init(draft_params, tokens, prompt_lens)
+
+
 class TargetScores(NamedTuple):
   """What verification returns.
 
@@ -222,24 +244,18 @@ class SpeculativeDecoder:
     counters = self.count(state.counters, ~state.done, proposal, acc, n_emit)
     return new.replace(rng=rng, steps=state.steps + 1, counters=counters)
 
-  @functools.partial(jax.jit, static_argnames=("self",))
   def init(self, target_params: Params, draft_params: Any, tokens: jax.Array,
            prompt_lens: jax.Array, max_new_tokens: jax.Array, rng: jax.Array) -> SpecState:
-    """Prefills both models with each prompt minus its last token."""
-    b, s = tokens.shape
-    empty = kvc.init_cache(self.target_cfg, b, s)
-    if self.drafter.reads_target_features():
-      target_cache, hidden = prefill(target_params, self.target_cfg, tokens, prompt_lens - 1,
-                                     empty, return_hidden=True,
-                                     feature_layers=self.drafter.target_feature_layers())
-      draft_state = self.drafter.init(draft_params, tokens, prompt_lens, features=hidden)
-    else:
-      target_cache = prefill(target_params, self.target_cfg, tokens, prompt_lens - 1, empty)
-      draft_state = self.drafter.init(draft_params, tokens, prompt_lens)
+    """Prefills both models with each prompt minus its last token (``prefill_models``: one
+    program per target and drafter, shared by every γ, tree and sampler)."""
+    b = tokens.shape[0]
+    target_cache, draft_state = prefill_models(self.target_cfg, self.drafter, target_params,
+                                               draft_params, tokens, prompt_lens)
     max_lens = prompt_lens + max_new_tokens
-    return SpecState(tokens=tokens, seq_lens=prompt_lens, max_lens=max_lens,
-                     done=prompt_lens >= max_lens, target_cache=target_cache,
-                     draft_state=draft_state, rng=rng,
+    # Copies: ``run`` donates the state, which must not take the caller's arrays with it.
+    return SpecState(tokens=jnp.array(tokens), seq_lens=jnp.array(prompt_lens),
+                     max_lens=max_lens, done=prompt_lens >= max_lens,
+                     target_cache=target_cache, draft_state=draft_state, rng=jnp.array(rng),
                      steps=jnp.zeros((), jnp.int32),
                      counters=SpecCounters.zeros(b, self.tree.max_depth,
                                                  self.tree.max_children))
