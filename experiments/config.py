@@ -79,7 +79,7 @@ class ExperimentConfig:
   early_exit_layers: int = 0
   alpha_drafts: tuple[str, ...] = ("default", "unigram", "bigram", "early_exit", "prompt_lookup")
   cost_steps: int = 8
-  repeats: int = 3
+  repeats: int = 2
   stop_at_eos: bool = False
   fresh: bool = False
   tree_budgets: tuple[int, ...] = (4, 8, 16)

@@ -147,9 +147,15 @@ def make_batches(items: Sequence[PromptItem], encode: Callable[[str], list[int]]
 
 def merge_batches(batches: Sequence[Batch], max_rows: int = 16) -> list[Batch]:
   """Mixed-category batches of up to ``max_rows`` real rows, for untimed α measurements
-  (fewer sequential steps than category-pure batches; per-row counters keep categories)."""
-  rows = [(i, ids, c) for b in batches
-          for i, ids, c in zip(b.index, b.ids, b.row_categories)]
+  (fewer sequential steps than category-pure batches; per-row counters keep categories).
+
+  Rows are grouped by prompt length (shortest first), since a batch's prefill costs
+  rows × its longest prompt: e.g. lengths 5, 90, 6, 80 in batches of two become
+  (5, 6) and (80, 90), not (5, 90) and (6, 80).
+  """
+  rows = sorted(((i, ids, c) for b in batches
+                 for i, ids, c in zip(b.index, b.ids, b.row_categories)),
+                key=lambda r: len(r[1]))
   chunks = math.ceil(len(rows) / max_rows)
   size = math.ceil(len(rows) / chunks)  # balanced: 20 rows -> 2 x 10, not 16 + 4
   out = []

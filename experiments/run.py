@@ -48,9 +48,9 @@ flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in draft
 flags.DEFINE_string("alpha_drafts", "default,unigram,bigram,early_exit,prompt_lookup",
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
 flags.DEFINE_integer("cost_steps", 8, "Steps timed phase by phase for c and the verify cost.")
-flags.DEFINE_integer("repeats", 3, "Interleaved timing rounds per setting (plain then "
+flags.DEFINE_integer("repeats", 2, "Interleaved timing rounds per setting (plain then "
                      "speculative on every batch); the median round is reported with the "
-                     "spread.")
+                     "spread, and a setting whose rounds disagree by > 10% is re-measured.")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
 flags.DEFINE_string("tree_budgets", "4,8,16", "Node budgets N of the tree sweep's best static "
                     "trees.")

@@ -68,7 +68,7 @@ def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
   for run in results["runs"]:
     if run["seconds"] is None:
       continue
-    assert len(run["seconds"]) == len(run["plain_seconds"]) == 3  # default --repeats
+    assert len(run["seconds"]) == len(run["plain_seconds"]) == 2  # default --repeats
     ratios = [sum(p) / sum(s) for p, s in zip(run["plain_seconds"], run["seconds"])]
     key = (run["draft"], run["gamma"], run["temperature"], run["tree"])
     overall = [r for r in timed if (r["draft"], r["gamma"], r["temperature"],
@@ -212,6 +212,17 @@ def test_batches_are_category_pure_and_padded():
   assert [(b.category, b.index) for b in batches] == [("x", (0, 2)), ("x", (3,)), ("y", (1,))]
   assert all(len(b.ids) == 2 for b in batches)
   assert batches[1].ids[1] == batches[1].ids[0]
+
+
+def test_untimed_batches_group_rows_by_prompt_length():
+  items = [prompts.PromptItem(t, c) for t, c in
+           [("a" * 5, "x"), ("b" * 90, "y"), ("c" * 6, "y"), ("d" * 80, "x"), ("e" * 7, "z")]]
+  batches = prompts.make_batches(items, lambda t: [ord(ch) for ch in t], 2)
+  merged = prompts.merge_batches(batches, max_rows=2)
+  assert [b.index for b in merged] == [(0, 2), (4, 3), (1,)]
+  assert [b.row_categories for b in merged] == [("x", "y"), ("z", "x"), ("y",)]
+  assert sorted(i for b in merged for i in b.index) == list(range(5))  # every row, once
+  assert [len(ids) for ids in merged[2].ids] == [90, 90]  # padded with a real row
 
 
 @pytest.mark.parametrize("kwargs, message", [
