@@ -49,7 +49,8 @@ LAYER_SHAPES = [("decode", 1, 512, 200, 1), ("verify γ=1", 1, 512, 200, 2),
                 ("generation, batch 64", 64, 256, 150, 1),
                 ("generation, batch 256", 256, 320, 200, 1),
                 ("prefill 32", 1, 512, 0, 32), ("prefill 64", 1, 512, 0, 64),
-                ("prefill 256", 1, 512, 0, 256), ("prefill 160, batch 16", 16, 256, 0, 160)]
+                ("prefill 256", 1, 512, 0, 256), ("prefill 512", 1, 512, 0, 512),
+                ("prefill 160, batch 16", 16, 256, 0, 160)]
 CACHE = 512
 
 
@@ -109,7 +110,7 @@ class _Decoding:
   def round(self, prompts=None):
     """Times every measurement once over ``prompts`` (default: all) and records it; with
     ``prompts`` given (a warm-up after compilation caches were cleared) nothing is recorded."""
-    from experiments.measure import step_seconds
+    from experiments.measure import loop_step_seconds
     from specjax.distill import teacher
     from specjax.sampling import Greedy
     record = prompts is None
@@ -118,22 +119,19 @@ class _Decoding:
     refs = {}
     for b in (1, 4):
       for batch in ([[p] for p in prompts] if b == 1 else [(prompts * 4)[:4]]):
-        full, t_full = _timed(lambda: self._plain(batch, self.new + 1))
-        _, t_one = _timed(lambda: self._plain(batch, 1))
-        keep(self.t1[b], step_seconds(t_full, t_one, self.new + 1))
+        full = self._plain(batch, self.new)
+        keep(self.t1[b], loop_step_seconds([full]))
         if b == 1:
-          refs[tuple(batch[0])] = full.generated(0)[:self.new]
+          refs[tuple(batch[0])] = full.generated(0)
     for name, dec in self.decoders.items():
       for i, p in enumerate(prompts):
-        state, _ = jax.block_until_ready(dec.prepare(
-            self.target.params, self.draft.params, [p], self.new, seed=i, cache_size=CACHE))
-        state, t_run = _timed(lambda: dec.run(self.target.params, self.draft.params, state))
-        keep(self.steps[name], t_run / int(state.steps))
+        out = dec.generate(self.target.params, self.draft.params, [p], self.new, seed=i,
+                           cache_size=CACHE)
+        keep(self.steps[name], loop_step_seconds([out]))
         if record:
-          self.calls[name][0] += int(state.counters.emitted[0])
-          self.calls[name][1] += int(state.counters.target_calls[0])
-        self.equal &= (np.asarray(state.tokens[0, len(p):len(p) + self.new]).tolist()
-                       == refs[tuple(p)])
+          self.calls[name][0] += int(out.per_row["emitted"][0])
+          self.calls[name][1] += int(out.per_row["target_calls"][0])
+        self.equal &= out.generated(0) == refs[tuple(p)]
     recs, dt = _timed(lambda: teacher.generate_with_topk(
         self.target.params, self.target.cfg, self.gen_ids, self.new, Greedy(),
         k=1, seed=0, cache_size=256))

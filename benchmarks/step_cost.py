@@ -10,9 +10,10 @@ plain decoding's time, and speculative decoding cannot shorten it, so the
 end-to-end speedup understates what a step gains. This benchmark separates
 the two, in one run on the same prompts (batch 1):
 
-  t₁    = one plain decode step: (``generate`` of new + 1 tokens − of 1 token) / new;
-  step  = one speculative step: the fused ``run`` loop's time / its steps, after
-          ``prepare`` (both models' prefill) was timed apart;
+  t₁    = one plain decode step: a ``generate`` call's decode-loop time (its wall time
+          minus its ``prefill_seconds``) / its steps;
+  step  = one speculative step, the same of a speculative ``generate`` call (whose
+          ``prefill_seconds`` covers both models' prefill);
   decode-only speedup = tokens per call × t₁ / step;
   prefill share = prefill / plain generation time.
 
@@ -22,15 +23,12 @@ Methods: chains γ = 1…4 and EAGLE-2 dynamic trees (k, D, N) ∈ {(3, 3, 4),
 
 from __future__ import annotations
 
-import time
-
-import jax
 import numpy as np
 from absl import app, flags
 
 import specjax
 from benchmarks.common import probe_output_dir, provenance, write_markdown
-from experiments.measure import step_seconds
+from experiments.measure import loop_step_seconds
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
 from specjax.sampling import make_sampler
@@ -48,12 +46,6 @@ CACHE = 512
 METHODS = [(f"chain γ={g}", TreeTopology.chain(g)) for g in (1, 2, 3, 4)] + [
     (f"dynamic k={k} D={d} N={n}", DynamicTree(top_k=k, depth=d, num_nodes=n))
     for k, d, n in ((3, 3, 4), (4, 4, 4), (4, 4, 8))]
-
-
-def _timed(fn):
-  t = time.perf_counter()
-  out = jax.block_until_ready(fn())
-  return out, time.perf_counter() - t
 
 
 def main(_):
@@ -74,20 +66,19 @@ def main(_):
     sampler = make_sampler(temp)
     plain = lambda p, n, s: specjax.generate(target.params, target.cfg, [p], n, sampler, seed=s,
                                              cache_size=CACHE, eos_ids=())
-    plain(prompts[0], new + 1, 0), plain(prompts[0], 1, 0)  # compile
+    plain(prompts[0], new, 0)  # compile
     t1s, shares, refs = [], [], {}
     for _ in range(REPEATS.value):
       for i, p in enumerate(prompts):
-        full, t_full = _timed(lambda: plain(p, new + 1, i))
-        _, t_one = _timed(lambda: plain(p, 1, i))
-        t1s.append(step_seconds(t_full, t_one, new + 1))
-        shares.append(t_one / t_full)
-        refs[i] = full.generated(0)[:new]
+        full = plain(p, new, i)
+        t1s.append(loop_step_seconds([full]))
+        shares.append(full.prefill_seconds / full.seconds)
+        refs[i] = full.generated(0)
     t1 = float(np.median(t1s))
     lines += [f"## T = {temp:g}", "",
               f"Plain decode step t₁ = {t1 * 1e3:.2f} ms (spread {min(t1s) * 1e3:.1f}–"
               f"{max(t1s) * 1e3:.1f}); the prefill is {np.median(shares):.0%} of a plain "
-              f"generation of {new + 1} tokens.", "",
+              f"generation of {new} tokens.", "",
               "| method | tokens / call | step (ms) | step / t₁ | prefill (ms) | "
               "decode-only speedup |" + (" = plain greedy |" if temp == 0 else ""),
               "|---|---|---|---|---|---|" + ("---|" if temp == 0 else "")]
@@ -99,17 +90,13 @@ def main(_):
       steps, prefills, calls, toks, equal = [], [], 0, 0, True
       for _ in range(REPEATS.value):
         for i, p in enumerate(prompts):
-          (state, _), t_pre = _timed(lambda: dec.prepare(target.params, draft.params, [p], new,
-                                                         seed=i, cache_size=CACHE))
-          state, t_run = _timed(lambda: dec.run(target.params, draft.params, state))
-          n_steps = int(state.steps)
-          steps.append(t_run / n_steps)
-          prefills.append(t_pre)
-          calls += int(state.counters.target_calls[0])
-          toks += int(state.counters.emitted[0])
+          out = dec.generate(target.params, draft.params, [p], new, seed=i, cache_size=CACHE)
+          steps.append(loop_step_seconds([out]))
+          prefills.append(out.prefill_seconds)
+          calls += int(out.per_row["target_calls"][0])
+          toks += int(out.per_row["emitted"][0])
           if temp == 0:
-            lens = len(p)
-            equal &= np.asarray(state.tokens[0, lens:lens + new]).tolist() == refs[i]
+            equal &= out.generated(0) == refs[i]
       step, tpc = float(np.median(steps)), toks / calls
       row = (f"| {name} | {tpc:.2f} | {step * 1e3:.2f} | {step / t1:.2f} | "
              f"{np.median(prefills) * 1e3:.0f} | **{tpc * t1 / step:.2f}×** |")

@@ -11,7 +11,9 @@ A setting is flagged when
     the same work every step; one phase of ~10 ms carries dispatch jitter, so
     single outliers, which the median behind c ignores, are not counted).
 A flagged setting is measured once more (``Bench.spec_many``); what is still flagged
-afterwards is marked in tables.md.
+afterwards is marked in tables.md. Before that, ``unsteady`` asks for one more
+interleaved round (``--extra_rounds`` at most) while any batch group's speedup
+spreads more than SPREAD_BOUND, so a median of three can outvote a disturbed round.
 """
 
 from __future__ import annotations
@@ -39,6 +41,35 @@ def quartile_spread(values: Sequence[float]) -> Optional[float]:
     return None
   q25, med, q75 = np.percentile(values, [25, 50, 75])
   return float((q75 - q25) / med) if med > 0 else float("inf")
+
+
+def unsteady(plain_seconds: Sequence[Sequence[float]],
+             seconds: Sequence[Sequence[Sequence[float]]], groups: Sequence[Sequence[int]],
+             bound: float = SPREAD_BOUND) -> bool:
+  """Whether some setting's speedup over some group of batches spreads more than ``bound``
+  over the rounds so far (the cue for another round).
+
+  Args:
+    plain_seconds: [rounds][batches] plain wall times.
+    seconds: per setting, [rounds][batches] speculative wall times.
+    groups: batch indices whose times are pooled into one speedup (all batches, and
+      each category's), as the tables report them.
+    bound: the largest spread accepted.
+
+  Example: two rounds of batches 0 and 1, batch 1's plain call 20% slower in the second:
+  with ``plain = [[1, 1], [1, 1.2]]`` and one setting ``[[[1, 1], [1, 1]]]``, the
+  speedup pooled over both batches goes 1.0 → 1.1 (a 9.5% spread) but batch 1's goes
+  1.0 → 1.2 (18%): ``unsteady(plain, spec, [(0, 1)])`` is False,
+  ``unsteady(plain, spec, [(0, 1), (1,)])`` is True.
+  """
+  for spec in seconds:
+    for group in groups:
+      ratios = [sum(p[i] for i in group) / sum(s[i] for i in group)
+                for p, s in zip(plain_seconds, spec)]
+      value = spread(ratios)
+      if value is not None and value > bound:
+        return True
+  return False
 
 
 def setting_flags(gamma: int, verify_cost: Optional[float], speedup_spread: Optional[float],

@@ -52,6 +52,9 @@ class ExperimentConfig:
       to measure the draft cost ratio c and the verify cost.
     repeats: interleaved timing rounds per setting; each round times plain then
       speculative decoding on every batch, and figures are medians over rounds.
+    extra_rounds: up to this many rounds are added, one at a time, while some
+      setting's speedup (over all batches or one category's) spreads more than
+      10% over the rounds so far (``checks.unsteady``); 0 turns this off.
     stop_at_eos: stop rows at EOS. Off by default: every row then generates
       exactly max_new_tokens with both methods, so speedups are plain time ratios.
     fresh: ignore a partial run of the same config in ``out`` and start over
@@ -80,6 +83,7 @@ class ExperimentConfig:
   alpha_drafts: tuple[str, ...] = ("default", "unigram", "bigram", "early_exit", "prompt_lookup")
   cost_steps: int = 8
   repeats: int = 2
+  extra_rounds: int = 1
   stop_at_eos: bool = False
   fresh: bool = False
   tree_budgets: tuple[int, ...] = (4, 8, 16)
@@ -117,6 +121,8 @@ class ExperimentConfig:
                  "repeats", "calibration_prompts"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    if self.extra_rounds < 0:
+      raise ValueError(f"--extra_rounds must be >= 0, got {self.extra_rounds}")
     if self.max_new_tokens < 2:
       raise ValueError("--max_new_tokens must be >= 2 (the step time is measured from it)")
     if self.temperature_gamma < 0 or self.early_exit_layers < 0:

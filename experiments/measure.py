@@ -5,7 +5,9 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
   1. compile: one call with ``max_new_tokens=1`` on the first batch, for each
      method (budgets are arrays and every batch has the same shape and cache
      size, so this is the program that is then timed);
-  2. ``repeats`` interleaved rounds: each round times, batch by batch, a plain
+  2. ``repeats`` interleaved rounds (one more, ``extra_rounds`` at most, while some
+     setting's speedup over all batches or over one category's spreads more than
+     ``checks.SPREAD_BOUND``): each round times, batch by batch, a plain
      call and each setting's speculative call with the full budget (in an order
      rotated by one per batch and round). Plain and speculative
      decoding thus alternate every few seconds and share the machine's state,
@@ -56,7 +58,7 @@ from experiments import checks
 from experiments.config import ExperimentConfig
 from experiments.models import Draft, Target
 from experiments.progress import ProgressLog
-from experiments.prompts import Batch, merge_batches
+from experiments.prompts import Batch, categories, merge_batches
 
 COUNTERS = ("target_calls", "drafted", "accepted", "emitted", "accepted_at", "accept_len_hist",
             "accepted_rank", "beta_sum", "beta_count")
@@ -315,15 +317,27 @@ class Bench:
 
   def _rounds(self, draft: Draft, temperature: float, plain: Callable,
               settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
-    """``repeats`` interleaved rounds: per batch, plain decoding and every setting, in an
-    order rotated by one per batch and round, so no setting always runs first (or right
-    after plain decoding) and position effects spread over all of them."""
-    seed, budget = self.config.seed, self.config.max_new_tokens
+    """``repeats`` interleaved rounds, and one more at a time (``extra_rounds`` at most) while
+    ``checks.unsteady``: some setting's speedup, overall or over one category's batches,
+    spreads more than the bound. A round runs, per batch, plain decoding and every
+    setting, in an order rotated by one per batch and round, so no setting always runs
+    first (or right after plain decoding) and position effects spread over all of them."""
+    cfg = self.config
+    seed, budget = cfg.seed, cfg.max_new_tokens
     plain_t = dict(plain_seconds=[], plain_prefill_seconds=[], plain_step_seconds=[])
     spec_t = [dict(seconds=[], prefill_seconds=[], step_seconds=[]) for _ in settings]
-    bar = tqdm.tqdm(total=self.config.repeats * len(self.batches), leave=False, unit="batch",
+    groups = [range(len(self.batches))] + [
+        [i for i, b in enumerate(self.batches) if b.category == c]
+        for c in categories(self.batches)]
+    bar = tqdm.tqdm(total=cfg.repeats * len(self.batches), leave=False, unit="batch",
                     desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
-    for r in range(self.config.repeats):
+    r = 0
+    while r < cfg.repeats or (r < cfg.repeats + cfg.extra_rounds and checks.unsteady(
+        plain_t["plain_seconds"], [t["seconds"] for t in spec_t], groups)):
+      if r >= cfg.repeats:
+        bar.total += len(self.batches)
+        logging.info("%s T=%g: a speedup spread > %.0f%% after %d rounds, one more round",
+                     draft.name, temperature, 100 * checks.SPREAD_BOUND, r)
       plain_outs, spec_outs = [], [[] for _ in settings]
       calls = [(plain_outs, plain)] + [(outs, call) for outs, (_, _, call)
                                        in zip(spec_outs, settings)]
@@ -339,6 +353,7 @@ class Bench:
         t["seconds"].append([o.seconds for o in outs])
         t["prefill_seconds"].append([o.prefill_seconds for o in outs])
         t["step_seconds"].append(loop_step_seconds(outs))
+      r += 1
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
@@ -416,10 +431,3 @@ def loop_step_seconds(outs: Sequence[Any]) -> float:
   return (sum(o.seconds - o.prefill_seconds for o in outs)
           / max(sum(o.steps for o in outs), 1))
 
-
-def step_seconds(full: float, one_step: float, steps: int) -> float:
-  """Seconds per loop step, prefill excluded: (full call − 1-step call) / (steps − 1)."""
-  step = (full - one_step) / max(steps - 1, 1)
-  if not step > 0:  # timer noise on a tiny model: fall back to the mean including prefill
-    step = full / max(steps, 1)
-  return step

@@ -107,12 +107,15 @@ def _paper_table2() -> list[str]:
   return out
 
 
-def _timing_note(repeats: int) -> str:
-  if repeats == 1:
+def _timing_note(repeats: int, extra: int) -> str:
+  if repeats == 1 and not extra:
     return "one round: each batch timed once with each method, plain then speculative"
-  return (f"{repeats} interleaved rounds, each timing every batch with plain then speculative "
-          "decoding; the median round is reported, spread = (max − min) / median of the "
-          "per-round speedups")
+  rounds = f"{repeats} interleaved round{'s' if repeats > 1 else ''}"
+  if extra:
+    rounds += (f", up to {repeats + extra} where some setting's speedup (overall or one "
+               f"category's) spread more than {checks.SPREAD_BOUND:.0%} over the rounds before")
+  return (f"{rounds}; each round times every batch with plain then speculative decoding; the "
+          "median round is reported, spread = (max − min) / median of the per-round speedups")
 
 
 def _load_line(results: dict) -> str:
@@ -186,7 +189,7 @@ def tables_markdown(results: dict) -> str:
       "accept rate = accepted / drafted; tokens/call = emitted tokens (accepted + corrected or "
       "bonus, cut at the budget) per target call. Measured speedup = warm wall time of "
       "`specjax.generate` / warm wall time of speculative decoding on the same batches "
-      f"({_timing_note(cfg.get('repeats', 1))}). Decode-only speedup = the same with each "
+      f"({_timing_note(cfg.get('repeats', 1), cfg.get('extra_rounds', 0))}). Decode-only speedup = the same with each "
       "call's prefill taken out (plain / speculative decode-loop time); plain prefill share = "
       "the share of plain decoding's wall time spent prefilling the prompts. The measured "
       "speedup lies between the decode-only one and the prefill ratio (plain / speculative "

@@ -50,7 +50,9 @@ flags.DEFINE_string("alpha_drafts", "default,unigram,bigram,early_exit,prompt_lo
 flags.DEFINE_integer("cost_steps", 8, "Steps timed phase by phase for c and the verify cost.")
 flags.DEFINE_integer("repeats", 2, "Interleaved timing rounds per setting (plain then "
                      "speculative on every batch); the median round is reported with the "
-                     "spread, and a setting whose rounds disagree by > 10% is re-measured.")
+                     "spread.")
+flags.DEFINE_integer("extra_rounds", 1, "Up to this many rounds are added, one at a time, "
+                     "while a setting's speedup (overall or one category's) spreads > 10%.")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
 flags.DEFINE_string("tree_budgets", "4,8,16", "Node budgets N of the tree sweep's best static "
                     "trees.")
@@ -72,7 +74,7 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       out=FLAGS.out, temperature_gamma=FLAGS.temperature_gamma, alpha_gamma=FLAGS.alpha_gamma,
       early_exit_layers=FLAGS.early_exit_layers,
       alpha_drafts=tuple(s.strip() for s in FLAGS.alpha_drafts.split(",") if s.strip()),
-      cost_steps=FLAGS.cost_steps, repeats=FLAGS.repeats,
+      cost_steps=FLAGS.cost_steps, repeats=FLAGS.repeats, extra_rounds=FLAGS.extra_rounds,
       stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh,
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
       calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),

@@ -68,7 +68,8 @@ def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
   for run in results["runs"]:
     if run["seconds"] is None:
       continue
-    assert len(run["seconds"]) == len(run["plain_seconds"]) == 2  # default --repeats
+    # --repeats=2 rounds, and a third where a speedup spread > 10% over the first two
+    assert len(run["seconds"]) == len(run["plain_seconds"]) in (2, 3)
     ratios = [sum(p) / sum(s) for p, s in zip(run["plain_seconds"], run["seconds"])]
     key = (run["draft"], run["gamma"], run["temperature"], run["tree"])
     overall = [r for r in timed if (r["draft"], r["gamma"], r["temperature"],
@@ -230,6 +231,7 @@ def test_untimed_batches_group_rows_by_prompt_length():
     (dict(gammas=(2, 2)), "--gammas lists a value twice"),
     (dict(experiments=("nope",)), "unknown experiments"),
     (dict(repeats=0), "--repeats must be >= 1"),
+    (dict(extra_rounds=-1), "--extra_rounds must be >= 0"),
     (dict(num_prompts=0), "--num_prompts must be >= 1"),
     (dict(temperatures=(0.0, float("inf"))), r"--temperatures must be finite numbers >= 0, "
                                              r"got \[inf\]"),
@@ -290,6 +292,36 @@ def test_setting_flags_rule(gamma, verify, spread_, draft_spread, expected):
   assert setting_flags(gamma, verify, spread_, draft_spread) == expected
 
 
+def test_unsteady_asks_for_a_round_when_one_group_spreads():
+  from experiments.checks import unsteady
+  plain, spec = [[1.0, 1.0], [1.0, 1.2]], [[[1.0, 1.0], [1.0, 1.0]]]
+  assert not unsteady(plain, spec, [(0, 1)])  # pooled: 1.0 -> 1.1, a 9.5% spread
+  assert unsteady(plain, spec, [(0, 1), (1,)])  # batch 1 alone: 1.0 -> 1.2, 18%
+  assert unsteady(plain, [[[1.0, 1.0], [1.0, 1.0]], [[1.0, 1.0], [0.8, 0.8]]], [(0, 1)])
+  assert not unsteady(plain[:1], spec, [(0, 1), (1,)])  # one round has no spread
+
+
+@pytest.mark.parametrize("unsteady, rounds", [(False, 1), (True, 3)])
+def test_rounds_are_added_while_unsteady(tmp_path, monkeypatch, unsteady, rounds):
+  from experiments import experiment
+  seen = []
+
+  def fake_unsteady(plain, seconds, groups):
+    seen.append((len(plain), [len(s) for s in seconds], [list(g) for g in groups]))
+    return unsteady
+
+  monkeypatch.setattr("experiments.checks.unsteady", fake_unsteady)
+  monkeypatch.setattr("experiments.measure.run_flags", lambda run: [])
+  config = dataclasses.replace(_two_gamma_config(tmp_path), extra_rounds=2)
+  results = experiment.run(config)
+  assert all(len(r["seconds"]) == len(r["plain_seconds"]) == rounds for r in results["runs"])
+  # asked after each round from the --repeats-th on, up to the last one allowed, with
+  # every setting's rounds so far, per temperature of the sweep; the groups are all
+  # batches and each category's (one batch here)
+  assert [n for n, _, _ in seen] == ([1, 2] if unsteady else [1]) * 2
+  assert all(lens == [n, n] and groups == [[0], [0]] for n, lens, groups in seen)
+
+
 def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkeypatch):
   from experiments import checks, experiment
   seen = []
@@ -301,7 +333,7 @@ def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkey
   monkeypatch.setattr("experiments.measure.run_flags", fake_flags)
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=1, gammas=(2,),
                             temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
-                            cost_steps=2, repeats=2, out=str(tmp_path))
+                            cost_steps=2, repeats=2, extra_rounds=0, out=str(tmp_path))
   results = experiment.run(config)
   assert seen == [0.0, 1.0]  # flags are read once: a flagged setting is measured twice at most
   first = {r["temperature"]: r["first_flags"] for r in results["runs"]}
@@ -357,7 +389,7 @@ def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path):
 def _two_gamma_config(out):
   return ExperimentConfig(target="tiny", draft="tiny", num_prompts=1, gammas=(1, 2),
                           temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
-                          cost_steps=2, repeats=1, out=str(out))
+                          cost_steps=2, repeats=1, extra_rounds=0, out=str(out))
 
 
 def test_interrupted_run_keeps_finished_settings_and_resumes(tmp_path, monkeypatch):
