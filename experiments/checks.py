@@ -43,6 +43,13 @@ def quartile_spread(values: Sequence[float]) -> Optional[float]:
   return float((q75 - q25) / med) if med > 0 else float("inf")
 
 
+def round_ratios(plain_seconds: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]],
+                 batch_indices: Sequence[int]) -> list[float]:
+  """Per round: Σ plain / Σ speculative seconds over the given batches (the speedup)."""
+  return [sum(p[i] for i in batch_indices) / sum(s[i] for i in batch_indices)
+          for p, s in zip(plain_seconds, seconds)]
+
+
 def unsteady(plain_seconds: Sequence[Sequence[float]],
              seconds: Sequence[Sequence[Sequence[float]]], groups: Sequence[Sequence[int]],
              bound: float = SPREAD_BOUND) -> bool:
@@ -64,9 +71,7 @@ def unsteady(plain_seconds: Sequence[Sequence[float]],
   """
   for spec in seconds:
     for group in groups:
-      ratios = [sum(p[i] for i in group) / sum(s[i] for i in group)
-                for p, s in zip(plain_seconds, spec)]
-      value = spread(ratios)
+      value = spread(round_ratios(plain_seconds, spec, group))
       if value is not None and value > bound:
         return True
   return False

@@ -58,7 +58,7 @@ from experiments import checks
 from experiments.config import ExperimentConfig
 from experiments.models import Draft, Target
 from experiments.progress import ProgressLog
-from experiments.prompts import Batch, categories, merge_batches
+from experiments.prompts import ALL, Batch, batch_indices, categories, merge_batches
 
 COUNTERS = ("target_calls", "drafted", "accepted", "emitted", "accepted_at", "accept_len_hist",
             "accepted_rank", "beta_sum", "beta_count")
@@ -151,18 +151,17 @@ def load_average() -> Optional[list[float]]:
     return None
 
 
-def round_speedups(run: SpecRun, batch_indices: Sequence[int]) -> list[float]:
+def round_speedups(run: SpecRun, indices: Sequence[int]) -> list[float]:
   """Per interleaved round: Σ plain seconds / Σ speculative seconds over the given batches."""
-  return [sum(p[i] for i in batch_indices) / sum(s[i] for i in batch_indices)
-          for p, s in zip(run.plain_seconds, run.seconds)]
+  return checks.round_ratios(run.plain_seconds, run.seconds, indices)
 
 
-def round_decode_speedups(run: SpecRun, batch_indices: Sequence[int]) -> Optional[list[float]]:
+def round_decode_speedups(run: SpecRun, indices: Sequence[int]) -> Optional[list[float]]:
   """Per round: Σ plain / Σ speculative decode-loop seconds (wall time − prefill) over the
   given batches; None for runs recorded without prefill times."""
   if run.prefill_seconds is None or run.plain_prefill_seconds is None:
     return None
-  loop = lambda total, pre: sum(total[i] - pre[i] for i in batch_indices)
+  loop = lambda total, pre: sum(total[i] - pre[i] for i in indices)
   return [loop(p, pp) / loop(s, sp) for p, pp, s, sp in
           zip(run.plain_seconds, run.plain_prefill_seconds, run.seconds, run.prefill_seconds)]
 
@@ -178,11 +177,11 @@ def costs(run: SpecRun) -> tuple[Optional[float], Optional[float]]:
   return c, float(np.median(run.step_seconds)) / t1 - run.gamma * c
 
 
-def run_flags(run: SpecRun, batch_indices: Optional[Sequence[int]] = None) -> list[str]:
+def run_flags(run: SpecRun, indices: Optional[Sequence[int]] = None) -> list[str]:
   """``checks.setting_flags`` of a timed run, its speedup taken over the given batches
   (default: all)."""
   _, verify = costs(run)
-  sel = range(len(run.seconds[0])) if batch_indices is None else batch_indices
+  sel = range(len(run.seconds[0])) if indices is None else indices
   return checks.setting_flags(run.gamma, verify, checks.spread(round_speedups(run, sel)),
                               run.costs.get("draft_spread") if run.costs else None)
 
@@ -326,9 +325,7 @@ class Bench:
     seed, budget = cfg.seed, cfg.max_new_tokens
     plain_t = dict(plain_seconds=[], plain_prefill_seconds=[], plain_step_seconds=[])
     spec_t = [dict(seconds=[], prefill_seconds=[], step_seconds=[]) for _ in settings]
-    groups = [range(len(self.batches))] + [
-        [i for i, b in enumerate(self.batches) if b.category == c]
-        for c in categories(self.batches)]
+    groups = [batch_indices(self.batches, c) for c in [ALL] + categories(self.batches)]
     bar = tqdm.tqdm(total=cfg.repeats * len(self.batches), leave=False, unit="batch",
                     desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
     r = 0

@@ -167,6 +167,14 @@ def merge_batches(batches: Sequence[Batch], max_rows: int = 16) -> list[Batch]:
   return out
 
 
+ALL = "all"  # the category of the rows over every batch
+
+
+def batch_indices(batches: Sequence[Batch], category: str) -> list[int]:
+  """Batches holding rows of ``category`` (timed batches are category-pure)."""
+  return [i for i, b in enumerate(batches) if category == ALL or category in b.row_categories]
+
+
 def categories(batches: Sequence[Batch]) -> list[str]:
   return list(dict.fromkeys(b.category for b in batches))
 

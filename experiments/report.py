@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 from benchmarks.common import cpu_info, describe_cpu, matmul_path
 from experiments import checks, paper
 from experiments.measure import SpecRun
-from experiments.rows import ALL
+from experiments.prompts import ALL
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
                "acceptance_rate", "tokens_per_call", "expected_tokens_per_call", "speedup",
@@ -189,7 +189,8 @@ def tables_markdown(results: dict) -> str:
       "accept rate = accepted / drafted; tokens/call = emitted tokens (accepted + corrected or "
       "bonus, cut at the budget) per target call. Measured speedup = warm wall time of "
       "`specjax.generate` / warm wall time of speculative decoding on the same batches "
-      f"({_timing_note(cfg.get('repeats', 1), cfg.get('extra_rounds', 0))}). Decode-only speedup = the same with each "
+      f"({_timing_note(cfg.get('repeats', 1), cfg.get('extra_rounds', 0))}). "
+      "Decode-only speedup = the same with each "
       "call's prefill taken out (plain / speculative decode-loop time); plain prefill share = "
       "the share of plain decoding's wall time spent prefilling the prompts. The measured "
       "speedup lies between the decode-only one and the prefill ratio (plain / speculative "

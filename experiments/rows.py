@@ -34,14 +34,8 @@ from specjax import theory
 
 from experiments import checks
 from experiments.measure import SpecRun, costs, round_decode_speedups, round_speedups, run_flags
-from experiments.prompts import Batch
+from experiments.prompts import ALL, Batch, batch_indices
 
-ALL = "all"
-
-
-def batch_indices(batches: Sequence[Batch], category: str) -> list[int]:
-  """Batches holding rows of ``category`` (timed batches are category-pure)."""
-  return [i for i, b in enumerate(batches) if category == ALL or category in b.row_categories]
 
 
 def row_mask(batch: Batch, category: str) -> np.ndarray:

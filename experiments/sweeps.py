@@ -10,8 +10,8 @@ from absl import logging
 
 from experiments.measure import Bench
 from experiments.models import Draft
-from experiments.prompts import categories, training_prompts
-from experiments.rows import ALL, make_row
+from experiments.prompts import ALL, categories, training_prompts
+from experiments.rows import make_row
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree
 
