@@ -11,9 +11,10 @@ A setting is flagged when
     the same work every step; one phase of ~10 ms carries dispatch jitter, so
     single outliers, which the median behind c ignores, are not counted).
 A flagged setting is measured once more (``Bench.spec_many``); what is still flagged
-afterwards is marked in tables.md. Before that, ``unsteady`` asks for one more
-interleaved round (``--extra_rounds`` at most) while any batch group's speedup
-spreads more than SPREAD_BOUND, so a median of three can outvote a disturbed round.
+afterwards is marked in tables.md. Before that, ``unsteady`` picks the settings whose
+speedup over some batch group spreads more than SPREAD_BOUND; they (and no others) get
+one more interleaved round (``--extra_rounds`` at most), so a median of three can
+outvote a disturbed round.
 """
 
 from __future__ import annotations
@@ -50,31 +51,32 @@ def round_ratios(plain_seconds: Sequence[Sequence[float]], seconds: Sequence[Seq
           for p, s in zip(plain_seconds, seconds)]
 
 
-def unsteady(plain_seconds: Sequence[Sequence[float]],
-             seconds: Sequence[Sequence[Sequence[float]]], groups: Sequence[Sequence[int]],
-             bound: float = SPREAD_BOUND) -> bool:
-  """Whether some setting's speedup over some group of batches spreads more than ``bound``
-  over the rounds so far (the cue for another round).
+def unsteady(timings: Sequence[tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]]],
+             groups: Sequence[Sequence[int]], bound: float = SPREAD_BOUND) -> list[int]:
+  """The settings whose speedup over some group of batches spreads more than ``bound``
+  over their rounds so far (the ones that get another round).
 
   Args:
-    plain_seconds: [rounds][batches] plain wall times.
-    seconds: per setting, [rounds][batches] speculative wall times.
+    timings: per setting, (plain [rounds][batches], speculative [rounds][batches]) wall
+      times of the rounds it took part in.
     groups: batch indices whose times are pooled into one speedup (all batches, and
       each category's), as the tables report them.
     bound: the largest spread accepted.
 
+  Returns:
+    The indices (into ``timings``) of the unsteady settings, in order.
+
   Example: two rounds of batches 0 and 1, batch 1's plain call 20% slower in the second:
-  with ``plain = [[1, 1], [1, 1.2]]`` and one setting ``[[[1, 1], [1, 1]]]``, the
-  speedup pooled over both batches goes 1.0 → 1.1 (a 9.5% spread) but batch 1's goes
-  1.0 → 1.2 (18%): ``unsteady(plain, spec, [(0, 1)])`` is False,
-  ``unsteady(plain, spec, [(0, 1), (1,)])`` is True.
+  with ``plain = [[1, 1], [1, 1.2]]`` and ``spec = [[1, 1], [1, 1]]``, the speedup
+  pooled over both batches goes 1.0 → 1.1 (a 9.5% spread) but batch 1's goes
+  1.0 → 1.2 (18%): ``unsteady([(plain, spec)], [(0, 1)])`` is ``[]``,
+  ``unsteady([(plain, spec)], [(0, 1), (1,)])`` is ``[0]``.
   """
-  for spec in seconds:
-    for group in groups:
-      value = spread(round_ratios(plain_seconds, spec, group))
-      if value is not None and value > bound:
-        return True
-  return False
+  def spreads(plain, spec) -> bool:
+    values = (spread(round_ratios(plain, spec, group)) for group in groups)
+    return any(v is not None and v > bound for v in values)
+
+  return [i for i, (plain, spec) in enumerate(timings) if spreads(plain, spec)]
 
 
 def setting_flags(gamma: int, verify_cost: Optional[float], speedup_spread: Optional[float],

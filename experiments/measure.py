@@ -5,11 +5,11 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
   1. compile: one call with ``max_new_tokens=1`` on the first batch, for each
      method (budgets are arrays and every batch has the same shape and cache
      size, so this is the program that is then timed);
-  2. ``repeats`` interleaved rounds (one more, ``extra_rounds`` at most, while some
-     setting's speedup over all batches or over one category's spreads more than
-     ``checks.SPREAD_BOUND``): each round times, batch by batch, a plain
-     call and each setting's speculative call with the full budget (in an order
-     rotated by one per batch and round). Plain and speculative
+  2. ``repeats`` interleaved rounds, then one more at a time (``extra_rounds`` at
+     most) for just the settings whose speedup over all batches or over one
+     category's spreads more than ``checks.SPREAD_BOUND``: each round times, batch
+     by batch, a plain call and each of its settings' speculative calls with the
+     full budget (in an order rotated by one per batch and round). Plain and speculative
      decoding thus alternate every few seconds and share the machine's state,
      and one plain call per batch and round is the baseline of every setting of
      the group (so a γ sweep times plain decoding once per round, not once per
@@ -316,48 +316,50 @@ class Bench:
 
   def _rounds(self, draft: Draft, temperature: float, plain: Callable,
               settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
-    """``repeats`` interleaved rounds, and one more at a time (``extra_rounds`` at most) while
-    ``checks.unsteady``: some setting's speedup, overall or over one category's batches,
-    spreads more than the bound. A round runs, per batch, plain decoding and every
-    setting, in an order rotated by one per batch and round, so no setting always runs
-    first (or right after plain decoding) and position effects spread over all of them."""
+    """``repeats`` interleaved rounds of every setting, then one more at a time
+    (``extra_rounds`` at most) for the settings ``checks.unsteady`` picks: those whose
+    speedup, overall or over one category's batches, spreads more than the bound. A round
+    runs, per batch, plain decoding and each of its settings, in an order rotated by one
+    per batch and round, so no setting always runs first (or right after plain decoding)
+    and position effects spread over all of them. Each setting keeps the plain times of
+    the rounds it took part in."""
     cfg = self.config
     seed, budget = cfg.seed, cfg.max_new_tokens
-    plain_t = dict(plain_seconds=[], plain_prefill_seconds=[], plain_step_seconds=[])
-    spec_t = [dict(seconds=[], prefill_seconds=[], step_seconds=[]) for _ in settings]
+    timings = [dict(seconds=[], prefill_seconds=[], step_seconds=[], plain_seconds=[],
+                    plain_prefill_seconds=[], plain_step_seconds=[]) for _ in settings]
     groups = [batch_indices(self.batches, c) for c in [ALL] + categories(self.batches)]
     bar = tqdm.tqdm(total=cfg.repeats * len(self.batches), leave=False, unit="batch",
                     desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
-    r = 0
-    while r < cfg.repeats or (r < cfg.repeats + cfg.extra_rounds and checks.unsteady(
-        plain_t["plain_seconds"], [t["seconds"] for t in spec_t], groups)):
+    active, spec_outs = list(range(len(settings))), {}
+    for r in range(cfg.repeats + cfg.extra_rounds):
       if r >= cfg.repeats:
+        active = checks.unsteady([(t["plain_seconds"], t["seconds"]) for t in timings], groups)
+        if not active:
+          break
         bar.total += len(self.batches)
-        logging.info("%s T=%g: a speedup spread > %.0f%% after %d rounds, one more round",
-                     draft.name, temperature, 100 * checks.SPREAD_BOUND, r)
-      plain_outs, spec_outs = [], [[] for _ in settings]
-      calls = [(plain_outs, plain)] + [(outs, call) for outs, (_, _, call)
-                                       in zip(spec_outs, settings)]
+        logging.info("%s T=%g: round %d for %d setting(s) whose speedup spread > %.0f%%",
+                     draft.name, temperature, r + 1, len(active), 100 * checks.SPREAD_BOUND)
+      outs = {j: [] for j in [-1] + active}  # -1: plain decoding
+      calls = [(-1, plain)] + [(j, settings[j][2]) for j in active]
       for i, b in enumerate(self.batches):
         shift = (r * len(self.batches) + i) % len(calls)
-        for outs, call in calls[shift:] + calls[:shift]:
-          outs.append(call(b, budget, seed + i))
+        for j, call in calls[shift:] + calls[:shift]:
+          outs[j].append(call(b, budget, seed + i))
         bar.update()
-      plain_t["plain_seconds"].append([o.seconds for o in plain_outs])
-      plain_t["plain_prefill_seconds"].append([o.prefill_seconds for o in plain_outs])
-      plain_t["plain_step_seconds"].append(loop_step_seconds(plain_outs))
-      for t, outs in zip(spec_t, spec_outs):
-        t["seconds"].append([o.seconds for o in outs])
-        t["prefill_seconds"].append([o.prefill_seconds for o in outs])
-        t["step_seconds"].append(loop_step_seconds(outs))
-      r += 1
+      plain_outs = outs[-1]
+      for j in active:
+        t = timings[j]
+        for prefix, o in (("plain_", plain_outs), ("", outs[j])):
+          t[prefix + "seconds"].append([x.seconds for x in o])
+          t[prefix + "prefill_seconds"].append([x.prefill_seconds for x in o])
+          t[prefix + "step_seconds"].append(loop_step_seconds(o))
+        spec_outs[j] = outs[j]
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
-    return [SpecRun(draft.name, g, temperature, **_spec_outputs(outs, self.batches),
-                    plain_generated=plain_generated, tree=tree, **t,
-                    **{k: list(v) for k, v in plain_t.items()})  # one copy per run
-            for (g, tree, _), outs, t in zip(settings, spec_outs, spec_t)]
+    return [SpecRun(draft.name, g, temperature, **_spec_outputs(spec_outs[j], self.batches),
+                    plain_generated=plain_generated, tree=tree, **timings[j])
+            for j, (g, tree, _) in enumerate(settings)]
 
   def draft_cost(self, draft: Draft, temperature: float, t1: float) -> dict[str, float]:
     """Median draft / verify / other seconds per step at γ = alpha_gamma, from ``stream``

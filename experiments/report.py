@@ -112,8 +112,9 @@ def _timing_note(repeats: int, extra: int) -> str:
     return "one round: each batch timed once with each method, plain then speculative"
   rounds = f"{repeats} interleaved round{'s' if repeats > 1 else ''}"
   if extra:
-    rounds += (f", up to {repeats + extra} where some setting's speedup (overall or one "
-               f"category's) spread more than {checks.SPREAD_BOUND:.0%} over the rounds before")
+    rounds += (f", up to {repeats + extra} for a setting whose speedup (overall or one "
+               f"category's) spread more than {checks.SPREAD_BOUND:.0%} over its rounds before: "
+               "an added round times plain decoding and those settings only")
   return (f"{rounds}; each round times every batch with plain then speculative decoding; the "
           "median round is reported, spread = (max − min) / median of the per-round speedups")
 

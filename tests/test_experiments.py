@@ -292,34 +292,42 @@ def test_setting_flags_rule(gamma, verify, spread_, draft_spread, expected):
   assert setting_flags(gamma, verify, spread_, draft_spread) == expected
 
 
-def test_unsteady_asks_for_a_round_when_one_group_spreads():
+def test_unsteady_picks_the_settings_whose_speedup_spreads_in_one_group():
   from experiments.checks import unsteady
-  plain, spec = [[1.0, 1.0], [1.0, 1.2]], [[[1.0, 1.0], [1.0, 1.0]]]
-  assert not unsteady(plain, spec, [(0, 1)])  # pooled: 1.0 -> 1.1, a 9.5% spread
-  assert unsteady(plain, spec, [(0, 1), (1,)])  # batch 1 alone: 1.0 -> 1.2, 18%
-  assert unsteady(plain, [[[1.0, 1.0], [1.0, 1.0]], [[1.0, 1.0], [0.8, 0.8]]], [(0, 1)])
-  assert not unsteady(plain[:1], spec, [(0, 1), (1,)])  # one round has no spread
+  plain, spec = [[1.0, 1.0], [1.0, 1.2]], [[1.0, 1.0], [1.0, 1.0]]
+  assert unsteady([(plain, spec)], [(0, 1)]) == []  # pooled: 1.0 -> 1.1, a 9.5% spread
+  assert unsteady([(plain, spec)], [(0, 1), (1,)]) == [0]  # batch 1 alone: 1.0 -> 1.2, 18%
+  steady = [[1.0, 1.0], [1.0, 1.0]]
+  assert unsteady([(steady, steady), (steady, [[1.0, 1.0], [0.8, 0.8]])], [(0, 1)]) == [1]
+  assert unsteady([(plain[:1], spec[:1])], [(0, 1), (1,)]) == []  # one round: no spread
 
 
-@pytest.mark.parametrize("unsteady, rounds", [(False, 1), (True, 3)])
-def test_rounds_are_added_while_unsteady(tmp_path, monkeypatch, unsteady, rounds):
+@pytest.mark.parametrize("unsteady, rounds", [([], [1, 1]), ([1], [1, 3])])
+def test_rounds_are_added_for_the_unsteady_settings_only(tmp_path, monkeypatch, unsteady,
+                                                          rounds):
   from experiments import experiment
   seen = []
 
-  def fake_unsteady(plain, seconds, groups):
-    seen.append((len(plain), [len(s) for s in seconds], [list(g) for g in groups]))
+  def fake_unsteady(timings, groups):
+    seen.append(([len(p) for p, _ in timings], [len(s) for _, s in timings],
+                 [list(g) for g in groups]))
     return unsteady
 
   monkeypatch.setattr("experiments.checks.unsteady", fake_unsteady)
   monkeypatch.setattr("experiments.measure.run_flags", lambda run: [])
   config = dataclasses.replace(_two_gamma_config(tmp_path), extra_rounds=2)
   results = experiment.run(config)
-  assert all(len(r["seconds"]) == len(r["plain_seconds"]) == rounds for r in results["runs"])
+  by_gamma = {}
+  for r in results["runs"]:
+    assert len(r["seconds"]) == len(r["plain_seconds"]) == len(r["step_seconds"])
+    by_gamma.setdefault(r["gamma"], set()).add(len(r["seconds"]))
+  assert [by_gamma[g] for g in sorted(by_gamma)] == [{n} for n in rounds]
   # asked after each round from the --repeats-th on, up to the last one allowed, with
-  # every setting's rounds so far, per temperature of the sweep; the groups are all
+  # each setting's own rounds so far, per temperature of the sweep; the groups are all
   # batches and each category's (one batch here)
-  assert [n for n, _, _ in seen] == ([1, 2] if unsteady else [1]) * 2
-  assert all(lens == [n, n] and groups == [[0], [0]] for n, lens, groups in seen)
+  expected = [[1, 1], [1, 2]] if unsteady else [[1, 1]]
+  assert [p for p, _, _ in seen] == expected * 2
+  assert all(p == s and groups == [[0], [0]] for p, s, groups in seen)
 
 
 def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkeypatch):
