@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # The default test run (CI): everything except tests marked 'heavy'.
 #
-# Three pytest processes, not one: after several hundred XLA:CPU compilations a
-# single process has segfaulted inside LLVM while compiling (seen three times, in
-# different tests, each of which passes alone), so the suite is split by file
-# name; tests sharing an expensive session fixture (the experiments smoke run)
-# stay in one part.
+# pytest-xdist spreads the test files over 4 worker processes (--dist loadfile: a
+# file's tests, and so its module fixtures, stay in one worker). On 2 cores that
+# keeps both busy while one worker compiles, and it keeps each process's compile
+# count low: after several hundred XLA:CPU compilations a single process has
+# segfaulted inside LLVM (seen three times, in different tests, each of which
+# passes alone). The experiments smoke run that two files share runs once (see
+# tests/conftest.py). SPECJAX_TEST_WORKERS=0 runs everything in one process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-status=0
-python -m pytest -q -m "not heavy" tests/test_[a-d]*.py "$@" || status=$?
-python -m pytest -q -m "not heavy" tests/test_[e-n]*.py "$@" || status=$?
-python -m pytest -q -m "not heavy" tests/test_[o-z]*.py pallas_kernels "$@" || status=$?
-exit $status
+exec python -m pytest -q -m "not heavy" -n "${SPECJAX_TEST_WORKERS:-4}" --dist loadfile \
+  tests pallas_kernels "$@"

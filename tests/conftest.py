@@ -1,5 +1,8 @@
 """Shared fixtures."""
 
+import os
+import pickle
+
 import pytest
 
 TOY_TOPK = 8
@@ -53,13 +56,29 @@ def smoke(tmp_path_factory):
   """A full `experiments.run` on tiny random models: (results dict, output directory).
 
   Shared by tests/test_experiments.py (which checks its numbers) and
-  tests/test_notebooks.py (results.ipynb reads it).
+  tests/test_notebooks.py (results.ipynb reads it). Under pytest-xdist the two files
+  may run in different workers; they still share one run: the first worker to ask
+  runs it under a file lock, the others wait and read its pickled results.
   """
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    out = str(tmp_path_factory.mktemp("smoke"))
+    return _smoke_run(out), out
+  import filelock
+  shared = tmp_path_factory.getbasetemp().parent  # one directory for every worker
+  out, done = shared / "smoke", shared / "smoke.pkl"
+  with filelock.FileLock(str(shared / "smoke.lock")):
+    if not done.exists():
+      out.mkdir()
+      done.write_bytes(pickle.dumps(_smoke_run(str(out))))
+  return pickle.loads(done.read_bytes()), str(out)
+
+
+def _smoke_run(out: str) -> dict:
   from experiments import experiment
   from experiments.config import EXPERIMENTS, ExperimentConfig
-  out = str(tmp_path_factory.mktemp("smoke"))
   cfg = ExperimentConfig(experiments=EXPERIMENTS, target="tiny", draft="tiny", num_prompts=3,
                          gammas=(2,),
                          temperatures=(0.0, 1.0), max_new_tokens=8, batch_size=2,
-                         alpha_gamma=2, alpha_drafts=("prompt_lookup",), cost_steps=2, out=out)
-  return experiment.run(cfg, command="smoke test"), out
+                         alpha_gamma=2, alpha_drafts=("prompt_lookup",), cost_steps=2,
+                         tree_budgets=(4,), calibration_prompts=2, out=out)
+  return experiment.run(cfg, command="smoke test")

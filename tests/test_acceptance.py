@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.sampling import sample_from
-from specjax.speculative import accept
+from specjax.speculative import accept as _accept
 
 V = 8
+accept = jax.jit(_accept)  # as the decoder runs it: one program per shape, not per op
 
 
 def _dists(key, shape, peak=1.0):

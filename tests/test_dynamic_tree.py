@@ -1,5 +1,7 @@
 """EAGLE-2 dynamic trees: ``DynamicTree``, ``tree_draft.grow_dynamic`` and the drafters using them."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,12 +122,20 @@ def test_grow_dynamic_keeps_the_n_best_candidates_as_bfs_trees():
     assert np.all(np.asarray(slots[row]) <= (depth - 1) * k)
 
 
-def _full_logp(dcfg, dparams, context):
-  """The draft's log-softmax after ``context`` by one uncached forward."""
-  toks = jnp.asarray([context], jnp.int32)
-  out = forward(dparams, dcfg, toks, jnp.arange(len(context))[None],
-                kvc.init_cache(dcfg, 1, len(context)))
-  return np.asarray(jax.nn.log_softmax(out.logits[0, -1]))
+def _full_logp(dcfg, dparams, context, length=64):
+  """The draft's log-softmax after ``context`` by one uncached forward (padded to
+  ``length``: causal, so the padding never reaches the context; one compile for all)."""
+  assert len(context) <= length
+  toks = np.zeros((1, length), np.int32)
+  toks[0, :len(context)] = context
+  return np.asarray(_last_logp(dparams, dcfg, jnp.asarray(toks), jnp.int32(len(context))))
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg",))
+def _last_logp(dparams, dcfg, toks, n):
+  length = toks.shape[1]
+  out = forward(dparams, dcfg, toks, jnp.arange(length)[None], kvc.init_cache(dcfg, 1, length))
+  return jax.nn.log_softmax(jax.lax.dynamic_index_in_dim(out.logits[0], n - 1, keepdims=False))
 
 
 @pytest.mark.parametrize("which", ["random_draft", "target_as_draft"])

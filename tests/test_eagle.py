@@ -1,6 +1,7 @@
 """EAGLE feature drafter: its state tracks the target's true features, it trains, it ships."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +28,18 @@ def _draft_from_scratch(drafter, dp, target_params, target_cfg, seq, last_featur
   """ĥ and logits of pair len(seq) − 1 recomputed from scratch: the target's features of
   the whole sequence (teacher-forced), shifted by one, through the draft; with
   ``last_feature`` that pair reads it instead of the target's. Padded to a fixed
-  length (causal: padding never reaches earlier positions), so one compile serves all."""
-  n, l = len(seq), 32
-  tokens = jnp.zeros((1, l), jnp.int32).at[0, :n].set(jnp.asarray(seq))
+  length (causal: padding never reaches earlier positions) and jitted with the length
+  as an array, so one compile serves every sequence."""
+  l = 32
+  tokens = np.zeros((1, l), np.int32)
+  tokens[0, :len(seq)] = seq
+  return _from_scratch(drafter, dp, target_params, target_cfg, jnp.asarray(tokens),
+                       jnp.int32(len(seq)), last_feature)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "target_cfg"))
+def _from_scratch(drafter, dp, target_params, target_cfg, tokens, n, last_feature):
+  l = tokens.shape[1]
   pos = jnp.arange(l)[None]
   layers = drafter.feature_layers
   out = forward(target_params, target_cfg, tokens, pos, init_cache(target_cfg, 1, l),
@@ -39,7 +49,8 @@ def _draft_from_scratch(drafter, dp, target_params, target_cfg, seq, last_featur
   if last_feature is not None:
     shifted = shifted.at[:, n - 1].set(last_feature)
   h, _ = drafter.hidden(dp, shifted, tokens, pos, init_cache(drafter.cfg, 1, l))
-  return h[:, n - 1], drafter.logits(dp, h[:, n - 1])
+  h = jax.lax.dynamic_index_in_dim(h, n - 1, axis=1, keepdims=False)
+  return h, drafter.logits(dp, h)
 
 
 @pytest.mark.parametrize("gamma,layers", [  # the fused γ = 3 case covers the others' paths
@@ -55,10 +66,11 @@ def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(
   sampler = Sampling(temperature=1.0)
   dec = SpeculativeDecoder(cfg, drafter, gamma=gamma, sampler=sampler, eos_ids=())
   checked = 0
+  propose = jax.jit(dec.propose)
   for state, _ in dec.stream(params, dp, PROMPTS, 12, seed=1):
     if bool(jnp.all(state.done)):
       break
-    proposal, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
+    proposal, _ = propose(dp, state, jax.random.PRNGKey(0))
     drafts_, q = proposal.tokens, proposal.q
     for row in range(len(PROMPTS)):
       if bool(state.done[row]):  # finished rows draft garbage, which nobody reads
