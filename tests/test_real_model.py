@@ -160,3 +160,30 @@ def test_config_without_weights_equals_the_loaded_config(ours, monkeypatch, tmp_
   assert embedded.smollm2_config() == ours[0]  # from the float32 cache's JSON
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))  # no cache: from the GGUF metadata
   assert embedded.smollm2_config() == ours[0]
+
+
+def test_cached_tokenizer_equals_the_one_built_from_the_gguf(monkeypatch, tmp_path):
+  from specjax.drafts import tokenizer_fingerprint
+  from specjax.loaders import load_tokenizer
+
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  path = smollm2_gguf_path()
+  built = load_tokenizer(path, use_cache=False)
+  assert not os.listdir(tmp_path)
+  load_tokenizer(path)  # builds and writes the cache entry
+  (entry,) = os.listdir(tmp_path)
+  assert entry.startswith("tokenizer-SmolLM2-135M-Instruct.Q4_1-")
+  cached = load_tokenizer(path)  # reads it
+  assert tokenizer_fingerprint(cached) == tokenizer_fingerprint(built)
+  assert cached.chat_template == built.chat_template
+  assert cached.all_special_ids == built.all_special_ids
+  for text in ["Hello, world!", "  leading spaces and\ttabs\n", "Ünïcödé — 日本語 🙂",
+               "def f(x):\n    return x ** 2"]:
+    assert cached.encode(text) == built.encode(text)
+    assert chat_prompt(cached, text) == chat_prompt(built, text)
+  # A corrupt entry is rebuilt, not an error, and rewritten.
+  with open(os.path.join(tmp_path, entry, "tokenizer.json"), "w") as f:
+    f.write("{not json")
+  assert tokenizer_fingerprint(load_tokenizer(path)) == tokenizer_fingerprint(built)
+  with open(os.path.join(tmp_path, entry, "tokenizer.json")) as f:
+    assert f.read(1) == "{" and "not json" not in f.read(100)

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Any, Sequence
 
 from specjax.loaders.hf import CheckpointError
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, use_cache: bool = True):
   """Returns a transformers tokenizer for a ``.gguf`` file or a local HF directory.
 
   For GGUF, the vocabulary, merges, special tokens and chat template are read
-  from the file's ``tokenizer.*`` metadata. Never touches the network.
+  from the file's ``tokenizer.*`` metadata (10–20 s here: transformers parses all
+  of the file's metadata and converts it), then saved as an HF tokenizer directory
+  under the specjax cache, keyed by the file's name, size and mtime and the
+  transformers version, so later loads take under a second. Never touches the network.
   """
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   from transformers import AutoTokenizer
@@ -20,13 +25,49 @@ def load_tokenizer(path: str):
   if not os.path.exists(path):
     raise CheckpointError(f"tokenizer source {path!r} does not exist")
   try:
-    if path.endswith(".gguf"):
-      return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                           gguf_file=os.path.basename(path),
-                                           local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not path.endswith(".gguf"):
+      return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    cached = _cache_path(path) if use_cache else None
+    if cached and os.path.isdir(cached):
+      try:
+        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+      except Exception:  # pylint: disable=broad-except
+        shutil.rmtree(cached, ignore_errors=True)  # a corrupt entry is rebuilt below
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                              gguf_file=os.path.basename(path),
+                                              local_files_only=True)
   except (OSError, ValueError) as e:
     raise CheckpointError(f"cannot build a tokenizer from {path!r}: {e}") from None
+  if cached:
+    _save(tokenizer, cached)
+  return tokenizer
+
+
+def _cache_path(gguf_path: str) -> str:
+  import transformers
+  from specjax.loaders.embedded import cache_dir
+
+  stem = os.path.splitext(os.path.basename(gguf_path))[0]
+  stamp = f"{os.path.getsize(gguf_path)}-{int(os.path.getmtime(gguf_path))}"
+  return os.path.join(cache_dir(), f"tokenizer-{stem}-{stamp}-transformers{transformers.__version__}")
+
+
+def _save(tokenizer, cached: str) -> None:
+  """Writes the tokenizer to ``cached`` atomically (a rename of a finished directory);
+  another process that got there first wins, and an unwritable cache is skipped."""
+  parent = os.path.dirname(cached)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+  except OSError:
+    return
+  try:
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, cached)
+  except OSError:
+    pass
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def chat_prompt(tokenizer, messages: Sequence[dict[str, Any]] | str) -> list[int]:
