@@ -12,9 +12,11 @@ A setting is flagged when
     single outliers, which the median behind c ignores, are not counted).
 A flagged setting is measured once more (``Bench.spec_many``); what is still flagged
 afterwards is marked in tables.md. Before that, ``unsteady`` picks the settings whose
-speedup over some batch group spreads more than SPREAD_BOUND; they (and no others) get
-one more interleaved round (``--extra_rounds`` at most), so a median of three can
-outvote a disturbed round.
+speedup over some batch group spreads more than SPREAD_BOUND, and the groups that do;
+they (and no others) get one more interleaved round on those groups' batches only
+(``--extra_rounds`` at most), so a median of three can outvote a disturbed round. Such a
+round leaves the other batches untimed (None), and a speedup over a group of batches is
+taken from the rounds that timed all of them (``complete_rounds``).
 """
 
 from __future__ import annotations
@@ -44,39 +46,55 @@ def quartile_spread(values: Sequence[float]) -> Optional[float]:
   return float((q75 - q25) / med) if med > 0 else float("inf")
 
 
-def round_ratios(plain_seconds: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]],
+def complete_rounds(seconds: Sequence[Sequence[Optional[float]]],
+                    batch_indices: Sequence[int]) -> list[int]:
+  """Indices of the rounds that timed every given batch (an added round times only the
+  batches of a setting's unsteady groups and leaves the others None)."""
+  return [r for r, row in enumerate(seconds) if all(row[i] is not None for i in batch_indices)]
+
+
+def round_ratios(plain_seconds: Sequence[Sequence[Optional[float]]],
+                 seconds: Sequence[Sequence[Optional[float]]],
                  batch_indices: Sequence[int]) -> list[float]:
-  """Per round: Σ plain / Σ speculative seconds over the given batches (the speedup)."""
-  return [sum(p[i] for i in batch_indices) / sum(s[i] for i in batch_indices)
-          for p, s in zip(plain_seconds, seconds)]
+  """Per round that timed all the given batches: Σ plain / Σ speculative seconds over them
+  (the speedup)."""
+  return [sum(plain_seconds[r][i] for i in batch_indices) /
+          sum(seconds[r][i] for i in batch_indices)
+          for r in complete_rounds(seconds, batch_indices)]
 
 
-def unsteady(timings: Sequence[tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]]],
-             groups: Sequence[Sequence[int]], bound: float = SPREAD_BOUND) -> list[int]:
+def unsteady(timings: Sequence[tuple[Sequence[Sequence[Optional[float]]],
+                                     Sequence[Sequence[Optional[float]]]]],
+             groups: Sequence[Sequence[int]], bound: float = SPREAD_BOUND
+             ) -> dict[int, list[int]]:
   """The settings whose speedup over some group of batches spreads more than ``bound``
-  over their rounds so far (the ones that get another round).
+  over their rounds so far (the ones that get another round), each with the batches of
+  its unsteady groups (the ones that round times).
 
   Args:
     timings: per setting, (plain [rounds][batches], speculative [rounds][batches]) wall
-      times of the rounds it took part in.
+      times of the rounds it took part in (None: a batch that round did not time).
     groups: batch indices whose times are pooled into one speedup (all batches, and
       each category's), as the tables report them.
     bound: the largest spread accepted.
 
   Returns:
-    The indices (into ``timings``) of the unsteady settings, in order.
+    {index into ``timings``: sorted batch indices} for the unsteady settings, in order.
 
   Example: two rounds of batches 0 and 1, batch 1's plain call 20% slower in the second:
   with ``plain = [[1, 1], [1, 1.2]]`` and ``spec = [[1, 1], [1, 1]]``, the speedup
   pooled over both batches goes 1.0 → 1.1 (a 9.5% spread) but batch 1's goes
-  1.0 → 1.2 (18%): ``unsteady([(plain, spec)], [(0, 1)])`` is ``[]``,
-  ``unsteady([(plain, spec)], [(0, 1), (1,)])`` is ``[0]``.
+  1.0 → 1.2 (18%): ``unsteady([(plain, spec)], [(0, 1)])`` is ``{}``,
+  ``unsteady([(plain, spec)], [(0, 1), (1,)])`` is ``{0: [1]}``: one more round of
+  batch 1 only.
   """
-  def spreads(plain, spec) -> bool:
-    values = (spread(round_ratios(plain, spec, group)) for group in groups)
-    return any(v is not None and v > bound for v in values)
-
-  return [i for i, (plain, spec) in enumerate(timings) if spreads(plain, spec)]
+  out = {}
+  for i, (plain, spec) in enumerate(timings):
+    batches = {b for group in groups if (v := spread(round_ratios(plain, spec, group)))
+               is not None and v > bound for b in group}
+    if batches:
+      out[i] = sorted(batches)
+  return out
 
 
 def setting_flags(gamma: int, verify_cost: Optional[float], speedup_spread: Optional[float],

@@ -54,7 +54,8 @@ class ExperimentConfig:
       speculative decoding on every batch, and figures are medians over rounds.
     extra_rounds: up to this many rounds are added, one at a time, while some
       setting's speedup (over all batches or one category's) spreads more than
-      10% over the rounds so far (``checks.unsteady``); 0 turns this off.
+      10% over the rounds so far (``checks.unsteady``); such a round times just
+      those settings on just those groups' batches. 0 turns this off.
     stop_at_eos: stop rows at EOS. Off by default: every row then generates
       exactly max_new_tokens with both methods, so speedups are plain time ratios.
     fresh: ignore a partial run of the same config in ``out`` and start over

@@ -7,22 +7,23 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
      size, so this is the program that is then timed);
   2. ``repeats`` interleaved rounds, then one more at a time (``extra_rounds`` at
      most) for just the settings whose speedup over all batches or over one
-     category's spreads more than ``checks.SPREAD_BOUND``: each round times, batch
-     by batch, a plain call and each of its settings' speculative calls with the
-     full budget (in an order rotated by one per batch and round). Plain and speculative
+     category's spreads more than ``checks.SPREAD_BOUND``, on just the batches of
+     the groups that spread: each round times, batch by batch, a plain call and
+     each of its settings' speculative calls with the full budget (in an order
+     rotated by one per batch and round). Plain and speculative
      decoding thus alternate every few seconds and share the machine's state,
      and one plain call per batch and round is the baseline of every setting of
      the group (so a γ sweep times plain decoding once per round, not once per
      γ). The speedup of a setting in a round is Σ plain / Σ speculative seconds
      (prefill included, identically for both); the reported figure is the
-     median over rounds;
+     median over the rounds that timed all the batches it pools;
   3. every call reports when its prefill ended (``prefill_seconds``), so each
      round also gives the decode-only speedup (Σ plain / Σ speculative loop
      seconds) and the step time of each fused loop, prefill excluded: Σ loop
-     seconds / Σ steps over the round's batches; for plain decoding this is t₁,
-     the unit of c and of the verify cost (c divides a draft phase timed on the
-     first batch by this t₁ of all batches: within 1% of the first batch's own
-     t₁ in the committed run);
+     seconds / Σ steps over the round's batches (rounds over every batch only);
+     for plain decoding this is t₁, the unit of c and of the verify cost (c
+     divides a draft phase timed on the first batch by this t₁ of all batches:
+     within 1% of the first batch's own t₁ in the committed run);
   4. draft cost (once per draft and temperature, right after the rounds of its
      first group): ``SpeculativeDecoder.stream`` at γ = ``alpha_gamma`` on the
      first batch times draft / verify / other phase by phase for ``cost_steps``
@@ -75,14 +76,16 @@ class SpecRun:
     counters: per batch, ``SpecCounters`` arrays of the real rows.
     generated: per batch, generated ids of each real row.
     steps: per batch, speculative steps.
-    seconds: [rounds][batches] speculative wall times (None when not timed).
+    seconds: [rounds][batches] speculative wall times (None when not timed; a batch
+      that an added round left out is None in that round).
     plain_seconds: [rounds][batches] plain-decoding wall times, interleaved.
     prefill_seconds, plain_prefill_seconds: [rounds][batches] the part of each
       wall time until the prompts were prefilled (None in records of runs that
       predate them).
     plain_generated: per batch, plain decoding's ids of each real row.
-    step_seconds: [rounds] speculative seconds per fused-loop step (pooled over batches).
-    plain_step_seconds: [rounds] t₁, plain seconds per step.
+    step_seconds: [rounds] speculative seconds per fused-loop step (pooled over batches;
+      None for an added round that left batches out).
+    plain_step_seconds: [rounds] t₁, plain seconds per step (likewise).
     costs: the draft's phase costs (``Bench.draft_cost``), timed runs.
     compile_seconds: the first (compiling) speculative call, when timed.
     load_average: the load averages (``load_average()``) before and after the setting.
@@ -157,13 +160,27 @@ def round_speedups(run: SpecRun, indices: Sequence[int]) -> list[float]:
 
 
 def round_decode_speedups(run: SpecRun, indices: Sequence[int]) -> Optional[list[float]]:
-  """Per round: Σ plain / Σ speculative decode-loop seconds (wall time − prefill) over the
-  given batches; None for runs recorded without prefill times."""
+  """Per round that timed the given batches: Σ plain / Σ speculative decode-loop seconds
+  (wall time − prefill) over them; None for runs recorded without prefill times."""
   if run.prefill_seconds is None or run.plain_prefill_seconds is None:
     return None
   loop = lambda total, pre: sum(total[i] - pre[i] for i in indices)
-  return [loop(p, pp) / loop(s, sp) for p, pp, s, sp in
-          zip(run.plain_seconds, run.plain_prefill_seconds, run.seconds, run.prefill_seconds)]
+  return [loop(run.plain_seconds[r], run.plain_prefill_seconds[r]) /
+          loop(run.seconds[r], run.prefill_seconds[r])
+          for r in checks.complete_rounds(run.seconds, indices)]
+
+
+def round_sums(run_seconds: Sequence[Sequence[Optional[float]]], spec_seconds,
+               indices: Sequence[int]) -> list[float]:
+  """Per round that timed the given batches (judged by ``spec_seconds``): the sum of
+  ``run_seconds`` over them."""
+  return [sum(run_seconds[r][i] for i in indices)
+          for r in checks.complete_rounds(spec_seconds, indices)]
+
+
+def median_known(values: Sequence[Optional[float]]) -> float:
+  """The median of the values that were measured (an added round's step times are None)."""
+  return float(np.median([v for v in values if v is not None]))
 
 
 def costs(run: SpecRun) -> tuple[Optional[float], Optional[float]]:
@@ -172,9 +189,9 @@ def costs(run: SpecRun) -> tuple[Optional[float], Optional[float]]:
   not γ single-token forwards."""
   if run.costs is None or not run.step_seconds or run.tree is not None:
     return None, None
-  t1 = float(np.median(run.plain_step_seconds))
+  t1 = median_known(run.plain_step_seconds)
   c = run.costs["draft"] / (run.costs["gamma"] * run.costs["t1"])
-  return c, float(np.median(run.step_seconds)) / t1 - run.gamma * c
+  return c, median_known(run.step_seconds) / t1 - run.gamma * c
 
 
 def run_flags(run: SpecRun, indices: Optional[Sequence[int]] = None) -> list[str]:
@@ -310,50 +327,61 @@ class Bench:
     return runs
 
   def _add_costs(self, draft: Draft, temperature: float, runs: Sequence[SpecRun]) -> None:
-    t1 = float(np.median(runs[0].plain_step_seconds))
+    t1 = median_known(runs[0].plain_step_seconds)
     for run in runs:
       run.costs = self.draft_cost(draft, temperature, t1)
 
   def _rounds(self, draft: Draft, temperature: float, plain: Callable,
               settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
     """``repeats`` interleaved rounds of every setting, then one more at a time
-    (``extra_rounds`` at most) for the settings ``checks.unsteady`` picks: those whose
-    speedup, overall or over one category's batches, spreads more than the bound. A round
-    runs, per batch, plain decoding and each of its settings, in an order rotated by one
-    per batch and round, so no setting always runs first (or right after plain decoding)
-    and position effects spread over all of them. Each setting keeps the plain times of
-    the rounds it took part in."""
+    (``extra_rounds`` at most) for the settings ``checks.unsteady`` picks, on the batches
+    of their unsteady groups only: those whose speedup, overall or over one category's
+    batches, spreads more than the bound. A round runs, per batch, plain decoding and each
+    setting that times it, in an order rotated by one per batch and round, so no setting
+    always runs first (or right after plain decoding) and position effects spread over all
+    of them. Each setting keeps the plain times of the rounds (and batches) it took part
+    in; a batch a round left out is None."""
     cfg = self.config
-    seed, budget = cfg.seed, cfg.max_new_tokens
+    seed, budget, n = cfg.seed, cfg.max_new_tokens, len(self.batches)
     timings = [dict(seconds=[], prefill_seconds=[], step_seconds=[], plain_seconds=[],
                     plain_prefill_seconds=[], plain_step_seconds=[]) for _ in settings]
     groups = [batch_indices(self.batches, c) for c in [ALL] + categories(self.batches)]
-    bar = tqdm.tqdm(total=cfg.repeats * len(self.batches), leave=False, unit="batch",
+    bar = tqdm.tqdm(total=cfg.repeats * n, leave=False, unit="batch",
                     desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
-    active, spec_outs = list(range(len(settings))), {}
+    need = {j: list(range(n)) for j in range(len(settings))}
+    spec_outs, plain_outs = {}, None  # outputs of each one's last round over every batch
     for r in range(cfg.repeats + cfg.extra_rounds):
       if r >= cfg.repeats:
-        active = checks.unsteady([(t["plain_seconds"], t["seconds"]) for t in timings], groups)
-        if not active:
+        need = checks.unsteady([(t["plain_seconds"], t["seconds"]) for t in timings], groups)
+        if not need:
           break
-        bar.total += len(self.batches)
-        logging.info("%s T=%g: round %d for %d setting(s) whose speedup spread > %.0f%%",
-                     draft.name, temperature, r + 1, len(active), 100 * checks.SPREAD_BOUND)
-      outs = {j: [] for j in [-1] + active}  # -1: plain decoding
-      calls = [(-1, plain)] + [(j, settings[j][2]) for j in active]
+        timed = set().union(*need.values())
+        bar.total += len(timed)
+        logging.info("%s T=%g: round %d for %d setting(s) whose speedup spread > %.0f%%, "
+                     "on %d of %d batches", draft.name, temperature, r + 1, len(need),
+                     100 * checks.SPREAD_BOUND, len(timed), n)
+      outs = {j: {} for j in [-1, *need]}  # -1: plain decoding; {batch: output}
       for i, b in enumerate(self.batches):
-        shift = (r * len(self.batches) + i) % len(calls)
+        calls = [(-1, plain)] + [(j, settings[j][2]) for j in need if i in need[j]]
+        if len(calls) == 1:
+          continue
+        shift = (r * n + i) % len(calls)
         for j, call in calls[shift:] + calls[:shift]:
-          outs[j].append(call(b, budget, seed + i))
+          outs[j][i] = call(b, budget, seed + i)
         bar.update()
-      plain_outs = outs[-1]
-      for j in active:
-        t = timings[j]
-        for prefix, o in (("plain_", plain_outs), ("", outs[j])):
-          t[prefix + "seconds"].append([x.seconds for x in o])
-          t[prefix + "prefill_seconds"].append([x.prefill_seconds for x in o])
-          t[prefix + "step_seconds"].append(loop_step_seconds(o))
-        spec_outs[j] = outs[j]
+      if len(outs[-1]) == n:
+        plain_outs = [outs[-1][i] for i in range(n)]
+      for j, batches in need.items():
+        t, full = timings[j], len(batches) == n
+        for prefix, o in (("plain_", outs[-1]), ("", outs[j])):
+          t[prefix + "seconds"].append([o[i].seconds if i in batches else None
+                                        for i in range(n)])
+          t[prefix + "prefill_seconds"].append([o[i].prefill_seconds if i in batches else None
+                                                for i in range(n)])
+          t[prefix + "step_seconds"].append(
+              loop_step_seconds([o[i] for i in range(n)]) if full else None)
+        if full:
+          spec_outs[j] = [outs[j][i] for i in range(n)]
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]

@@ -33,7 +33,8 @@ import numpy as np
 from specjax import theory
 
 from experiments import checks
-from experiments.measure import SpecRun, costs, round_decode_speedups, round_speedups, run_flags
+from experiments.measure import (SpecRun, costs, median_known, round_decode_speedups,
+                                 round_speedups, round_sums, run_flags)
 from experiments.prompts import ALL, Batch, batch_indices
 
 
@@ -93,23 +94,23 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
     return row
   ratios = round_speedups(run, sel)
   decode = round_decode_speedups(run, sel)
+  ar_seconds = round_sums(run.plain_seconds, run.seconds, sel)
   if decode is not None:
     row.update(decode_speedup=float(np.median(decode)), ar_prefill_share=float(np.median(
-        [sum(pp[i] for i in sel) / sum(p[i] for i in sel)
-         for p, pp in zip(run.plain_seconds, run.plain_prefill_seconds)])))
-  row.update(spec_seconds=float(np.median([sum(s[i] for i in sel) for s in run.seconds])),
-             ar_seconds=float(np.median([sum(p[i] for i in sel) for p in run.plain_seconds])),
+        np.divide(round_sums(run.plain_prefill_seconds, run.seconds, sel), ar_seconds))))
+  row.update(spec_seconds=float(np.median(round_sums(run.seconds, run.seconds, sel))),
+             ar_seconds=float(np.median(ar_seconds)),
              speedup=float(np.median(ratios)), speedup_spread=checks.spread(ratios),
              rounds=len(ratios),
              ar_generated_tokens=int(sum(len(t) for i in sel for t in run.plain_generated[i])),
-             step_seconds=float(np.median(run.plain_step_seconds)))
+             step_seconds=median_known(run.plain_step_seconds))
   # c and the verify cost are defined from a chain's γ draft forwards; a tree
   # row reports its measured speedup and tokens per call only.
   cc, verify = costs(run) if run.tree is None else (None, None)
   row["flags"] = run_flags(run, sel)
   if cc is not None and row["alpha"] is not None:
     a = min(row["alpha"], 1.0)
-    row.update(c=cc, spec_step_seconds=float(np.median(run.step_seconds)),
+    row.update(c=cc, spec_step_seconds=median_known(run.step_seconds),
                predicted_speedup=theory.walltime_improvement(a, g, cc))
     if verify is not None and verify > 0:  # an impossible one is flagged, never printed
       row["verify_cost"] = verify

@@ -52,7 +52,8 @@ flags.DEFINE_integer("repeats", 2, "Interleaved timing rounds per setting (plain
                      "speculative on every batch); the median round is reported with the "
                      "spread.")
 flags.DEFINE_integer("extra_rounds", 1, "Up to this many rounds are added, one at a time, "
-                     "while a setting's speedup (overall or one category's) spreads > 10%.")
+                     "while a setting's speedup (overall or one category's) spreads > 10% "
+                     "(timing just that setting on just those batches).")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
 flags.DEFINE_string("tree_budgets", "4,8,16", "Node budgets N of the tree sweep's best static "
                     "trees.")

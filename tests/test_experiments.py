@@ -69,8 +69,11 @@ def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
     if run["seconds"] is None:
       continue
     # --repeats=2 rounds, and a third where a speedup spread > 10% over the first two
+    # (over every batch, or over some category's only: the others are None)
     assert len(run["seconds"]) == len(run["plain_seconds"]) in (2, 3)
-    ratios = [sum(p) / sum(s) for p, s in zip(run["plain_seconds"], run["seconds"])]
+    plain_seconds, seconds = _complete(run, "plain_seconds"), _complete(run, "seconds")
+    assert len(seconds) >= 2
+    ratios = [sum(p) / sum(s) for p, s in zip(plain_seconds, seconds)]
     key = (run["draft"], run["gamma"], run["temperature"], run["tree"])
     overall = [r for r in timed if (r["draft"], r["gamma"], r["temperature"],
                                     r["tree"] and tuple(r["tree"])) == key
@@ -79,8 +82,13 @@ def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
     for r in overall:
       assert r["speedup"] == pytest.approx(np.median(ratios))
       assert r["speedup_spread"] == pytest.approx((max(ratios) - min(ratios)) / np.median(ratios))
-      assert r["spec_seconds"] == pytest.approx(np.median([sum(s) for s in run["seconds"]]))
-      assert r["ar_seconds"] == pytest.approx(np.median([sum(p) for p in run["plain_seconds"]]))
+      assert r["spec_seconds"] == pytest.approx(np.median([sum(s) for s in seconds]))
+      assert r["ar_seconds"] == pytest.approx(np.median([sum(p) for p in plain_seconds]))
+
+
+def _complete(run, field):
+  """``run[field]``'s rounds that timed every batch."""
+  return [row for row, spec in zip(run[field], run["seconds"]) if None not in spec]
 
 
 def test_decode_only_speedups_take_each_calls_prefill_out(smoke):
@@ -88,15 +96,16 @@ def test_decode_only_speedups_take_each_calls_prefill_out(smoke):
   runs = [r for r in results["runs"] if r["seconds"] is not None]
   assert runs
   for run in runs:
-    for total, pre in ((run["seconds"], run["prefill_seconds"]),
-                       (run["plain_seconds"], run["plain_prefill_seconds"])):
-      assert np.all(0 < np.asarray(pre)) and np.all(np.asarray(pre) < np.asarray(total))
+    for total, pre in (("seconds", "prefill_seconds"),
+                       ("plain_seconds", "plain_prefill_seconds")):
+      for t_row, p_row in zip(run[total], run[pre]):
+        assert [t is None for t in t_row] == [p is None for p in p_row]
+        assert all(0 < p < t for t, p in zip(t_row, p_row) if t is not None)
+    plain, plain_pre, spec, spec_pre = (_complete(run, f) for f in (
+        "plain_seconds", "plain_prefill_seconds", "seconds", "prefill_seconds"))
     loop = lambda total, pre: sum(t - p for t, p in zip(total, pre))
-    ratios = [loop(p, pp) / loop(s, sp) for p, pp, s, sp in zip(
-        run["plain_seconds"], run["plain_prefill_seconds"], run["seconds"],
-        run["prefill_seconds"])]
-    share = [sum(pp) / sum(p) for p, pp in zip(run["plain_seconds"],
-                                                run["plain_prefill_seconds"])]
+    ratios = [loop(p, pp) / loop(s, sp) for p, pp, s, sp in zip(plain, plain_pre, spec, spec_pre)]
+    share = [sum(pp) / sum(p) for p, pp in zip(plain, plain_pre)]
     key = (run["draft"], run["gamma"], run["temperature"], run["tree"])
     matched = [r for r in results["rows"]
                if (r["draft"], r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"])) == key
@@ -106,13 +115,16 @@ def test_decode_only_speedups_take_each_calls_prefill_out(smoke):
       assert r["decode_speedup"] == pytest.approx(np.median(ratios))
       assert r["ar_prefill_share"] == pytest.approx(np.median(share))
     # t₁ and the speculative step: loop seconds over loop steps, pooled over the round
-    # (plain decoding takes one step per new token: EOS is ignored)
+    # (plain decoding takes one step per new token: EOS is ignored); None for a round
+    # that left batches out
     steps, plain_steps = sum(run["steps"]), NEW * len(run["steps"])
-    assert run["step_seconds"] == pytest.approx(
-        [loop(s, sp) / steps for s, sp in zip(run["seconds"], run["prefill_seconds"])])
-    assert run["plain_step_seconds"] == pytest.approx(
-        [loop(p, pp) / plain_steps for p, pp in zip(run["plain_seconds"],
-                                                    run["plain_prefill_seconds"])])
+    full = [None not in row for row in run["seconds"]]
+    assert [x is not None for x in run["step_seconds"]] == full
+    assert [x is not None for x in run["plain_step_seconds"]] == full
+    assert [x for x in run["step_seconds"] if x is not None] == pytest.approx(
+        [loop(s, sp) / steps for s, sp in zip(spec, spec_pre)])
+    assert [x for x in run["plain_step_seconds"] if x is not None] == pytest.approx(
+        [loop(p, pp) / plain_steps for p, pp in zip(plain, plain_pre)])
 
 
 def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):
@@ -292,20 +304,34 @@ def test_setting_flags_rule(gamma, verify, spread_, draft_spread, expected):
   assert setting_flags(gamma, verify, spread_, draft_spread) == expected
 
 
-def test_unsteady_picks_the_settings_whose_speedup_spreads_in_one_group():
+def test_unsteady_picks_the_settings_and_batches_whose_speedup_spreads_in_one_group():
   from experiments.checks import unsteady
   plain, spec = [[1.0, 1.0], [1.0, 1.2]], [[1.0, 1.0], [1.0, 1.0]]
-  assert unsteady([(plain, spec)], [(0, 1)]) == []  # pooled: 1.0 -> 1.1, a 9.5% spread
-  assert unsteady([(plain, spec)], [(0, 1), (1,)]) == [0]  # batch 1 alone: 1.0 -> 1.2, 18%
+  assert unsteady([(plain, spec)], [(0, 1)]) == {}  # pooled: 1.0 -> 1.1, a 9.5% spread
+  # batch 1 alone: 1.0 -> 1.2, 18%: one more round of batch 1 only
+  assert unsteady([(plain, spec)], [(0, 1), (0,), (1,)]) == {0: [1]}
   steady = [[1.0, 1.0], [1.0, 1.0]]
-  assert unsteady([(steady, steady), (steady, [[1.0, 1.0], [0.8, 0.8]])], [(0, 1)]) == [1]
-  assert unsteady([(plain[:1], spec[:1])], [(0, 1), (1,)]) == []  # one round: no spread
+  # pooled over both batches 1.0 -> 1.25: every batch of the group gets the round
+  assert unsteady([(steady, steady), (steady, [[1.0, 1.0], [0.8, 0.8]])],
+                  [(0, 1), (0,), (1,)]) == {1: [0, 1]}
+  assert unsteady([(plain[:1], spec[:1])], [(0, 1), (1,)]) == {}  # one round: no spread
 
 
-@pytest.mark.parametrize("unsteady, rounds", [([], [1, 1]), ([1], [1, 3])])
-def test_rounds_are_added_for_the_unsteady_settings_only(tmp_path, monkeypatch, unsteady,
-                                                          rounds):
+def test_a_round_that_left_a_batch_out_counts_only_for_the_groups_it_timed():
+  from experiments.checks import complete_rounds, round_ratios
+  plain = [[1.0, 1.0], [1.0, 1.2], [None, 1.1]]
+  spec = [[1.0, 1.0], [1.0, 1.0], [None, 1.0]]
+  assert complete_rounds(spec, [0, 1]) == [0, 1] and complete_rounds(spec, [1]) == [0, 1, 2]
+  assert round_ratios(plain, spec, [0, 1]) == pytest.approx([1.0, 1.1])
+  assert round_ratios(plain, spec, [1]) == pytest.approx([1.0, 1.2, 1.1])
+
+
+@pytest.mark.parametrize("unsteady, rounds", [({}, [1, 1]), ({1: [0, 1]}, [1, 3]),
+                                              ({1: [1]}, [1, 3])])
+def test_rounds_are_added_for_the_unsteady_settings_and_batches_only(tmp_path, monkeypatch,
+                                                                     unsteady, rounds):
   from experiments import experiment
+  from experiments.checks import complete_rounds
   seen = []
 
   def fake_unsteady(timings, groups):
@@ -315,19 +341,35 @@ def test_rounds_are_added_for_the_unsteady_settings_only(tmp_path, monkeypatch, 
 
   monkeypatch.setattr("experiments.checks.unsteady", fake_unsteady)
   monkeypatch.setattr("experiments.measure.run_flags", lambda run: [])
-  config = dataclasses.replace(_two_gamma_config(tmp_path), extra_rounds=2)
+  config = dataclasses.replace(_two_gamma_config(tmp_path), extra_rounds=2, num_prompts=2,
+                               batch_size=1)
   results = experiment.run(config)
   by_gamma = {}
   for r in results["runs"]:
     assert len(r["seconds"]) == len(r["plain_seconds"]) == len(r["step_seconds"])
-    by_gamma.setdefault(r["gamma"], set()).add(len(r["seconds"]))
-  assert [by_gamma[g] for g in sorted(by_gamma)] == [{n} for n in rounds]
+    by_gamma[r["gamma"]] = r
+  assert [len(by_gamma[g]["seconds"]) for g in sorted(by_gamma)] == rounds
+  # added rounds time the batches fake_unsteady named, and plain decoding beside them
+  added = {1: [0, 1]} if not unsteady else unsteady
+  run = by_gamma[2]
+  for field in ("seconds", "plain_seconds", "prefill_seconds", "plain_prefill_seconds"):
+    for row in run[field][1:]:
+      assert [i for i, x in enumerate(row) if x is not None] == added[1]
+  assert all((x is None) == (added[1] != [0, 1]) for x in run["step_seconds"][1:])
   # asked after each round from the --repeats-th on, up to the last one allowed, with
   # each setting's own rounds so far, per temperature of the sweep; the groups are all
-  # batches and each category's (one batch here)
+  # batches and each category's
   expected = [[1, 1], [1, 2]] if unsteady else [[1, 1]]
   assert [p for p, _, _ in seen] == expected * 2
-  assert all(p == s and groups == [[0], [0]] for p, s, groups in seen)
+  assert all(p == s and groups == [[0, 1], [0], [1]] for p, s, groups in seen)
+  # a row's speedup is the median over the rounds that timed all its batches
+  rows = {(r["gamma"], r["category"]): r for r in results["rows"]
+          if r["experiment"] == "gamma_sweep" and r["temperature"] == 0}
+  cats = {c for _, c in rows if c != "all"}
+  assert len(cats) == 2 and all(rows[1, c]["rounds"] == 1 for c in cats)
+  assert rows[2, "all"]["rounds"] == len(complete_rounds(run["seconds"], [0, 1]))
+  assert (sorted(rows[2, c]["rounds"] for c in cats) ==
+          sorted(len(complete_rounds(run["seconds"], [i])) for i in (0, 1)))
 
 
 def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkeypatch):
