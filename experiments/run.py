@@ -61,6 +61,9 @@ flags.DEFINE_string("calibration_tree", "6,3,2,1", "Branching of the full tree t
                     "per-depth, per-rank acceptance the best trees are built from.")
 flags.DEFINE_integer("calibration_prompts", 8, "Training-side prompts that calibrate the trees "
                      "(never the evaluated ones).")
+flags.DEFINE_bool("compilation_cache", True, "Keep compiled XLA programs on disk "
+                  "(specjax.compile_cache: $SPECJAX_CACHE/xla) so a rerun or a resumed run "
+                  "skips most compiling; outputs are unchanged.")
 flags.DEFINE_bool("fresh", False, "Start over even if OUT/progress.jsonl holds a partial run "
                   "of the same config (the old log is kept, renamed).")
 
@@ -89,6 +92,9 @@ def main(argv):
     cfg = config_from_flags()
   except ValueError as e:
     raise app.UsageError(str(e))
+  if FLAGS.compilation_cache:
+    from specjax import compile_cache
+    logging.info("persistent compilation cache: %s", compile_cache.enable())
   from benchmarks.common import OutputError
   from experiments import experiment
   from experiments.prompts import PromptFileError
