@@ -1,0 +1,204 @@
+"""The timing protocol of experiments.run: round spreads and flags, added rounds on the
+unsteady settings and batches, one plain baseline per round, re-measurement, resuming."""
+
+import dataclasses
+import json
+
+import pytest
+
+from experiments.config import ExperimentConfig
+from specjax.speculative import SpeculativeDecoder
+
+
+
+def test_spreads():
+  from experiments.checks import quartile_spread, spread
+  assert spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+  assert spread([2.0]) is None
+  # one outlier in eight moves the range, not the interquartile spread
+  steps = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0]
+  assert spread(steps) == pytest.approx(2.0) and quartile_spread(steps) == pytest.approx(0.0)
+  assert quartile_spread([1.0, 2.0, 3.0]) is None
+
+
+@pytest.mark.parametrize("gamma, verify, spread_, draft_spread, expected", [
+    (4, 2.0, 0.05, 0.1, []),
+    (4, 5.0, 0.0, None, []),                                 # γ+1 itself is possible
+    (4, 5.01, 0.0, None, ["verify cost 5.01 outside (0, γ+1 = 5]"]),
+    (2, 110.0, None, None, ["verify cost 110.00 outside (0, γ+1 = 3]"]),
+    (2, -0.5, None, None, ["verify cost -0.50 outside (0, γ+1 = 3]"]),
+    (3, None, 0.10, None, []),                               # the bound itself passes
+    (3, None, 0.12, None, ["speedup spread 12% > 10%"]),
+    (3, 1.5, 0.0, 0.3, ["draft-phase spread 30% > 25% (c)"]),
+])
+def test_setting_flags_rule(gamma, verify, spread_, draft_spread, expected):
+  from experiments.checks import setting_flags
+  assert setting_flags(gamma, verify, spread_, draft_spread) == expected
+
+
+def test_unsteady_picks_the_settings_and_batches_whose_speedup_spreads_in_one_group():
+  from experiments.checks import unsteady
+  plain, spec = [[1.0, 1.0], [1.0, 1.2]], [[1.0, 1.0], [1.0, 1.0]]
+  assert unsteady([(plain, spec)], [(0, 1)]) == {}  # pooled: 1.0 -> 1.1, a 9.5% spread
+  # batch 1 alone: 1.0 -> 1.2, 18%: one more round of batch 1 only
+  assert unsteady([(plain, spec)], [(0, 1), (0,), (1,)]) == {0: [1]}
+  steady = [[1.0, 1.0], [1.0, 1.0]]
+  # pooled over both batches 1.0 -> 1.25: every batch of the group gets the round
+  assert unsteady([(steady, steady), (steady, [[1.0, 1.0], [0.8, 0.8]])],
+                  [(0, 1), (0,), (1,)]) == {1: [0, 1]}
+  assert unsteady([(plain[:1], spec[:1])], [(0, 1), (1,)]) == {}  # one round: no spread
+
+
+def test_a_round_that_left_a_batch_out_counts_only_for_the_groups_it_timed():
+  from experiments.checks import complete_rounds, round_ratios
+  plain = [[1.0, 1.0], [1.0, 1.2], [None, 1.1]]
+  spec = [[1.0, 1.0], [1.0, 1.0], [None, 1.0]]
+  assert complete_rounds(spec, [0, 1]) == [0, 1] and complete_rounds(spec, [1]) == [0, 1, 2]
+  assert round_ratios(plain, spec, [0, 1]) == pytest.approx([1.0, 1.1])
+  assert round_ratios(plain, spec, [1]) == pytest.approx([1.0, 1.2, 1.1])
+
+
+@pytest.mark.parametrize("unsteady, rounds", [({}, [1, 1]), ({1: [0, 1]}, [1, 3]),
+                                              ({1: [1]}, [1, 3])])
+def test_rounds_are_added_for_the_unsteady_settings_and_batches_only(tmp_path, monkeypatch,
+                                                                     unsteady, rounds):
+  from experiments import experiment
+  from experiments.checks import complete_rounds
+  seen = []
+
+  def fake_unsteady(timings, groups):
+    seen.append(([len(p) for p, _ in timings], [len(s) for _, s in timings],
+                 [list(g) for g in groups]))
+    return unsteady
+
+  monkeypatch.setattr("experiments.checks.unsteady", fake_unsteady)
+  monkeypatch.setattr("experiments.measure.run_flags", lambda run: [])
+  config = dataclasses.replace(_two_gamma_config(tmp_path), extra_rounds=2, num_prompts=2,
+                               batch_size=1)
+  results = experiment.run(config)
+  by_gamma = {}
+  for r in results["runs"]:
+    assert len(r["seconds"]) == len(r["plain_seconds"]) == len(r["step_seconds"])
+    by_gamma[r["gamma"]] = r
+  assert [len(by_gamma[g]["seconds"]) for g in sorted(by_gamma)] == rounds
+  # added rounds time the batches fake_unsteady named, and plain decoding beside them
+  added = {1: [0, 1]} if not unsteady else unsteady
+  run = by_gamma[2]
+  for field in ("seconds", "plain_seconds", "prefill_seconds", "plain_prefill_seconds"):
+    for row in run[field][1:]:
+      assert [i for i, x in enumerate(row) if x is not None] == added[1]
+  assert all((x is None) == (added[1] != [0, 1]) for x in run["step_seconds"][1:])
+  # asked after each round from the --repeats-th on, up to the last one allowed, with
+  # each setting's own rounds so far, per temperature of the sweep; the groups are all
+  # batches and each category's
+  expected = [[1, 1], [1, 2]] if unsteady else [[1, 1]]
+  assert [p for p, _, _ in seen] == expected * 2
+  assert all(p == s and groups == [[0, 1], [0], [1]] for p, s, groups in seen)
+  # a row's speedup is the median over the rounds that timed all its batches
+  rows = {(r["gamma"], r["category"]): r for r in results["rows"]
+          if r["experiment"] == "gamma_sweep" and r["temperature"] == 0}
+  cats = {c for _, c in rows if c != "all"}
+  assert len(cats) == 2 and all(rows[1, c]["rounds"] == 1 for c in cats)
+  assert rows[2, "all"]["rounds"] == len(complete_rounds(run["seconds"], [0, 1]))
+  assert (sorted(rows[2, c]["rounds"] for c in cats) ==
+          sorted(len(complete_rounds(run["seconds"], [i])) for i in (0, 1)))
+
+
+def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkeypatch):
+  from experiments import checks, experiment
+  seen = []
+
+  def fake_flags(run):  # T=0 stays flagged, T=1 never is
+    seen.append(run.temperature)
+    return [f"spread {len(seen)}"] if run.temperature == 0 else []
+
+  monkeypatch.setattr("experiments.measure.run_flags", fake_flags)
+  config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=1, gammas=(2,),
+                            temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
+                            cost_steps=2, repeats=2, extra_rounds=0, out=str(tmp_path))
+  results = experiment.run(config)
+  assert seen == [0.0, 1.0]  # flags are read once: a flagged setting is measured twice at most
+  first = {r["temperature"]: r["first_flags"] for r in results["runs"]}
+  assert first == {0.0: ["spread 1"], 1.0: []}
+  assert all(len(r["seconds"]) == 2 for r in results["runs"])  # one set of rounds kept
+  assert "(re-measured)" in open(tmp_path / "tables.md").read()
+  assert checks.SPREAD_BOUND == 0.10  # the bound tables.md states
+
+
+def _two_gamma_config(out):
+  return ExperimentConfig(target="tiny", draft="tiny", num_prompts=1, gammas=(1, 2),
+                          temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
+                          cost_steps=2, repeats=1, extra_rounds=0, out=str(out))
+
+
+def test_interrupted_run_keeps_finished_settings_and_resumes(tmp_path, monkeypatch):
+  from experiments import experiment, progress
+  from experiments.measure import Bench
+  timed = []
+  real = Bench._timed
+
+  def record(self, draft, temperature, settings):
+    timed.append((temperature, tuple(g for g, _, _ in settings)))
+    return real(self, draft, temperature, settings)
+
+  def interrupt_second(self, draft, temperature, settings):
+    if len(timed) == 1:
+      raise KeyboardInterrupt
+    return record(self, draft, temperature, settings)
+
+  monkeypatch.setattr(Bench, "_timed", interrupt_second)
+  with pytest.raises(KeyboardInterrupt):
+    experiment.run(_two_gamma_config(tmp_path))
+  lines = (tmp_path / progress.LOG_NAME).read_text().splitlines()
+  assert timed == [(0.0, (1, 2))]  # the γs of one temperature are measured together
+  assert [json.loads(line)["run"]["gamma"] for line in lines[1:]] == [1, 2]  # header + T = 0
+
+  timed.clear()
+  monkeypatch.setattr(Bench, "_timed", record)
+  results = experiment.run(_two_gamma_config(tmp_path))
+  assert timed == [(1.0, (1, 2))]  # T = 0 came from the log
+  assert results["reused_settings"] == 2
+  assert sorted((r["gamma"], r["temperature"]) for r in results["rows"]
+                if r["category"] == "all") == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
+  assert len((tmp_path / progress.LOG_NAME).read_text().splitlines()) == 5
+
+  timed.clear()  # another config in the same --out starts over and keeps the old log
+  experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), gammas=(1,)))
+  assert timed == [(0.0, (1,)), (1.0, (1,))] and (tmp_path / "progress.1.jsonl").exists()
+
+
+def test_settings_of_one_temperature_share_one_plain_baseline_per_round(tmp_path, monkeypatch):
+  import specjax
+  from experiments import experiment
+  monkeypatch.setattr("experiments.measure.run_flags", lambda run: [])  # no re-measuring
+  calls, real, real_spec = [], specjax.generate, SpeculativeDecoder.generate
+  monkeypatch.setattr(specjax, "generate",
+                      lambda *a, **k: calls.append(("plain", a[3])) or real(*a, **k))
+  monkeypatch.setattr(SpeculativeDecoder, "generate", lambda self, *a, **k: calls.append(
+      (f"γ={self.gamma}", a[3])) or real_spec(self, *a, **k))
+  results = experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), repeats=3))
+  # per temperature: the compiling call, then per round the one batch (prefill and loop
+  # times come from each call itself)
+  assert [n for who, n in calls if who == "plain"] == [1] + [4] * 3 + [1] + [4] * 3
+  # The batch's calls (4 tokens) rotate from round to round, so no setting always runs
+  # first: rounds of (plain, γ=1, γ=2) in turn, per temperature.
+  batch_calls = [who for who, n in calls if n == 4]
+  assert batch_calls == 2 * ["plain", "γ=1", "γ=2", "γ=1", "γ=2", "plain",
+                             "γ=2", "plain", "γ=1"]
+  for t in (0.0, 1.0):
+    runs = [r for r in results["runs"] if r["temperature"] == t]
+    assert sorted(r["gamma"] for r in runs) == [1, 2]
+    assert runs[0]["plain_seconds"] == runs[1]["plain_seconds"]  # the same timed calls
+    assert runs[0]["seconds"] != runs[1]["seconds"]
+
+
+def test_progress_log_ignores_a_line_cut_off_mid_write(tmp_path):
+  from experiments import progress
+  head = progress.header(ExperimentConfig(out=str(tmp_path)), "abc")
+  log = progress.ProgressLog(str(tmp_path), head)
+  log.append({"run": {"gamma": 1}})
+  with open(log.path, "a") as f:
+    f.write('{"run": {"gam')
+  assert progress.ProgressLog(str(tmp_path), head).records == [{"run": {"gamma": 1}}]
+  # --fresh or another commit: start over
+  assert progress.ProgressLog(str(tmp_path), head, fresh=True).records == []
