@@ -88,10 +88,13 @@ def unsteady(timings: Sequence[tuple[Sequence[Sequence[Optional[float]]],
   ``unsteady([(plain, spec)], [(0, 1), (1,)])`` is ``{0: [1]}``: one more round of
   batch 1 only.
   """
+  def spreads(plain, spec, group) -> bool:
+    value = spread(round_ratios(plain, spec, group))
+    return value is not None and value > bound
+
   out = {}
   for i, (plain, spec) in enumerate(timings):
-    batches = {b for group in groups if (v := spread(round_ratios(plain, spec, group)))
-               is not None and v > bound for b in group}
+    batches = {b for group in groups if spreads(plain, spec, group) for b in group}
     if batches:
       out[i] = sorted(batches)
   return out
