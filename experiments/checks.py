@@ -53,14 +53,21 @@ def complete_rounds(seconds: Sequence[Sequence[Optional[float]]],
   return [r for r, row in enumerate(seconds) if all(row[i] is not None for i in batch_indices)]
 
 
+def round_sums(seconds: Sequence[Sequence[Optional[float]]],
+               batch_indices: Sequence[int]) -> list[float]:
+  """Per round that timed all the given batches: the sum of its times over them. Plain and
+  speculative times of a setting leave the same batches out, so their sums pair up."""
+  return [sum(seconds[r][i] for i in batch_indices)
+          for r in complete_rounds(seconds, batch_indices)]
+
+
 def round_ratios(plain_seconds: Sequence[Sequence[Optional[float]]],
                  seconds: Sequence[Sequence[Optional[float]]],
                  batch_indices: Sequence[int]) -> list[float]:
   """Per round that timed all the given batches: Σ plain / Σ speculative seconds over them
   (the speedup)."""
-  return [sum(plain_seconds[r][i] for i in batch_indices) /
-          sum(seconds[r][i] for i in batch_indices)
-          for r in complete_rounds(seconds, batch_indices)]
+  return [p / s for p, s in zip(round_sums(plain_seconds, batch_indices),
+                                round_sums(seconds, batch_indices))]
 
 
 def unsteady(timings: Sequence[tuple[Sequence[Sequence[Optional[float]]],

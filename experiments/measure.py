@@ -164,18 +164,10 @@ def round_decode_speedups(run: SpecRun, indices: Sequence[int]) -> Optional[list
   (wall time − prefill) over them; None for runs recorded without prefill times."""
   if run.prefill_seconds is None or run.plain_prefill_seconds is None:
     return None
-  loop = lambda total, pre: sum(total[i] - pre[i] for i in indices)
-  return [loop(run.plain_seconds[r], run.plain_prefill_seconds[r]) /
-          loop(run.seconds[r], run.prefill_seconds[r])
-          for r in checks.complete_rounds(run.seconds, indices)]
-
-
-def round_sums(run_seconds: Sequence[Sequence[Optional[float]]], spec_seconds,
-               indices: Sequence[int]) -> list[float]:
-  """Per round that timed the given batches (judged by ``spec_seconds``): the sum of
-  ``run_seconds`` over them."""
-  return [sum(run_seconds[r][i] for i in indices)
-          for r in checks.complete_rounds(spec_seconds, indices)]
+  loop = lambda total, pre: np.subtract(checks.round_sums(total, indices),
+                                        checks.round_sums(pre, indices))
+  return (loop(run.plain_seconds, run.plain_prefill_seconds) /
+          loop(run.seconds, run.prefill_seconds)).tolist()
 
 
 def median_known(values: Sequence[Optional[float]]) -> float:
@@ -374,10 +366,9 @@ class Bench:
       for j, batches in need.items():
         t, full = timings[j], len(batches) == n
         for prefix, o in (("plain_", outs[-1]), ("", outs[j])):
-          t[prefix + "seconds"].append([o[i].seconds if i in batches else None
-                                        for i in range(n)])
-          t[prefix + "prefill_seconds"].append([o[i].prefill_seconds if i in batches else None
-                                                for i in range(n)])
+          for field in ("seconds", "prefill_seconds"):
+            t[prefix + field].append([getattr(o[i], field) if i in batches else None
+                                      for i in range(n)])
           t[prefix + "step_seconds"].append(
               loop_step_seconds([o[i] for i in range(n)]) if full else None)
         if full:

@@ -34,7 +34,7 @@ from specjax import theory
 
 from experiments import checks
 from experiments.measure import (SpecRun, costs, median_known, round_decode_speedups,
-                                 round_speedups, round_sums, run_flags)
+                                 round_speedups, run_flags)
 from experiments.prompts import ALL, Batch, batch_indices
 
 
@@ -94,11 +94,11 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
     return row
   ratios = round_speedups(run, sel)
   decode = round_decode_speedups(run, sel)
-  ar_seconds = round_sums(run.plain_seconds, run.seconds, sel)
+  ar_seconds = checks.round_sums(run.plain_seconds, sel)
   if decode is not None:
     row.update(decode_speedup=float(np.median(decode)), ar_prefill_share=float(np.median(
-        np.divide(round_sums(run.plain_prefill_seconds, run.seconds, sel), ar_seconds))))
-  row.update(spec_seconds=float(np.median(round_sums(run.seconds, run.seconds, sel))),
+        np.divide(checks.round_sums(run.plain_prefill_seconds, sel), ar_seconds))))
+  row.update(spec_seconds=float(np.median(checks.round_sums(run.seconds, sel))),
              ar_seconds=float(np.median(ar_seconds)),
              speedup=float(np.median(ratios)), speedup_spread=checks.spread(ratios),
              rounds=len(ratios),

@@ -41,9 +41,13 @@ def cache_dir() -> str:
   return os.environ.get("SPECJAX_CACHE", os.path.expanduser("~/.cache/specjax"))
 
 
+def file_stamp(path: str) -> str:
+  """``size-mtime`` of a file: the part of a cache key that changes when it is replaced."""
+  return f"{os.path.getsize(path)}-{int(os.path.getmtime(path))}"
+
+
 def _cache_base(gguf_path: str) -> str:
-  stamp = f"{os.path.getsize(gguf_path)}-{int(os.path.getmtime(gguf_path))}"
-  return os.path.join(cache_dir(), f"smollm2-135m-instruct-{stamp}")
+  return os.path.join(cache_dir(), f"smollm2-135m-instruct-{file_stamp(gguf_path)}")
 
 
 def smollm2_config() -> ModelConfig:

@@ -45,11 +45,11 @@ def load_tokenizer(path: str, use_cache: bool = True):
 
 def _cache_path(gguf_path: str) -> str:
   import transformers
-  from specjax.loaders.embedded import cache_dir
+  from specjax.loaders.embedded import cache_dir, file_stamp
 
   stem = os.path.splitext(os.path.basename(gguf_path))[0]
-  stamp = f"{os.path.getsize(gguf_path)}-{int(os.path.getmtime(gguf_path))}"
-  return os.path.join(cache_dir(), f"tokenizer-{stem}-{stamp}-transformers{transformers.__version__}")
+  return os.path.join(cache_dir(), f"tokenizer-{stem}-{file_stamp(gguf_path)}"
+                                   f"-transformers{transformers.__version__}")
 
 
 def _save(tokenizer, cached: str) -> None:
