@@ -4,7 +4,7 @@ An experiment compiles dozens of programs (one per draft, γ or tree, and temper
 With the cache on, a later process that compiles the same program (same HLO, jax
 version, flags and device) reads the executable from disk instead, so a rerun or a
 resumed run skips most compiling: the first speculative call of a fresh process on the
-embedded model spends 9 s compiling cold and 3.3 s warm on the 2-core development
+embedded model spends about 10 s compiling cold and 3.5 s warm on the 2-core development
 machine, tracing and lowering included (``python -m benchmarks.cold_start``).
 Outputs are unchanged: the cache key covers everything the program depends on.
 

@@ -14,10 +14,10 @@ def load_tokenizer(path: str, use_cache: bool = True):
   """Returns a transformers tokenizer for a ``.gguf`` file or a local HF directory.
 
   For GGUF, the vocabulary, merges, special tokens and chat template are read
-  from the file's ``tokenizer.*`` metadata (12 s here: transformers parses all of
+  from the file's ``tokenizer.*`` metadata (12–14 s here: transformers parses all of
   the file's metadata and converts it), then saved as an HF tokenizer directory
   under the specjax cache, keyed by the file's name, size and mtime and the
-  transformers version, so a later process loads it in 3.5 s, most of it importing
+  transformers version, so a later process loads it in 3.6 s, most of it importing
   transformers (``python -m benchmarks.cold_start``). Never touches the network.
   """
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
