@@ -164,12 +164,7 @@ class SpeculativeDecoder:
     b = proposal.tokens.shape[0]
     t = self.tree.num_nodes + 1
     block = jnp.concatenate([last_tokens(state.tokens, state.seq_lens), proposal.tokens], axis=1)
-    if proposal.parents is None:
-      depth = jnp.asarray(self.tree.block_depth)[None, :]
-      mask = jnp.broadcast_to(jnp.asarray(self.tree.block_mask), (b, t, t))
-    else:
-      depth = depth_from_parents(proposal.parents, self.tree.max_depth)
-      mask = block_mask_from_parents(proposal.parents, self.tree.max_depth)
+    depth, mask = self.block_layout(proposal)
     positions = (state.seq_lens - 1)[:, None] + depth
     layers = self.drafter.target_feature_layers()
     out = forward(target_params, self.target_cfg, block, positions, state.target_cache, mask,
@@ -177,6 +172,16 @@ class SpeculativeDecoder:
                   return_layers=layers)
     return TargetScores(p=self.sampler.probs(out.logits), cache=out.cache,
                         hidden=target_features(out, layers))
+
+  def block_layout(self, proposal: Proposal) -> tuple[jax.Array, jax.Array]:
+    """(depth [B or 1, N + 1], ancestor mask [B, N + 1, N + 1]) of the verified block: the
+    root (depth 0) and the proposal's nodes, per row for a dynamic tree."""
+    if proposal.parents is None:
+      b, t = proposal.tokens.shape[0], self.tree.num_nodes + 1
+      return (jnp.asarray(self.tree.block_depth)[None, :],
+              jnp.broadcast_to(jnp.asarray(self.tree.block_mask), (b, t, t)))
+    return (depth_from_parents(proposal.parents, self.tree.max_depth),
+            block_mask_from_parents(proposal.parents, self.tree.max_depth))
 
   def accept(self, key: jax.Array, proposal: Proposal, scores: TargetScores) -> TreeAcceptance:
     return accept_tree(key, proposal, scores.p, self.tree,
@@ -236,9 +241,11 @@ class SpeculativeDecoder:
     rng, k_draft, k_accept = jax.random.split(state.rng, 3)
     proposal, draft_state = self.propose(draft_params, state, k_draft)
     scores = self.verify(target_params, state, proposal)
-    return self._finish(state, proposal, scores, k_accept, draft_state, rng)
+    return self.finish(state, proposal, scores, k_accept, draft_state, rng)
 
-  def _finish(self, state, proposal, scores, key, draft_state, rng) -> SpecState:
+  def finish(self, state: SpecState, proposal: Proposal, scores: TargetScores, key: jax.Array,
+             draft_state: Any, rng: jax.Array) -> SpecState:
+    """Accept, commit and count: the rest of a step once the target has scored the block."""
     acc = self.accept(key, proposal, scores)
     new, n_emit = self.commit(state, proposal, acc, scores, draft_state)
     counters = self.count(state.counters, ~state.done, proposal, acc, n_emit)
@@ -248,9 +255,15 @@ class SpeculativeDecoder:
            prompt_lens: jax.Array, max_new_tokens: jax.Array, rng: jax.Array) -> SpecState:
     """Prefills both models with each prompt minus its last token (``prefill_models``: one
     program per target and drafter, shared by every γ, tree and sampler)."""
-    b = tokens.shape[0]
     target_cache, draft_state = prefill_models(self.target_cfg, self.drafter, target_params,
                                                draft_params, tokens, prompt_lens)
+    return self.initial_state(tokens, prompt_lens, max_new_tokens, rng, target_cache,
+                              draft_state)
+
+  def initial_state(self, tokens: jax.Array, prompt_lens: jax.Array, max_new_tokens: jax.Array,
+                    rng: jax.Array, target_cache: kvc.KVCache, draft_state: Any) -> SpecState:
+    """The state before the first step, around prefilled caches (zero counters)."""
+    b = tokens.shape[0]
     max_lens = prompt_lens + max_new_tokens
     # Copies: ``run`` donates the state, which must not take the caller's arrays with it.
     return SpecState(tokens=jnp.array(tokens), seq_lens=jnp.array(prompt_lens),
@@ -268,10 +281,10 @@ class SpeculativeDecoder:
 
   # --- Python-side API ---------------------------------------------------------
 
-  def prepare(self, target_params: Params, draft_params: Any,
-              prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int = 0,
-              cache_size: Optional[int] = None) -> tuple[SpecState, np.ndarray]:
-    """Validates parameters and prompts and packs them (before any compilation), then prefills."""
+  def pack(self, target_params: Params, draft_params: Any, prompts: Sequence[Sequence[int]],
+           max_new_tokens: int, cache_size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Validates parameters and prompts and packs them (before any compilation): the
+    [B, S] token buffer and the [B] prompt lengths."""
     validation.check_params(target_params, self.target_cfg, "target_params")
     self.drafter.check_params(draft_params)
     cfg = self.target_cfg
@@ -281,6 +294,13 @@ class SpeculativeDecoder:
                                    vocab_size=cfg.vocab_size, max_cache_size=cfg.max_cache_size,
                                    max_positions=cfg.max_position_embeddings,
                                    cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
+    return tokens, lens
+
+  def prepare(self, target_params: Params, draft_params: Any,
+              prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int = 0,
+              cache_size: Optional[int] = None) -> tuple[SpecState, np.ndarray]:
+    """``pack``, then prefills both models."""
+    tokens, lens = self.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)
     state = self.init(target_params, draft_params, jnp.asarray(tokens), jnp.asarray(lens),
                       jnp.full(lens.shape, max_new_tokens, jnp.int32), jax.random.PRNGKey(seed))
     return state, lens
@@ -356,4 +376,4 @@ def _node_ranks(proposal: Proposal, tree: TreeTopology) -> jax.Array:
 @functools.lru_cache(maxsize=32)
 def _phase_fns(dec: SpeculativeDecoder):
   """Separately jitted phases of one step (for ``stream``)."""
-  return jax.jit(dec.propose), jax.jit(dec.verify), jax.jit(dec._finish)
+  return jax.jit(dec.propose), jax.jit(dec.verify), jax.jit(dec.finish)
