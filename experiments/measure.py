@@ -34,7 +34,8 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
      is kept (with the flags that caused it).
 Every finished setting goes to the progress log at once (``progress.py``).
 Runs that are not timed (α of the Table-3 drafts) use mixed-category batches
-of up to 16 rows: fewer sequential steps, and α needs no timing.
+of up to 16 rows: fewer sequential steps, and α needs no timing. At T = 0 they
+are replayed against the target's greedy continuations (``Bench._untimed``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from absl import logging
 import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
                                                full_tree_counts)
@@ -90,6 +92,9 @@ class SpecRun:
     compile_seconds: the first (compiling) speculative call, when timed.
     load_average: the load averages (``load_average()``) before and after the setting.
     first_flags: why the setting was measured twice (empty: measured once).
+    replayed: an untimed greedy run replayed against the target's greedy continuations
+      (``specjax.speculative.replay``: the outputs and counters of a real run, without its
+      verification forwards).
   """
 
   draft: str
@@ -110,6 +115,7 @@ class SpecRun:
   load_average: Optional[list[Optional[list[float]]]] = None
   first_flags: list[str] = dataclasses.field(default_factory=list)
   tree: Optional[tuple] = None
+  replayed: bool = False
 
   @property
   def key(self) -> tuple:
@@ -215,6 +221,7 @@ class Bench:
     self.plain_compile_seconds: dict[float, float] = {}  # compiled in this process
     self._specs: dict[tuple, SpecRun] = {}
     self._draft_costs: dict[tuple, dict[str, float]] = {}
+    self._continuations: Optional[list[list[list[int]]]] = None
     self.reused = 0
     for rec in log.records if log else ():
       self._store(SpecRun.from_record(rec["run"]))
@@ -267,17 +274,40 @@ class Bench:
     if timed and todo:
       runs = self._timed(draft, temperature, [(g, tree, calls[(g, tree)]) for g, tree in todo])
     else:
-      runs = []
-      for g, tree in todo:
-        outs = [calls[(g, tree)](b, self.config.max_new_tokens, self.config.seed + i)
-                for i, b in enumerate(self.untimed_batches)]
-        runs.append(SpecRun(draft.name, g, temperature, tree=tree,
-                            **_spec_outputs(outs, self.untimed_batches)))
+      runs = [self._untimed(draft, g, tree, temperature, calls[(g, tree)]) for g, tree in todo]
     for run in runs:
       self._store(run)
       if self.log is not None:
         self.log.append({"run": run.to_record()})
     return [self._specs[key(*s)] for s in settings]
+
+  def _untimed(self, draft: Draft, gamma: int, tree: Optional[tuple], temperature: float,
+               call: Callable) -> SpecRun:
+    """An untimed run on the mixed batches. At T = 0 it is replayed against the target's
+    greedy continuations (``specjax.speculative.replay``): the same tokens and counters as
+    ``call`` gives, at the drafter's cost, with no verification forwards."""
+    budget, batches = self.config.max_new_tokens, self.untimed_batches
+    if temperature == 0:
+      dec = self.decoder(draft, gamma, temperature, tree)
+      conts = self.greedy_continuations(budget + dec.tree.max_depth)
+      outs = [replay_greedy(dec, self.target.params, draft.params, b.ids, c, budget,
+                            seed=self.config.seed + i, cache_size=self.cache_size)
+              for i, (b, c) in enumerate(zip(batches, conts))]
+    else:
+      outs = [call(b, budget, self.config.seed + i) for i, b in enumerate(batches)]
+    return SpecRun(draft.name, gamma, temperature, tree=tree, replayed=temperature == 0,
+                   **_spec_outputs(outs, batches))
+
+  def greedy_continuations(self, length: int) -> list[list[list[int]]]:
+    """Per untimed batch, each row's greedy continuation of ``length`` tokens (plain
+    decoding, EOS not stopping it; untimed; computed once for the longest length asked)."""
+    if self._continuations is None or len(self._continuations[0][0]) < length:
+      t = self.target
+      outs = [specjax.generate(t.params, t.cfg, b.ids, length, cache_size=self.cache_size,
+                               eos_ids=()) for b in self.untimed_batches]
+      self._continuations = [[o.generated(r) for r in range(len(b.ids))]
+                             for o, b in zip(outs, self.untimed_batches)]
+    return [[c[:length] for c in rows] for rows in self._continuations]
 
   def _call(self, dec: SpeculativeDecoder, draft: Draft) -> Callable:
     tp = self.target.params

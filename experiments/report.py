@@ -229,6 +229,10 @@ def tables_markdown(results: dict) -> str:
     corpus = results.get("ngram_corpus")
     lines += [f"## α of each draft (Table 3 analogue, γ = {g})", "",
               *([f"unigram / bigram fitted on {corpus}.", ""] if corpus else []),
+              *(["Untimed T = 0 runs are replayed against the target's greedy continuations "
+                 "(`specjax.speculative.replay`): a real greedy run's tokens and counters, "
+                 "exactly (tests/test_replay.py), at the draft's cost alone.", ""]
+                if any(r.get("replayed") for r in alpha) else []),
               "| draft | α T=0 | α T=1 | accept rate T=0 | accept rate T=1 | tokens/call T=0 | "
               "tokens/call T=1 | note |", "|---|---|---|---|---|---|---|---|"]
     notes = results.get("draft_notes", {})

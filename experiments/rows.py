@@ -89,7 +89,8 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       spec_seconds=None, ar_seconds=None, speedup=None, speedup_spread=None, rounds=None,
       decode_speedup=None, ar_prefill_share=None,
       step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,
-      calibrated_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags))
+      calibrated_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags),
+      replayed=run.replayed)
   if not run.timed:
     return row
   ratios = round_speedups(run, sel)

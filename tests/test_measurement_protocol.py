@@ -201,3 +201,25 @@ def test_progress_log_ignores_a_line_cut_off_mid_write(tmp_path):
   assert progress.ProgressLog(str(tmp_path), head).records == [{"run": {"gamma": 1}}]
   # --fresh or another commit: start over
   assert progress.ProgressLog(str(tmp_path), head, fresh=True).records == []
+
+
+def test_untimed_greedy_runs_are_replayed_with_the_real_runs_tokens_and_counters(tmp_path):
+  import numpy as np
+  from experiments.measure import Bench, _spec_outputs
+  from experiments.models import load_draft, load_target
+  from experiments.prompts import default_prompts, make_batches
+  config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=5, max_new_tokens=6,
+                            out=str(tmp_path))
+  target = load_target("tiny")
+  bench = Bench(target, make_batches(default_prompts(5), target.encode, 1), config)
+  draft = load_draft("tiny", target, lambda: [])
+  greedy, sampled = (bench.spec_many(draft, [(3, None)], t, timed=False)[0] for t in (0.0, 1.0))
+  assert greedy.replayed and not sampled.replayed
+  dec = bench.decoder(draft, 3, 0.0)
+  real = _spec_outputs([dec.generate(target.params, draft.params, b.ids, 6,
+                                     cache_size=bench.cache_size)
+                        for b in bench.untimed_batches], bench.untimed_batches)
+  assert greedy.generated == real["generated"] and greedy.steps == real["steps"]
+  for got, want in zip(greedy.counters, real["counters"]):
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name])
