@@ -22,7 +22,7 @@ Example (the γ = 4 chain's tokens per call of a draft, at T = 0)::
     dec = SpeculativeDecoder(cfg, drafter, gamma=4, eos_ids=())
     out = replay_greedy(dec, params, draft_params, prompts,
                         [plain.generated(i) for i in range(len(prompts))], 32)
-    out.summary()["tokens_per_call"]
+    out.metrics()["tokens_per_call"]
 
 The continuation must be the target's greedy output generated without stopping
 at EOS, at least ``max_new_tokens + D`` tokens long (D: the tree's depth), since
