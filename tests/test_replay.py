@@ -97,3 +97,18 @@ def test_replay_refuses_sampling_and_short_or_foreign_continuations(target):
     replay_greedy(dec, params, dp, PROMPTS, conts[:2], BUDGET)
   with pytest.raises(ValueError, match="outside"):
     replay_greedy(dec, params, dp, PROMPTS, [c[:-1] + [cfg.vocab_size] for c in conts], BUDGET)
+
+
+def test_replay_compiles_once_across_prompts_and_budgets(target):
+  from specjax.speculative.replay import _replay
+  cfg, params, _ = target
+  drafter, dp = _noisy_self_draft(cfg, params)
+  dec = SpeculativeDecoder(cfg, drafter, tree=DYNAMIC, eos_ids=())
+  runs = [(PROMPTS, BUDGET), (PROMPTS[::-1], BUDGET - 5), ([[9, 8, 7], [1], [2, 2, 2, 2]], 6)]
+  for i, (prompts, budget) in enumerate(runs):
+    plain = specjax.generate(params, cfg, prompts, budget + 3, eos_ids=(), cache_size=CACHE)
+    replay_greedy(dec, params, dp, prompts, [plain.generated(r) for r in range(3)], budget,
+                  cache_size=CACHE)
+    if i == 0:
+      before = _replay._cache_size()
+  assert _replay._cache_size() == before

@@ -82,15 +82,15 @@ def replay_greedy(dec: SpeculativeDecoder, target_params: Params, draft_params: 
     future[i, n:n + need] = np.asarray(c[:need], np.int32)  # fits: headroom N >= D
   state = _replay(dec, target_params, draft_params, jnp.asarray(tokens), jnp.asarray(future),
                   jnp.asarray(lens), jnp.full(lens.shape, max_new_tokens, jnp.int32),
-                  jax.random.PRNGKey(seed), need)
+                  jax.random.PRNGKey(seed), jnp.int32(need))
   jax.block_until_ready(state.tokens)
   return summarize(state, lens, dec.gamma, time.perf_counter() - start)
 
 
-@functools.partial(jax.jit, static_argnames=("dec", "length"))
+@functools.partial(jax.jit, static_argnames=("dec",))
 def _replay(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
             tokens: jax.Array, future: jax.Array, prompt_lens: jax.Array,
-            max_new_tokens: jax.Array, rng: jax.Array, length: int) -> SpecState:
+            max_new_tokens: jax.Array, rng: jax.Array, length: jax.Array) -> SpecState:
   """The replayed while loop; ``future`` is ``tokens`` with ``length`` continuation tokens
   after each prompt (the state's own buffer holds the prompts only, as in a real run)."""
   drafter, cfg = dec.drafter, dec.target_cfg
