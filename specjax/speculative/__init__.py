@@ -1,6 +1,7 @@
 """Lossless speculative decoding (Leviathan et al. 2023; Chen et al. 2023), over chains and trees."""
 
 from specjax.speculative.acceptance import Acceptance, accept
+from specjax.speculative.block_verification import accept_block
 from specjax.speculative.decoder import SpeculativeDecoder
 from specjax.speculative.metrics import SpecResult
 from specjax.speculative.proposal import Proposal
@@ -9,4 +10,5 @@ from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import TreeAcceptance, accept_tree
 
 __all__ = ["Acceptance", "DynamicTree", "Proposal", "SpecCounters", "SpecResult", "SpecState",
-           "SpeculativeDecoder", "TreeAcceptance", "TreeTopology", "accept", "accept_tree"]
+           "SpeculativeDecoder", "TreeAcceptance", "TreeTopology", "accept", "accept_block",
+           "accept_tree"]

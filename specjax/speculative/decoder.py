@@ -42,6 +42,7 @@ from specjax.model import Params, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
+from specjax.speculative.block_verification import VERIFICATIONS
 from specjax.speculative.metrics import SpecResult, summarize
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.state import SpecCounters, SpecState
@@ -106,6 +107,10 @@ class SpeculativeDecoder:
       an EAGLE-2 ``DynamicTree`` (N nodes of depth <= D, per-row parents).
     attention_impl: the target's attention in verification (``specjax.attention``:
       "auto", "reference", "cpu", "pallas", "pallas_tpu_interpret", ...).
+    verification: how a sampled chain is accepted: "tokenwise" (modified rejection
+      sampling, token by token) or "block" (``block_verification``: the chain judged
+      jointly, never fewer tokens per step in expectation; chains only). Both are
+      lossless; with a greedy sampler both keep the longest matching prefix.
 
   Example::
 
@@ -121,6 +126,7 @@ class SpeculativeDecoder:
   eos_ids: Optional[tuple[int, ...]] = None
   tree: Optional[TreeTopology | DynamicTree] = None
   attention_impl: str = "auto"
+  verification: str = "tokenwise"
 
   def __post_init__(self):
     if self.tree is None:
@@ -134,6 +140,12 @@ class SpeculativeDecoder:
                        f"{self.tree.max_depth}; leave gamma unset with a tree")
     object.__setattr__(self, "gamma", self.tree.max_depth)
     check_sampler(self.sampler)
+    if self.verification not in VERIFICATIONS:
+      raise ValueError(f"unknown verification {self.verification!r}; expected one of "
+                       f"{VERIFICATIONS}")
+    if self.verification == "block" and not self.tree.is_chain:
+      raise ValueError(f"verification='block' is defined for chains (Sun et al. 2024 give no "
+                       f"tree construction), not for {self.tree}; use 'tokenwise' with a tree")
     if self.drafter.vocab_size != self.target_cfg.vocab_size:
       raise ValueError(
           f"vocabulary mismatch: the drafter proposes over {self.drafter.vocab_size} tokens but "
@@ -185,7 +197,8 @@ class SpeculativeDecoder:
 
   def accept(self, key: jax.Array, proposal: Proposal, scores: TargetScores) -> TreeAcceptance:
     return accept_tree(key, proposal, scores.p, self.tree,
-                       greedy=isinstance(self.sampler, Greedy))
+                       greedy=isinstance(self.sampler, Greedy),
+                       block=self.verification == "block")
 
   def commit(self, state: SpecState, proposal: Proposal, acc: TreeAcceptance,
              scores: TargetScores, draft_state: Any) -> tuple[SpecState, jax.Array]:

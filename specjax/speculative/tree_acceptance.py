@@ -11,6 +11,9 @@ The rules (all exact: the emitted tokens are distributed as the target's):
 
   chain, "sampled"     Leviathan/Chen modified rejection sampling
                        (``acceptance.accept``), bit-identical to the chain loop.
+  chain, block=True    block verification (``block_verification``, Sun et al.
+                       2024): the chain is judged jointly; never fewer tokens
+                       per step in expectation. q of a point-mass chain is one-hot.
   greedy (one-hot p)   the deepest node whose path equals the target's argmax
                        at every step (ties: smallest index), then the argmax.
   recursive rejection  walk from the root; at each node try its children in
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 
 from specjax.sampling import sample_from
 from specjax.speculative import acceptance as chain_rule
+from specjax.speculative.block_verification import accept_block
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import TreeTopology, block_mask_from_parents, depth_from_parents
 
@@ -200,7 +204,7 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
 
 
 def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: TreeTopology,
-                *, greedy: bool = False) -> TreeAcceptance:
+                *, greedy: bool = False, block: bool = False) -> TreeAcceptance:
   """Runs the lossless rule that matches the proposal (see the module docstring).
 
   Args:
@@ -224,8 +228,15 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
     if chain_of_draws:  # the chain rule's β, without its (here deterministic) residual draw
       acc = acc._replace(beta=jnp.sum(jnp.minimum(p[:, :n], _valid(proposal.q)), axis=-1))
     return acc
-  if chain_of_draws:
+  if block:
+    if proposal.parents is not None or not topology.is_chain:
+      raise ValueError(f"block verification is defined for chains, not for {topology}")
+    q = (jax.nn.one_hot(proposal.tokens, p.shape[-1], dtype=p.dtype)
+         if proposal.q is None else proposal.q)
+    acc = accept_block(key, proposal.tokens, q, p)
+  elif chain_of_draws:
     acc = chain_rule.accept(key, proposal.tokens, proposal.q, p)
+  if block or chain_of_draws:
     levels = jnp.arange(n + 1)[None, :]
     path = jnp.where(levels <= acc.num_accepted[:, None], levels, -1).astype(jnp.int32)
     return TreeAcceptance(path=path, num_accepted=acc.num_accepted, next_token=acc.next_token,
