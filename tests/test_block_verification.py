@@ -28,7 +28,7 @@ from specjax.speculative import DynamicTree, SpeculativeDecoder, TreeTopology
 from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import Acceptance
 from specjax.speculative.block_verification import (accept_block, block_weights,
-                                                    stop_probabilities)
+                                                    expected_tokens, stop_probabilities)
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint, make_drafter,
                              new_compiles_across_batches, tiny_model)
 
@@ -108,6 +108,12 @@ def test_exact_law_equals_target_and_never_loses_to_tokenwise(v, gamma, seed):
                      / np.take_along_axis(q, blocks[..., None], -1)[..., 0])
   tokenwise = np.sum(prob * (1 + np.sum(np.cumprod(ratio, axis=1), axis=1)))
   assert block_tokens > tokenwise + 1e-4, (block_tokens, tokenwise)
+  # The library's per-block expectations agree with the enumeration.
+  lib_tokenwise, lib_block = map(np.asarray, expected_tokens(
+      jnp.asarray(blocks), jnp.asarray(q, jnp.float32), jnp.asarray(p, jnp.float32)))
+  np.testing.assert_allclose(np.sum(prob * lib_block), block_tokens, rtol=1e-5)
+  np.testing.assert_allclose(np.sum(prob * lib_tokenwise), tokenwise, rtol=1e-5)
+  assert np.all(lib_block >= 1) and np.all(lib_block <= gamma + 1 + 1e-5)
 
 
 def test_gamma_one_is_the_tokenwise_rule():

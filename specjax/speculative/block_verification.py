@@ -121,3 +121,25 @@ def accept_block(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) 
   return Acceptance(num_accepted=tau, next_token=sample_from(s_key, r_tau),
                     accepted=levels <= tau[:, None],
                     beta=jnp.sum(jnp.minimum(p[:, :gamma], q), axis=-1))
+
+
+def expected_tokens(drafts: jax.Array, q: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """([B] token-wise, [B] block): the expected tokens one step emits for this very block.
+
+  Token-wise verification keeps n ≥ i with probability Πⱼ≤ᵢ min(1, pⱼ(dⱼ)/qⱼ(dⱼ));
+  block verification keeps τ = i with probability hᵢ Πⱼ>ᵢ (1 − hⱼ). Both count the extra
+  token. Averaged over the blocks a run verifies, they compare the two rules on the same
+  drafts without the noise of the acceptance draws (``benchmarks/block_verification.py``).
+  """
+  p, q = _valid(p), _valid(q)
+  gamma = drafts.shape[1]
+  p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]
+  q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+  keep = jnp.where(q_d > 0, jnp.minimum(1.0, p_d / jnp.where(q_d > 0, q_d, 1.0)), 0.0)
+  tokenwise = 1.0 + jnp.sum(jnp.cumprod(keep, axis=1), axis=1)
+  h, _ = stop_probabilities(drafts, q, p)
+  fail_after = jnp.cumprod((1.0 - h)[:, ::-1], axis=1)[:, ::-1]  # Πⱼ≥ᵢ (1 − hⱼ)
+  fail_after = jnp.concatenate([fail_after[:, 1:], jnp.ones_like(h[:, :1])], axis=1)  # j > i
+  p_tau = jnp.concatenate([fail_after[:, :1] * (1.0 - h[:, :1]), h * fail_after], axis=1)
+  block = jnp.sum(p_tau * jnp.arange(1, gamma + 2, dtype=p_tau.dtype), axis=1)
+  return tokenwise, block
