@@ -253,7 +253,8 @@ class Bench:
   def decoder(self, draft: Draft, gamma: int, temperature: float,
               tree: Optional[tuple] = None) -> SpeculativeDecoder:
     return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
-                              eos_ids=self.eos_ids, tree=tree_shape(tree, gamma))
+                              eos_ids=self.eos_ids, tree=tree_shape(tree, gamma),
+                              verification="tokenwise" if tree else self.config.verification)
 
   def spec_many(self, draft: Draft, settings: Sequence[tuple[int, Optional[tuple]]],
                 temperature: float, timed: bool = True) -> list[SpecRun]:

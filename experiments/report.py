@@ -186,7 +186,9 @@ def tables_markdown(results: dict) -> str:
       f"Target `{cfg['target']}`; draft `{draft['name']}` ({draft['note']}); "
       f"{results['num_prompts']} prompts ({', '.join(results['categories'])}), "
       f"{cfg['max_new_tokens']} new tokens each, batches of {cfg['batch_size']} "
-      f"(one category per batch), {'stopping at EOS' if cfg['stop_at_eos'] else 'EOS ignored'}.",
+      f"(one category per batch), {'stopping at EOS' if cfg['stop_at_eos'] else 'EOS ignored'}; "
+      f"chains verified {cfg.get('verification', 'tokenwise').replace('tokenwise', 'token-wise')}"
+      f"{' (Sun et al. 2024)' if cfg.get('verification') == 'block' else ''}.",
       "",
       "Conventions: α = E[β] with β = Σₓ min(p, q) over positions up to the first rejection; "
       "accept rate = accepted / drafted; tokens/call = emitted tokens (accepted + corrected or "

@@ -19,6 +19,8 @@ from absl import app, flags, logging
 from experiments import config as config_lib
 
 FLAGS = flags.FLAGS
+DEFAULT = config_lib.ExperimentConfig()  # the flags' defaults are the config's own
+_ints = lambda values: ",".join(str(v) for v in values)
 flags.DEFINE_string("experiment", "default", "gamma_sweep, temperature_sweep, drafts_alpha, "
                     "tree_sweep, default (the first three), all "
                     "(or a comma-separated list).")
@@ -29,38 +31,41 @@ flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafte
 flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category": ...} per '
                     "line (default: built-in held-out prompts over code, summarise, qa, math, "
                     "chat).")
-flags.DEFINE_integer("num_prompts", 20, "Prompts taken from the built-in set (round-robin over "
-                     "the categories; 20 = 4 per category).")
-flags.DEFINE_string("gammas", "1,2,3,4,6,8", "Draft lengths of the γ sweep.")
-flags.DEFINE_string("temperatures", "0,0.5,1.0", "Temperatures of the sweep (finite, >= 0).")
-flags.DEFINE_integer("max_new_tokens", 32, "Tokens generated per prompt.")
-flags.DEFINE_integer("batch_size", 4, "Prompts per call (batches never mix categories): 4 "
-                     "times one category's 4 prompts together; the paper's setting is 1.")
+flags.DEFINE_integer("num_prompts", DEFAULT.num_prompts, "Prompts taken from the built-in set "
+                     "(round-robin over the 5 categories; 10 = 2 per category).")
+flags.DEFINE_string("gammas", _ints(DEFAULT.gammas), "Draft lengths of the γ sweep.")
+flags.DEFINE_string("temperatures", ",".join(f"{t:g}" for t in DEFAULT.temperatures), "Temperatures of the sweep (finite, >= 0).")
+flags.DEFINE_integer("max_new_tokens", DEFAULT.max_new_tokens, "Tokens generated per prompt.")
+flags.DEFINE_integer("batch_size", DEFAULT.batch_size, "Prompts per call (batches never mix "
+                     "categories); 1 is the paper's setting, 4 the old batched one.")
 flags.DEFINE_integer("seed", 0, "PRNG seed.")
 flags.DEFINE_string("out", "out", "Output directory; created and probed for writing before "
                     "anything loads. Finished settings are logged to OUT/progress.jsonl; a run "
                     "of the same config and commit resumes from it.")
 flags.DEFINE_integer("temperature_gamma", 0, "γ of the temperature sweep (0: best of the γ "
                      "sweep).")
-flags.DEFINE_integer("alpha_gamma", 4, "γ at which the drafts' α is measured.")
+flags.DEFINE_integer("alpha_gamma", DEFAULT.alpha_gamma, "γ at which the drafts' α is measured.")
 flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in drafts_alpha "
                      "(0: num_layers // 5).")
-flags.DEFINE_string("alpha_drafts", "default,unigram,bigram,early_exit,prompt_lookup",
+flags.DEFINE_string("alpha_drafts", ",".join(DEFAULT.alpha_drafts),
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
-flags.DEFINE_integer("cost_steps", 8, "Steps timed phase by phase for c and the verify cost.")
-flags.DEFINE_integer("repeats", 2, "Interleaved timing rounds per setting (plain then "
+flags.DEFINE_integer("cost_steps", DEFAULT.cost_steps, "Steps timed phase by phase for c and the verify cost.")
+flags.DEFINE_integer("repeats", DEFAULT.repeats, "Interleaved timing rounds per setting (plain then "
                      "speculative on every batch); the median round is reported with the "
                      "spread.")
-flags.DEFINE_integer("extra_rounds", 1, "Up to this many rounds are added, one at a time, "
+flags.DEFINE_integer("extra_rounds", DEFAULT.extra_rounds, "Up to this many rounds are added, one at a time, "
                      "while a setting's speedup (overall or one category's) spreads > 10% "
                      "(timing just that setting on just those batches).")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
-flags.DEFINE_string("tree_budgets", "4,8,16", "Node budgets N of the tree sweep's best static "
+flags.DEFINE_string("tree_budgets", _ints(DEFAULT.tree_budgets), "Node budgets N of the tree sweep's best static "
                     "trees.")
-flags.DEFINE_string("calibration_tree", "6,3,2,1", "Branching of the full tree that measures the "
+flags.DEFINE_string("calibration_tree", _ints(DEFAULT.calibration_tree), "Branching of the full tree that measures the "
                     "per-depth, per-rank acceptance the best trees are built from.")
-flags.DEFINE_integer("calibration_prompts", 8, "Training-side prompts that calibrate the trees "
+flags.DEFINE_integer("calibration_prompts", DEFAULT.calibration_prompts, "Training-side prompts that calibrate the trees "
                      "(never the evaluated ones).")
+flags.DEFINE_enum("verification", DEFAULT.verification, ["tokenwise", "block"],
+                  "Acceptance of the chains' drafts: token-wise modified rejection sampling or "
+                  "block verification (Sun et al. 2024); trees are always token-wise.")
 flags.DEFINE_bool("compilation_cache", True, "Keep compiled XLA programs on disk "
                   "(specjax.compile_cache: $SPECJAX_CACHE/xla) so a rerun or a resumed run "
                   "skips most compiling; outputs are unchanged.")
@@ -82,7 +87,7 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh,
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
       calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),
-      calibration_prompts=FLAGS.calibration_prompts)
+      calibration_prompts=FLAGS.calibration_prompts, verification=FLAGS.verification)
 
 
 def main(argv):

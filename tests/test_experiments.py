@@ -252,6 +252,7 @@ def test_untimed_batches_group_rows_by_prompt_length():
     (dict(draft="early_exit:x"), "K of early_exit:K must be an integer >= 1"),
     (dict(draft="/no/such/draft"), "--draft: '/no/such/draft' is neither a draft name"),
     (dict(alpha_drafts=("trigram",)), "--alpha_drafts: 'trigram' is neither"),
+    (dict(verification="joint"), "--verification must be one of"),
 ])
 def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -378,6 +379,23 @@ def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
     assert r["emitted"] == r["generated_tokens"] == r["ar_generated_tokens"]
     assert r["accepted"] <= r["emitted"] <= r["accepted"] + r["target_calls"]
   assert "stopping at EOS" in open(os.path.join(str(tmp_path), "tables.md")).read()
+
+
+def test_block_verification_runs_the_chains_and_says_so(tmp_path, monkeypatch):
+  """--verification=block reaches the chains' decoders (greedy still exact) and the tables."""
+  from experiments import experiment, measure
+  built = []
+  decoder = measure.Bench.decoder
+  monkeypatch.setattr(measure.Bench, "decoder",
+                      lambda self, *a, **k: built.append(decoder(self, *a, **k)) or built[-1])
+  config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=2, gammas=(2,),
+                            temperatures=(0.0, 1.0), max_new_tokens=6, batch_size=1,
+                            experiments=("gamma_sweep",), cost_steps=2, repeats=1,
+                            extra_rounds=0, verification="block", out=str(tmp_path))
+  results = experiment.run(config, command="block verification test")
+  assert built and all(d.verification == "block" for d in built)
+  assert all(r["greedy_match"] == 1.0 for r in results["rows"] if r["temperature"] == 0.0)
+  assert "chains verified block (Sun et al. 2024)" in open(tmp_path / "tables.md").read()
 
 
 def test_eagle_drafts_resolve_by_name_and_by_directory(tmp_path):
