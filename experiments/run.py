@@ -34,7 +34,8 @@ flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category"
 flags.DEFINE_integer("num_prompts", DEFAULT.num_prompts, "Prompts taken from the built-in set "
                      "(round-robin over the 5 categories; 10 = 2 per category).")
 flags.DEFINE_string("gammas", _ints(DEFAULT.gammas), "Draft lengths of the γ sweep.")
-flags.DEFINE_string("temperatures", ",".join(f"{t:g}" for t in DEFAULT.temperatures), "Temperatures of the sweep (finite, >= 0).")
+flags.DEFINE_string("temperatures", ",".join(f"{t:g}" for t in DEFAULT.temperatures),
+                    "Temperatures of the sweep (finite, >= 0).")
 flags.DEFINE_integer("max_new_tokens", DEFAULT.max_new_tokens, "Tokens generated per prompt.")
 flags.DEFINE_integer("batch_size", DEFAULT.batch_size, "Prompts per call (batches never mix "
                      "categories); 1 is the paper's setting, 4 the old batched one.")
@@ -49,19 +50,25 @@ flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in draft
                      "(0: num_layers // 5).")
 flags.DEFINE_string("alpha_drafts", ",".join(DEFAULT.alpha_drafts),
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
-flags.DEFINE_integer("cost_steps", DEFAULT.cost_steps, "Steps timed phase by phase for c and the verify cost.")
-flags.DEFINE_integer("repeats", DEFAULT.repeats, "Interleaved timing rounds per setting (plain then "
+flags.DEFINE_integer("cost_steps", DEFAULT.cost_steps,
+                     "Steps timed phase by phase for c and the verify cost.")
+flags.DEFINE_integer("repeats", DEFAULT.repeats,
+                     "Interleaved timing rounds per setting (plain then "
                      "speculative on every batch); the median round is reported with the "
                      "spread.")
-flags.DEFINE_integer("extra_rounds", DEFAULT.extra_rounds, "Up to this many rounds are added, one at a time, "
+flags.DEFINE_integer("extra_rounds", DEFAULT.extra_rounds,
+                     "Up to this many rounds are added, one at a time, "
                      "while a setting's speedup (overall or one category's) spreads > 10% "
                      "(timing just that setting on just those batches).")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
-flags.DEFINE_string("tree_budgets", _ints(DEFAULT.tree_budgets), "Node budgets N of the tree sweep's best static "
+flags.DEFINE_string("tree_budgets", _ints(DEFAULT.tree_budgets),
+                    "Node budgets N of the tree sweep's best static "
                     "trees.")
-flags.DEFINE_string("calibration_tree", _ints(DEFAULT.calibration_tree), "Branching of the full tree that measures the "
+flags.DEFINE_string("calibration_tree", _ints(DEFAULT.calibration_tree),
+                    "Branching of the full tree that measures the "
                     "per-depth, per-rank acceptance the best trees are built from.")
-flags.DEFINE_integer("calibration_prompts", DEFAULT.calibration_prompts, "Training-side prompts that calibrate the trees "
+flags.DEFINE_integer("calibration_prompts", DEFAULT.calibration_prompts,
+                     "Training-side prompts that calibrate the trees "
                      "(never the evaluated ones).")
 flags.DEFINE_enum("verification", DEFAULT.verification, ["tokenwise", "block"],
                   "Acceptance of the chains' drafts: token-wise modified rejection sampling or "

@@ -41,6 +41,11 @@ class Acceptance(NamedTuple):
   beta: jax.Array
 
 
+def finite_probs(x: jax.Array) -> jax.Array:
+  """``x`` with NaN, ±inf and negative entries set to 0 (what every rule reads)."""
+  return jnp.where((x >= 0) & (x < jnp.inf), x, 0.0)
+
+
 def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) -> Acceptance:
   """Runs the acceptance rule for a batch.
 
@@ -52,8 +57,7 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) -> Acc
   """
   b, gamma = drafts.shape
   u_key, s_key = jax.random.split(key)
-  valid = lambda x: jnp.where((x >= 0) & (x < jnp.inf), x, 0.0)  # NaN/±inf/negative -> 0
-  p, q = valid(p), valid(q)
+  p, q = finite_probs(p), finite_probs(q)
   p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
   q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
   u = jax.random.uniform(u_key, (b, gamma))

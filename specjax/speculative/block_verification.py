@@ -46,13 +46,9 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import sample_from
-from specjax.speculative.acceptance import Acceptance
+from specjax.speculative.acceptance import Acceptance, finite_probs
 
 VERIFICATIONS = ("tokenwise", "block")  # SpeculativeDecoder.verification
-
-
-def _valid(x: jax.Array) -> jax.Array:
-  return jnp.where((x >= 0) & (x < jnp.inf), x, 0.0)  # NaN/±inf/negative -> 0
 
 
 def block_weights(drafts: jax.Array, q: jax.Array, p: jax.Array) -> jax.Array:
@@ -112,7 +108,7 @@ def accept_block(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) 
   """
   b, gamma = drafts.shape
   u_key, s_key = jax.random.split(key)
-  p, q = _valid(p), _valid(q)
+  p, q = finite_probs(p), finite_probs(q)
   h, residual = stop_probabilities(drafts, q, p)
   eta = jax.random.uniform(u_key, (b, gamma))
   levels = jnp.arange(1, gamma + 1)[None, :]
@@ -131,7 +127,7 @@ def expected_tokens(drafts: jax.Array, q: jax.Array, p: jax.Array) -> tuple[jax.
   token. Averaged over the blocks a run verifies, they compare the two rules on the same
   drafts without the noise of the acceptance draws (``benchmarks/block_verification.py``).
   """
-  p, q = _valid(p), _valid(q)
+  p, q = finite_probs(p), finite_probs(q)
   gamma = drafts.shape[1]
   p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]
   q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]

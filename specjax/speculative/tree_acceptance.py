@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from specjax.sampling import sample_from
 from specjax.speculative import acceptance as chain_rule
+from specjax.speculative.acceptance import finite_probs
 from specjax.speculative.block_verification import accept_block
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import TreeTopology, block_mask_from_parents, depth_from_parents
@@ -78,10 +79,6 @@ class AcceptedPath(NamedTuple):
   start: jax.Array
   path: jax.Array
   num_accepted: jax.Array
-
-
-def _valid(x: jax.Array) -> jax.Array:
-  return jnp.where((x >= 0) & (x < jnp.inf), x, 0.0)  # NaN/±inf/negative -> 0
 
 
 def _tree_arrays(proposal: Proposal, topology: TreeTopology):
@@ -171,7 +168,7 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
   u_key, s_key = jax.random.split(key)
   u = jax.random.uniform(u_key, (b, n))
   without = proposal.draw == "without_replacement"
-  q = _valid(proposal.q)
+  q = finite_probs(proposal.q)
 
   def body(carry, xs):
     cur, r, q_run, fresh = carry
@@ -221,12 +218,12 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
   if n != topology.num_nodes or p.shape[:2] != (b, n + 1):
     raise ValueError(f"proposal of {n} nodes and p of shape {p.shape} do not match the topology "
                      f"of {topology.num_nodes} nodes")
-  p = _valid(p)
+  p = finite_probs(p)
   chain_of_draws = proposal.parents is None and topology.is_chain and proposal.draw == "sampled"
   if greedy:
     acc = accept_greedy(proposal, p, topology)
     if chain_of_draws:  # the chain rule's β, without its (here deterministic) residual draw
-      acc = acc._replace(beta=jnp.sum(jnp.minimum(p[:, :n], _valid(proposal.q)), axis=-1))
+      acc = acc._replace(beta=jnp.sum(jnp.minimum(p[:, :n], finite_probs(proposal.q)), axis=-1))
     return acc
   if block:
     if proposal.parents is not None or not topology.is_chain:
