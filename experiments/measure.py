@@ -286,9 +286,11 @@ class Bench:
                call: Callable) -> SpecRun:
     """An untimed run on the mixed batches. At T = 0 it is replayed against the target's
     greedy continuations (``specjax.speculative.replay``): the same tokens and counters as
-    ``call`` gives, at the drafter's cost, with no verification forwards."""
+    ``call`` gives, at the drafter's cost, with no verification forwards (except for drafters
+    that read the target's whole block, which run for real)."""
     budget, batches = self.config.max_new_tokens, self.untimed_batches
-    if temperature == 0:
+    replay = temperature == 0 and not draft.drafter.reads_target_predictions()
+    if replay:
       dec = self.decoder(draft, gamma, temperature, tree)
       conts = self.greedy_continuations(budget + dec.tree.max_depth)
       outs = [replay_greedy(dec, self.target.params, draft.params, b.ids, c, budget,
@@ -296,7 +298,7 @@ class Bench:
               for i, (b, c) in enumerate(zip(batches, conts))]
     else:
       outs = [call(b, budget, self.config.seed + i) for i, b in enumerate(batches)]
-    return SpecRun(draft.name, gamma, temperature, tree=tree, replayed=temperature == 0,
+    return SpecRun(draft.name, gamma, temperature, tree=tree, replayed=replay,
                    **_spec_outputs(outs, batches))
 
   def greedy_continuations(self, length: int) -> list[list[list[int]]]:

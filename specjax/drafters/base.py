@@ -30,6 +30,13 @@ never probes attributes:
     features are the target's last hidden state (F = D), or, when
     ``target_feature_layers()`` names layers, their outputs concatenated
     (F = len(layers)·D; EAGLE-3's fusion of low, mid and high layers).
+  * ``reads_target_predictions()`` (Jacobi): after every verification
+    ``observe_block(state, predictions, num_accepted)`` receives the target's
+    argmax at *every* entry of the verified block, [B, N + 1] (entry 0 after
+    the root, entry i + 1 after node i), accepted or not, and the accepted
+    length n [B]. Such a drafter cannot be replayed from a greedy
+    continuation (``speculative.replay``): off the accepted path the target's
+    predictions are not the continuation's tokens.
 
 Adding a drafter: subclass ``Drafter`` as a frozen dataclass, implement
 ``vocab_size``, ``init``, ``propose_chain`` (or ``propose`` for trees, and
@@ -81,6 +88,9 @@ class Drafter:
   def reads_target_features(self) -> bool:
     return False
 
+  def reads_target_predictions(self) -> bool:
+    return False
+
   def target_feature_layers(self) -> tuple[int, ...]:
     """Sorted target layers whose outputs make the features (default (): the last hidden
     state), for drafters that read them."""
@@ -114,6 +124,10 @@ class Drafter:
 
   def observe(self, state: Any, hidden: jax.Array, start: jax.Array) -> Any:
     """Receives the target's features of the accepted path (feature drafters only)."""
+    return state
+
+  def observe_block(self, state: Any, predictions: jax.Array, num_accepted: jax.Array) -> Any:
+    """Receives the target's argmax at every block entry (``reads_target_predictions``)."""
     return state
 
   def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> Any:

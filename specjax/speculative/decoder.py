@@ -218,6 +218,9 @@ class SpeculativeDecoder:
       along = jnp.where(acc.path >= 0, acc.path, levels)
       hidden = jnp.take_along_axis(scores.hidden, along[:, :, None], axis=1)
       draft_state = self.drafter.observe(draft_state, hidden, start)
+    if self.drafter.reads_target_predictions():
+      predictions = jnp.argmax(scores.p, axis=-1).astype(jnp.int32)
+      draft_state = self.drafter.observe_block(draft_state, predictions, acc.num_accepted)
     accepted = AcceptedPath(start=start, path=acc.path, num_accepted=acc.num_accepted)
     new = new.replace(target_cache=cache.with_lengths(new.seq_lens - 1),
                       draft_state=self.drafter.rollback(draft_state, new.seq_lens, accepted))

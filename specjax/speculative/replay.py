@@ -63,6 +63,9 @@ def replay_greedy(dec: SpeculativeDecoder, target_params: Params, draft_params: 
   if not isinstance(dec.sampler, Greedy):
     raise ValueError(f"replay_greedy replays greedy decoding only (sampler {dec.sampler!r}): "
                      "a sampled run leaves any fixed continuation")
+  if dec.drafter.reads_target_predictions():
+    raise ValueError(f"{type(dec.drafter).__name__} reads the target's predictions over the "
+                     "whole block, which a greedy continuation does not give: run it for real")
   if len(continuations) != len(prompts):
     raise ValueError(f"{len(continuations)} continuations for {len(prompts)} prompts")
   need = max_new_tokens + dec.tree.max_depth
