@@ -15,7 +15,8 @@ EXPERIMENTS = ("gamma_sweep", "temperature_sweep", "drafts_alpha", "tree_sweep")
 # The default run: the paper's tables. The tree sweep is opt-in (--experiment=tree_sweep or
 # all): with >= 20 prompts it does not fit the 20-minute budget (experiments/README.md, Sizing).
 DEFAULT_EXPERIMENTS = EXPERIMENTS[:3]
-DRAFT_NAMES = ("default", "eagle", "bigram", "unigram", "prompt_lookup", "tiny")
+DRAFT_NAMES = ("default", "eagle", "bigram", "unigram", "prompt_lookup", "jacobi",
+               "jacobi_random", "tiny")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +29,8 @@ class ExperimentConfig:
       .gguf path or an HF directory.
     draft: "eagle" (the shipped EAGLE-3 feature drafter, the default) |
       "default" (the shipped distilled token draft) | "early_exit:K" | "bigram" | "unigram" |
-      "prompt_lookup" | "tiny" | path of a specjax draft directory (token or
-      EAGLE), a .gguf file or HF dir.
+      "prompt_lookup" | "jacobi" | "jacobi_random" (Jacobi decoding, no draft model) |
+      "tiny" | path of a specjax draft directory (token or EAGLE), a .gguf file or HF dir.
     prompts: a .jsonl prompt file, or None for the built-in held-out set.
     num_prompts: prompts taken from the built-in set (default 10: 2 per category; with
       batch 1 and 128 new tokens that fits the run in about a quarter of an hour).
@@ -84,7 +85,8 @@ class ExperimentConfig:
   temperature_gamma: int = 0
   alpha_gamma: int = 4
   early_exit_layers: int = 0
-  alpha_drafts: tuple[str, ...] = ("default", "unigram", "bigram", "early_exit", "prompt_lookup")
+  alpha_drafts: tuple[str, ...] = ("default", "unigram", "bigram", "early_exit", "prompt_lookup",
+                                   "jacobi")
   cost_steps: int = 8
   repeats: int = 2
   extra_rounds: int = 1

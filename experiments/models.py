@@ -89,13 +89,17 @@ def load_draft(spec: str, target: Target,
                  f"fitted on {n} target-generated tokens")
   if spec == "prompt_lookup":
     return Draft(spec, drafters.PromptLookupDrafter(cfg.vocab_size, max_ngram=3), ())
+  if spec in ("jacobi", "jacobi_random"):
+    fill = "random" if spec == "jacobi_random" else "prompt_lookup"
+    return Draft(spec, drafters.JacobiDrafter(cfg.vocab_size, fill=fill), (),
+                 f"Jacobi iteration, no draft model; fresh slots: {fill.replace('_', ' ')}")
   if spec == TINY:
     return _random_tiny_draft(cfg)
   if os.path.exists(spec):
     return _draft_from_path(spec, target)
   raise ValueError(f"unknown --draft {spec!r}: use default, eagle, early_exit:K, bigram, "
-                   "unigram, prompt_lookup, tiny, or the path of a draft directory (token or "
-                   "EAGLE), .gguf file or HF dir")
+                   "unigram, prompt_lookup, jacobi, jacobi_random, tiny, or the path of a draft "
+                   "directory (token or EAGLE), .gguf file or HF dir")
 
 
 def _model_draft(name: str, dcfg: ModelConfig, dparams: Params, vocab_map: Optional[np.ndarray],

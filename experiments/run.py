@@ -26,8 +26,10 @@ flags.DEFINE_string("experiment", "default", "gamma_sweep, temperature_sweep, dr
                     "(or a comma-separated list).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
-                    "(the shipped distilled token draft) | early_exit:K | bigram | unigram | prompt_lookup | tiny | path of a "
-                    "draft directory (token or EAGLE), .gguf or HF dir.")
+                    "(the shipped distilled token draft) | early_exit:K | bigram | unigram | "
+                    "prompt_lookup | jacobi | jacobi_random (Jacobi decoding, prompt-lookup or "
+                    "random fill) | tiny | path of a draft directory (token or EAGLE), .gguf or "
+                    "HF dir.")
 flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category": ...} per '
                     "line (default: built-in held-out prompts over code, summarise, qa, math, "
                     "chat).")

@@ -398,6 +398,22 @@ def test_block_verification_runs_the_chains_and_says_so(tmp_path, monkeypatch):
   assert "chains verified block (Sun et al. 2024)" in open(tmp_path / "tables.md").read()
 
 
+def test_jacobi_drafts_get_real_alpha_runs(tmp_path):
+  """Jacobi reads the target's whole block, so its untimed T = 0 run is real, not replayed."""
+  from experiments import experiment
+  config = ExperimentConfig(target="tiny", draft="jacobi_random", num_prompts=2, gammas=(2,),
+                            temperatures=(0.0, 1.0), max_new_tokens=6, batch_size=1,
+                            experiments=("drafts_alpha",), alpha_gamma=3, cost_steps=2,
+                            alpha_drafts=("jacobi", "prompt_lookup"), out=str(tmp_path))
+  rows = [r for r in experiment.run(config, command="jacobi test")["rows"]
+          if r["experiment"] == "drafts_alpha" and r["category"] == "all"]
+  by = {(r["draft"], r["temperature"]): r for r in rows}
+  assert set(by) == {(d, t) for d in ("jacobi_random", "jacobi", "prompt_lookup")
+                     for t in (0.0, 1.0)}
+  assert not by["jacobi", 0.0]["replayed"] and by["prompt_lookup", 0.0]["replayed"]
+  assert all(r["tokens_per_call"] >= 1.0 for r in rows)
+
+
 def test_eagle_drafts_resolve_by_name_and_by_directory(tmp_path):
   import jax
   from specjax import drafts
