@@ -32,8 +32,8 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
-from specjax.distill.vocab import full_input
 from specjax.drafters.base import Drafter
+from specjax.drafters.reduced_vocab import full_input
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import prefill
 from specjax.model import Params, forward
