@@ -48,7 +48,6 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
-from specjax.drafters.base import Drafter
 from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_chunks
@@ -56,6 +55,7 @@ from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, polic
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
+from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
 
