@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import probe_output_dir, provenance, write_markdown
+from benchmarks.common import provenance, write_markdown
+from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
 from specjax.sampling import make_sampler

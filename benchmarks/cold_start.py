@@ -23,7 +23,8 @@ import tempfile
 
 from absl import app, flags
 
-from benchmarks.common import probe_output_dir, provenance, write_markdown
+from benchmarks.common import provenance, write_markdown
+from experiments.machine import probe_output_dir
 
 PAIRS = flags.DEFINE_integer("pairs", 2, "cold/warm trial pairs")
 OUT = flags.DEFINE_string("out", "benchmarks/results/cold_start.md", "markdown output")

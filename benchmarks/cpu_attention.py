@@ -29,7 +29,8 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from benchmarks.common import median_time, probe_output_dir, provenance, write_markdown
+from benchmarks.common import median_time, provenance, write_markdown
+from experiments.machine import probe_output_dir
 from specjax import attention
 from specjax.kernels import cpu_attention as ca
 from specjax.sampling import make_sampler

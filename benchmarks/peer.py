@@ -30,8 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from absl import app, flags
 
 import specjax
-from benchmarks.common import (OutputError, matmul_path, probe_output_dir, provenance,
-                               write_markdown)
+from benchmarks.common import provenance, write_markdown
+from experiments.machine import OutputError, matmul_path, probe_output_dir
 from specjax import drafts
 from specjax.drafters import PromptLookupDrafter
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer, smollm2_gguf_path

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import probe_output_dir, provenance, write_markdown
+from benchmarks.common import provenance, write_markdown
+from experiments.machine import probe_output_dir
 from specjax.sampling import sample_from
 
 VOCAB = flags.DEFINE_integer("vocab", 49152, "vocabulary size V (SmolLM2: 49152)")

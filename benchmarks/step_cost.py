@@ -27,7 +27,8 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from benchmarks.common import probe_output_dir, provenance, write_markdown
+from benchmarks.common import provenance, write_markdown
+from experiments.machine import probe_output_dir
 from experiments.measure import loop_step_seconds
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts

@@ -76,7 +76,7 @@ def _token_stepper(tcfg, c, p, vm):
   """One decode step (B=1, 256 cached tokens) of a token model, as a timed callable."""
   import jax
   import jax.numpy as jnp
-  from specjax.distill.vocab import lift_logits
+  from specjax.drafters.reduced_vocab import lift_logits
   from specjax.kv_cache import init_cache
   from specjax.model import forward
 
@@ -221,8 +221,8 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   import jax
   import jax.numpy as jnp
   from specjax import drafts
-  from specjax.distill import teacher, train, vocab
-  from specjax.distill.vocab import lift_logits
+  from specjax.distill import teacher, train
+  from specjax.drafters import reduced_vocab
   from specjax.kv_cache import init_cache
   from specjax.loaders import load_model
   from specjax.model import forward
@@ -238,7 +238,7 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   # Read ids as inference does (specjax.drafts.drafter_from_path).
   full_input = drafts.reads_target_rows(dcfg, vm, tcfg.dim)
   objective = train.TokenObjective(dcfg, full_input=full_input)
-  frozen = (vocab.full_input(vm, tparams["embed"], tcfg.vocab_size, dcfg.dim)
+  frozen = (reduced_vocab.full_input(vm, tparams["embed"], tcfg.vocab_size, dcfg.dim)
             if full_input else None)
   alpha = lambda recs: train.heldout_alpha(dparams, draft, recs, _seq_len(meta), k,
                                            objective=objective, frozen=frozen)
@@ -254,7 +254,7 @@ def eval_token_draft(path: str, meta: dict, tok) -> dict:
   def draft_logits(toks, pos, out):
     del out
     dl = fwd(read_params, dcfg, read(toks), pos, init_cache(dcfg, *toks.shape)).logits[0]
-    return lift_logits(dl, d_vm, tcfg.vocab_size)
+    return reduced_vocab.lift_logits(dl, d_vm, tcfg.vocab_size)
 
   res["alpha_T1_exact_subset"] = _exact_subset(tparams, tcfg, held, draft_logits)
   res["timing"] = step_times(

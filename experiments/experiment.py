@@ -8,9 +8,9 @@ from typing import Callable
 
 from absl import logging
 
-from benchmarks.common import probe_output_dir
 from experiments import figures, ngram_corpus, progress, report, sweeps
 from experiments.config import ExperimentConfig
+from experiments.machine import probe_output_dir
 from experiments.measure import Bench, load_average
 from experiments.models import Draft, Target, default_early_exit_layers, load_draft, load_target
 from experiments.prompts import categories, load_items, make_batches

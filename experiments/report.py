@@ -9,8 +9,8 @@ import platform
 import subprocess
 from typing import Any, Optional, Sequence
 
-from benchmarks.common import cpu_info, describe_cpu, matmul_path
 from experiments import checks, paper
+from experiments.machine import cpu_info, describe_cpu, matmul_path
 from experiments.measure import SpecRun
 from experiments.prompts import ALL
 

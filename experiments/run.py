@@ -109,7 +109,7 @@ def main(argv):
   if FLAGS.compilation_cache:
     from specjax import compile_cache
     logging.info("persistent compilation cache: %s", compile_cache.enable())
-  from benchmarks.common import OutputError
+  from experiments.machine import OutputError
   from experiments import experiment
   from experiments.prompts import PromptFileError
   try:

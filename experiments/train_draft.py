@@ -193,6 +193,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
   import numpy as np
   from specjax import drafts
   from specjax.distill import teacher, train, vocab
+  from specjax.drafters import reduced_vocab
   from specjax.loaders import load_model, load_model_tokenizer
 
   with open(os.path.join(directory, "spec.json")) as f:
@@ -275,7 +276,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
     dcfg, dparams = vocab.init_from_target(cfg, params, spec, vocab_map)
     if target_input:
       objective = train.TokenObjective(dcfg, full_input=True)
-      frozen = vocab.full_input(vocab_map, params["embed"], cfg.vocab_size, dcfg.dim)
+      frozen = reduced_vocab.full_input(vocab_map, params["embed"], cfg.vocab_size, dcfg.dim)
   draft = train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size, vocab_map=vocab_map,
                       input_map=in_map)
   tc = train.TrainConfig(

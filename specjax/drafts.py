@@ -4,7 +4,7 @@ A draft directory holds ``draft.json`` (format tag, HF-style config, the
 target vocabulary size and a sha256 fingerprint of the target tokenizer's
 token list) and ``weights.safetensors`` (HF tensor names in float16, plus
 ``vocab_map`` [Vd] int32 when the draft has a reduced vocabulary; see
-``specjax.distill.vocab`` for the convention). Loading checks the
+``specjax.drafters.reduced_vocab`` for the convention). Loading checks the
 fingerprint, so a draft is never paired with a target whose token ids mean
 something else, and refuses non-finite weights (a corrupted draft would
 otherwise decode with α = 0). ``drafter_from_path`` is the one entry point
@@ -26,6 +26,7 @@ from specjax.config import ModelConfig
 from specjax.loaders.hf import (CheckpointError, config_from_hf_dict, config_to_hf_dict,
                                 read_json_object)
 from specjax.loaders.hf_layout import params_from_hf, params_to_hf
+from specjax.drafters import reduced_vocab
 from specjax.drafters.eagle import FUSION_KEYS, TRAINED_KEYS
 from specjax.model import Params
 from specjax.validation import all_finite
@@ -85,7 +86,7 @@ def load_draft(path: str, *, target_vocab_size: Optional[int] = None,
   With ``with_input_map=True`` returns a fourth element, the [V] int32 map
   target id -> draft row the draft was trained with (nearest in-map token for
   ids outside the map), or None when the draft has none (then use
-  ``specjax.distill.vocab.input_map``, which sends such ids to row 0).
+  ``specjax.drafters.reduced_vocab.input_map``, which sends such ids to row 0).
 
   Raises:
     ValueError: the draft was made for a different vocabulary size or tokenizer.
@@ -157,14 +158,14 @@ def expand_to_full_vocab(cfg: ModelConfig, params: Params, vocab_map: Optional[n
   """
   if vocab_map is None:
     return cfg, params
-  from specjax.distill import vocab
   vm = np.asarray(vocab_map)
-  im = np.asarray(vocab.input_map(vm, target_vocab_size) if input_map is None else input_map)
+  im = np.asarray(reduced_vocab.input_map(vm, target_vocab_size) if input_map is None
+                  else input_map)
   embed = np.asarray(params["embed"], np.float32)
   head = np.zeros((cfg.dim, target_vocab_size), np.float32)
   head[:, vm] = embed.T
   inputs = (embed[im] if input_embed is None else
-            vocab.full_input_embed(embed, vm, input_embed, target_vocab_size))
+            reduced_vocab.full_input_embed(embed, vm, input_embed, target_vocab_size))
   full = dict(params, embed=jnp.asarray(inputs), lm_head=jnp.asarray(head))
   return dataclasses.replace(cfg, vocab_size=target_vocab_size, tie_embeddings=False), full
 

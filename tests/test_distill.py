@@ -11,6 +11,7 @@ import pytest
 from specjax import drafts
 from specjax.distill import checkpoint as ckpt
 from specjax.distill import losses, train, vocab
+from specjax.drafters import reduced_vocab
 from specjax.loaders import CheckpointError, load_hf
 from specjax.model import embed_inputs, forward, init_params
 from specjax.kv_cache import init_cache
@@ -105,9 +106,9 @@ def test_select_vocab_and_maps():
   assert vocab.select_vocab(counts, 4, always=(4,)).tolist() == [0, 4, 5, 2]
   vm = vocab.select_vocab(counts, 4)
   assert vm.tolist() == [0, 5, 2, 3]  # fallback first, then by count, ties by id
-  im = np.asarray(vocab.input_map(vm, 6))
+  im = np.asarray(reduced_vocab.input_map(vm, 6))
   assert im.tolist() == [0, 0, 2, 3, 0, 1]
-  lifted = np.asarray(vocab.lift_logits(jnp.array([1.0, 2.0, 3.0, 4.0]), vm, 6))
+  lifted = np.asarray(reduced_vocab.lift_logits(jnp.array([1.0, 2.0, 3.0, 4.0]), vm, 6))
   assert lifted.tolist() == [1.0, -np.inf, 3.0, 4.0, -np.inf, 2.0]
 
 
@@ -193,7 +194,7 @@ def test_tiny_training_lowers_loss_and_raises_alpha(toy, tmp_path, kind):
 
 
 def test_full_input_rows_and_lookup_match_their_docstring_examples():
-  reads = vocab.full_input(np.array([0, 7, 3]), np.zeros((8, 2)), 8, 2)
+  reads = reduced_vocab.full_input(np.array([0, 7, 3]), np.zeros((8, 2)), 8, 2)
   np.testing.assert_array_equal(reads["input_rows"], [0, -1, -1, 2, -1, -1, -1, 1])
   own = jnp.asarray([[10.0], [11.0], [12.0]])
   target = jnp.asarray([[0.0], [1.0], [2.0], [3.0]])
@@ -201,7 +202,7 @@ def test_full_input_rows_and_lookup_match_their_docstring_examples():
   np.testing.assert_array_equal(embed_inputs(params, jnp.asarray([0, 1, 2, 3]))[:, 0],
                                 [0.0, 10.0, 2.0, 12.0])
   with pytest.raises(ValueError, match="input_embed must be"):
-    vocab.full_input(np.array([0, 7, 3]), np.zeros((8, 3)), 8, 2)
+    reduced_vocab.full_input(np.array([0, 7, 3]), np.zeros((8, 3)), 8, 2)
 
 
 def test_full_input_objective_reads_what_the_full_input_drafter_reads(toy):
@@ -221,7 +222,7 @@ def test_full_input_objective_reads_what_the_full_input_drafter_reads(toy):
   served = jax.nn.log_softmax(forward(dp["model"], draft.cfg, batch["tokens"], pos,
                                       init_cache(draft.cfg, 2, 12)).logits, -1)
   _, im = draft.maps()
-  frozen = vocab.full_input(vm, tparams["embed"], cfg.vocab_size, draft.cfg.dim)
+  frozen = reduced_vocab.full_input(vm, tparams["embed"], cfg.vocab_size, draft.cfg.dim)
   full, _ = train.TokenObjective(draft.cfg, full_input=True).logp_and_aux(
       params, frozen, im, batch, None)
   mapped, _ = train.TokenObjective(draft.cfg).logp_and_aux(params, {}, im, batch, None)
@@ -237,7 +238,7 @@ def test_tiny_full_input_training_lowers_loss_and_raises_alpha(toy, tmp_path):
   cfg, tparams, recs, held, vm = toy
   draft, params = _draft(toy)
   objective = train.TokenObjective(draft.cfg, full_input=True)
-  frozen = vocab.full_input(vm, tparams["embed"], cfg.vocab_size, draft.cfg.dim)
+  frozen = reduced_vocab.full_input(vm, tparams["embed"], cfg.vocab_size, draft.cfg.dim)
   tc = dataclasses.replace(TC, lr=1e-2, steps=60, batch_size=8, eval_every=60,
                            checkpoint_every=60)
   batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], tc.seq_len, K).items()}
@@ -273,7 +274,7 @@ def test_heldout_alpha_t1_bounds_contain_exact_beta(toy):
     n, pos = seq.shape[1], jnp.arange(seq.shape[1])[None]
     p = jax.nn.softmax(forward(tparams, cfg, seq, pos, init_cache(cfg, 1, n)).logits[0], -1)
     dl = forward(params, draft.cfg, im[seq], pos, init_cache(draft.cfg, 1, n)).logits[0]
-    q = jax.nn.softmax(vocab.lift_logits(dl, vm, cfg.vocab_size), -1)
+    q = jax.nn.softmax(reduced_vocab.lift_logits(dl, vm, cfg.vocab_size), -1)
     betas.append(np.asarray(losses.beta(p, q))[len(r["prompt"]) - 1:-1])
   exact = float(np.mean(np.concatenate(betas)))
   assert got["alpha_T1"] - 1e-5 <= exact <= got["alpha_T1_upper"] + 1e-5

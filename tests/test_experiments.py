@@ -283,7 +283,7 @@ def test_early_exit_beyond_the_target_layers_names_the_flag(tmp_path):
 
 
 def test_unwritable_out_fails_before_any_model_loads(tmp_path, monkeypatch):
-  from benchmarks.common import OutputError
+  from experiments.machine import OutputError
   from experiments import experiment
 
   def no_load(source):
@@ -339,7 +339,7 @@ def test_ngram_corpus_is_deterministic_and_cached_by_content(tmp_path, monkeypat
 
 
 def test_cpu_info_reads_model_and_simd_flags(tmp_path):
-  from benchmarks.common import cpu_info, describe_cpu
+  from experiments.machine import cpu_info, describe_cpu
   path = tmp_path / "cpuinfo"
   path.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse avx2\n")
   info = cpu_info(str(path))

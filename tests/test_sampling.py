@@ -202,7 +202,7 @@ def test_sampling_rejects_zero_temperature():
 def test_sampling_a_vocabulary_subset_equals_sampling_its_lifted_logits(sampler):
   """q of the subset sampler = the warp of the logits lifted with -inf outside the subset,
   and the drawn tokens follow it."""
-  from specjax.distill.vocab import lift_logits
+  from specjax.drafters.reduced_vocab import lift_logits
   from specjax.sampling import sample_subset
 
   v, ids = 12, jnp.array([7, 2, 9, 4, 0])

@@ -26,7 +26,7 @@ from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.distill import checkpoint as ckpt
 from specjax.distill import losses
-from specjax.distill.vocab import input_map
+from specjax.drafters import reduced_vocab
 from specjax.model import Params, forward, lm_head, target_features
 
 
@@ -78,7 +78,7 @@ class Draft:
     vm = jnp.asarray(self.vocab_map, jnp.int32)
     if self.input_map is not None:
       return vm, jnp.asarray(self.input_map, jnp.int32)
-    return vm, input_map(vm, self.target_vocab_size)
+    return vm, reduced_vocab.input_map(vm, self.target_vocab_size)
 
 
 # ------------------------------------------------------------------ batches
@@ -204,7 +204,7 @@ class TokenObjective:
       inference with ``ModelDrafter.make_params(input_embed=target_embed)``:
       the target's row (frozen: ``frozen["input_embed"]``), or its own trainable
       row for ids in its vocabulary (``frozen["input_rows"]``; both from
-      ``vocab.full_input``). Otherwise ids go through ``in_map`` (ids outside
+      ``reduced_vocab.full_input``). Otherwise ids go through ``in_map`` (ids outside
       the vocabulary read a substitute row). Example: vocab_map [0, 7, 3]: id 7
       reads draft row 1, id 5 the target's row 5.
   """
@@ -218,7 +218,7 @@ class TokenObjective:
       return draft_logp_at(params, self.cfg, in_map[batch["tokens"]], batch["pred_pos"]), 0.0
     if "input_embed" not in frozen or "input_rows" not in frozen:
       raise ValueError("TokenObjective(full_input=True) reads frozen['input_embed'] and "
-                       "frozen['input_rows'] (specjax.distill.vocab.full_input)")
+                       "frozen['input_rows'] (specjax.drafters.reduced_vocab.full_input)")
     reads = dict(params, input_embed=frozen["input_embed"], input_rows=frozen["input_rows"])
     return draft_logp_at(reads, self.cfg, batch["tokens"], batch["pred_pos"]), 0.0
 

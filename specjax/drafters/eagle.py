@@ -48,14 +48,14 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
-from specjax.distill.vocab import lift_logits
-from specjax.drafters.base import Drafter
+from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_chunks
 from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, policy_of, unpacked
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
+from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
 

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.drafters.base import Drafter
 from specjax.generate import last_tokens
 from specjax.model import Params, forward
 from specjax.sampling import Sampler
+from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree_acceptance import AcceptedPath
 
 

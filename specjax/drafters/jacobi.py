@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import validation
-from specjax.drafters.base import Drafter
+from specjax.speculative.drafter import Drafter
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.sampling import Sampler
 from specjax.speculative.tree import TreeTopology

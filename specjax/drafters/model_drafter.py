@@ -32,12 +32,12 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
-from specjax.distill.vocab import full_input
-from specjax.drafters.base import Drafter
+from specjax.drafters.reduced_vocab import full_input
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import prefill
 from specjax.model import Params, forward
 from specjax.sampling import Sampler, sample_subset
+from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Drafter
 from specjax.sampling import Sampler
+from specjax.speculative.drafter import Drafter
 
 
 @dataclasses.dataclass(frozen=True)

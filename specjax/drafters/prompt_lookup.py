@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Drafter
 from specjax.sampling import Sampler
+from specjax.speculative.drafter import Drafter
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import TreeTopology
 

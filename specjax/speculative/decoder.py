@@ -52,7 +52,7 @@ from specjax.speculative.tree_acceptance import (AcceptedPath, TreeAcceptance, a
                                                  accepted_tokens)
 
 if TYPE_CHECKING:
-  from specjax.drafters.base import Drafter
+  from specjax.speculative.drafter import Drafter
 
 
 @functools.partial(jax.jit, static_argnames=("target_cfg", "drafter"))

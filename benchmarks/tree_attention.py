@@ -1,8 +1,8 @@
 """Tree attention: the Pallas kernel of this backend vs the dense jnp reference.
 
 Usage (on a GPU or TPU machine):
-  python -m pallas_kernels.tree_attention.benchmark [--out FILE] [--dtype bfloat16]
-  python -m pallas_kernels.tree_attention.benchmark --smoke   # CPU, interpret mode, tiny
+  python -m benchmarks.tree_attention [--out FILE] [--dtype bfloat16]
+  python -m benchmarks.tree_attention --smoke   # CPU, interpret mode, tiny
 
 Times the attention of T new tokens over a cache of S slots, every row's
 committed length S - T (the whole cache is read), for SmolLM2-135M's geometry
@@ -28,7 +28,8 @@ from benchmarks.common import median_time, provenance, write_markdown
 from pallas_kernels.tree_attention import ancestor_mask
 from specjax import attention
 
-OUT = flags.DEFINE_string("out", None, "markdown output (default: results_<backend>.md here)")
+OUT = flags.DEFINE_string("out", None, "markdown output (default: "
+                          "benchmarks/results/tree_attention_<backend>.md)")
 DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "q/k/v dtype")
 REPEATS = flags.DEFINE_integer("repeats", 30, "timed calls per shape (median reported)")
 LAYERS = flags.DEFINE_integer("layers", 16, "attentions per timed call (distinct caches, scanned)")
@@ -99,11 +100,11 @@ def main(_):
           print(rows[-1], flush=True)
           args = None  # free the device buffers before the next shape
   device = jax.devices()[0].device_kind
-  out = OUT.value or f"pallas_kernels/tree_attention/results_{backend}.md"
+  out = OUT.value or f"benchmarks/results/tree_attention_{backend}.md"
   write_markdown(out, [
       f"# Tree attention on {device}: `{resolved}` vs the dense reference",
       "",
-      f"Command: `python -m pallas_kernels.tree_attention.benchmark"
+      f"Command: `python -m benchmarks.tree_attention"
       f"{' --smoke' if SMOKE.value else ''} --dtype {DTYPE.value}"
       f"{''.join(f' --geometry={g}' for g in geometries) if not SMOKE.value else ''}` "
       f"({provenance()}). "

@@ -1,16 +1,16 @@
 """Sweep the GPU kernel's tiling (BlockSizes, warps, stages) on a real GPU.
 
 Usage (GPU only):
-  python -m pallas_kernels.tree_attention.tune_gpu [--tune_out FILE] [--layers 16] [--repeats 30]
+  python -m benchmarks.tune_tree_attention_gpu [--tune_out FILE] [--layers 16] [--repeats 30]
 
 For SmolLM2-135M's geometry (3 kv x 3 query heads, head dim 64), bf16, rows at
 length S - T, it times every tiling in the grid below on each shape of issue
 #14's target grid (B in {1, 8}, T in {16, 64}, S in {1024, 4096}) with the
-benchmark's method (``--layers`` unrolled attentions per call, per-attention
-time, interleaved with the XLA reference), checks each tiling's output against
-the reference first, and writes a markdown table: the best tiling per shape and
-every tiling's time. Use it to choose ``BlockSizes`` defaults for a GPU; the
-benchmark then reports the chosen defaults.
+method of ``benchmarks.tree_attention`` (``--layers`` unrolled attentions per
+call, per-attention time, interleaved with the XLA reference), checks each
+tiling's output against the reference first, and writes a markdown table: the
+best tiling per shape and every tiling's time. Use it to choose ``BlockSizes``
+defaults for a GPU; the benchmark then reports the chosen defaults.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import median_time, provenance, write_markdown
-from pallas_kernels.tree_attention.benchmark import LAYERS, REPEATS, TOL, _case, unrolled
+from benchmarks.tree_attention import LAYERS, REPEATS, TOL, _case, unrolled
 from pallas_kernels.tree_attention.block_sizes import BlockSizes
 from pallas_kernels.tree_attention.gpu_kernel import tree_attention_gpu
 from specjax import attention
 
-TUNE_OUT = flags.DEFINE_string("tune_out", "pallas_kernels/tree_attention/tune_gpu.md",
+TUNE_OUT = flags.DEFINE_string("tune_out", "benchmarks/results/tune_tree_attention_gpu.md",
                                "markdown output")
 
 SHAPES = tuple(itertools.product((1, 8), (1024, 4096), (16, 64)))  # (B, S, T)
@@ -40,7 +40,8 @@ WARPS_STAGES = ((4, 2), (4, 3))
 
 def main(_):
   if jax.default_backend() != "gpu":
-    raise SystemExit("tune_gpu needs a GPU (the Triton kernel cannot be timed in interpret mode)")
+    raise SystemExit("tune_tree_attention_gpu needs a GPU (the Triton kernel cannot be timed "
+                     "in interpret mode)")
   layers, repeats = LAYERS.value, REPEATS.value
   ref = unrolled(lambda *a: attention.attention(*a, impl="reference"))
   rows, best = [], []
@@ -76,7 +77,7 @@ def main(_):
   write_markdown(TUNE_OUT.value, [
       f"# GPU tree-attention kernel: tiling sweep on {jax.devices()[0].device_kind}",
       "",
-      f"Command: `python -m pallas_kernels.tree_attention.tune_gpu --layers {layers} "
+      f"Command: `python -m benchmarks.tune_tree_attention_gpu --layers {layers} "
       f"--repeats {repeats}` "
       f"({provenance()}). SmolLM2-135M geometry (3 kv x 3 query heads, head dim 64), bf16, "
       f"random ancestor tree, lengths S - T; per-attention time = median of {repeats} calls "

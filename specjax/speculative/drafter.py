@@ -1,5 +1,8 @@
 """The drafter interface: anything that proposes a tree (or chain) of draft tokens.
 
+It belongs to the speculative step, which calls it; the drafters in
+``specjax.drafters`` implement it, one floor up.
+
 A drafter is a small frozen (hashable) dataclass holding only static
 configuration; its arrays (weights, index maps) travel separately as
 ``draft_params`` and its per-sequence state (a KV cache, nothing, ...) as
