@@ -16,6 +16,9 @@ The rules (all exact: the emitted tokens are distributed as the target's):
                        per step in expectation. q of a point-mass chain is one-hot.
   greedy (one-hot p)   the deepest node whose path equals the target's argmax
                        at every step (ties: smallest index), then the argmax.
+                       On GPU and TPU the walk over the tree runs in the
+                       Pallas kernel pallas_kernels/tree_verify, elsewhere in
+                       jnp: the same result (``accept_greedy``, ``impl``).
   recursive rejection  walk from the root; at each node try its children in
                        index order. Child x (drawn from q) is accepted with
                        probability min(1, r(x) / q(x)), where r is the current
@@ -36,6 +39,7 @@ token 2 is emitted. P(0) = 0.5, P(1) = 0.5·0.6 = 0.3, P(2) = 0.2 — exactly p.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import jax
@@ -46,7 +50,8 @@ from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import finite_probs
 from specjax.speculative.block_verification import accept_block
 from specjax.speculative.proposal import Proposal
-from specjax.speculative.tree import TreeTopology, block_mask_from_parents, depth_from_parents
+from specjax.speculative.tree import (TreeTopology, block_mask_from_parents,
+                                      block_parents_from_parents, depth_from_parents)
 
 
 class TreeAcceptance(NamedTuple):
@@ -102,11 +107,68 @@ def _path_to(best: jax.Array, mask: jax.Array, depth: jax.Array, max_depth: int)
   return jnp.where(jnp.any(hit, -1), jnp.argmax(hit, -1), -1).astype(jnp.int32)
 
 
-def accept_greedy(proposal: Proposal, p: jax.Array, topology: TreeTopology) -> TreeAcceptance:
-  """The deepest path agreeing with the target's argmax (``p`` one-hot or not)."""
+GREEDY_IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu",
+                "pallas_tpu_interpret", "pallas_gpu_interpret")
+# The TPU kernel scalar-prefetches its three [B, N + 1] int32 inputs into SMEM; a batch
+# that would take more than this many words (16 KiB) is verified in slices of rows.
+TPU_SMEM_WORDS = 4096
+
+_logged: set[tuple[str, str, str]] = set()
+
+
+def resolve_greedy_impl(impl: str, backend: str | None = None) -> str:
+  """Maps a greedy verification implementation to a concrete one (never "auto" or "pallas").
+
+  "reference" is the jnp rule of ``accept_greedy``; "pallas_tpu" and "pallas_gpu" are
+  the kernels of ``pallas_kernels.tree_verify`` (``*_interpret``: the same kernels in
+  Pallas interpret mode, on CPU: tests, debugging); "pallas" is whichever matches the
+  backend; "auto" is "pallas" on TPU and GPU and the reference elsewhere (as
+  ``specjax.attention.resolve_impl``). The choice is logged once per (name, backend).
+
+  Raises:
+    ValueError: unknown name, or "pallas" on a backend without a kernel.
+  """
+  if impl not in GREEDY_IMPLS:
+    raise ValueError(f"unknown greedy verification implementation {impl!r}; expected one of "
+                     f"{GREEDY_IMPLS}")
+  backend = backend or jax.default_backend()
+  resolved = impl
+  if impl == "auto":
+    resolved = "pallas" if backend in ("tpu", "gpu", "cuda", "rocm") else "reference"
+  if resolved == "pallas":
+    if backend == "tpu":
+      resolved = "pallas_tpu"
+    elif backend in ("gpu", "cuda", "rocm"):
+      resolved = "pallas_gpu"
+    else:
+      raise ValueError(f"no Pallas tree verification kernel for backend {backend!r}; use "
+                       "'reference' or an '*_interpret' implementation")
+  if (impl, resolved, backend) not in _logged:
+    _logged.add((impl, resolved, backend))
+    logging.info("specjax greedy tree verification: impl=%r -> %r on %s", impl, resolved,
+                 backend)
+  return resolved
+
+
+def accept_greedy(proposal: Proposal, p: jax.Array, topology: TreeTopology, *,
+                  impl: str = "auto") -> TreeAcceptance:
+  """The deepest path agreeing with the target's argmax (``p`` one-hot or not).
+
+  Args:
+    proposal: the drafter's N nodes (static or per-row parents).
+    p: [B, N + 1, V] the target's distributions at each block entry.
+    topology: the static topology (for dynamic trees: N and the maximum depth).
+    impl: static, see ``resolve_greedy_impl``: "auto" walks the tree in
+      ``pallas_kernels.tree_verify`` on TPU and GPU and in the jnp rule below
+      elsewhere. Both take the same argmax of ``p`` and give the same path, n and
+      next token (tests/test_tree_verify.py).
+  """
   b, n = proposal.tokens.shape
-  par, mask, depth = _tree_arrays(proposal, topology)
   target = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [B, N+1]
+  resolved = resolve_greedy_impl(impl)
+  if resolved != "reference":
+    return _greedy_by_kernel(proposal, target, topology, resolved)
+  par, mask, depth = _tree_arrays(proposal, topology)
   match = proposal.tokens == jnp.take_along_axis(target, par, axis=1)  # [B, N]
   match = jnp.concatenate([jnp.ones((b, 1), bool), match], axis=1)
   ok = ~jnp.any(mask & ~match[:, None, :], axis=-1)  # every ancestor-or-self matches
@@ -117,6 +179,41 @@ def accept_greedy(proposal: Proposal, p: jax.Array, topology: TreeTopology) -> T
   next_token = jnp.take_along_axis(target, best[:, None], axis=1)[:, 0]
   return TreeAcceptance(path=path, num_accepted=n_acc, next_token=next_token,
                         beta=jnp.zeros((b, topology.max_depth), jnp.float32))
+
+
+def _greedy_by_kernel(proposal: Proposal, target: jax.Array, topology: TreeTopology,
+                      impl: str) -> TreeAcceptance:
+  """``accept_greedy`` through a ``pallas_kernels.tree_verify`` kernel ("pallas_tpu",
+  "pallas_gpu" or their ``*_interpret``), given the argmax ``target`` [B, N + 1].
+
+  The kernel's tree is the verified block itself: node 0 is the root (parent -1, a
+  token it never reads) and node i + 1 is draft node i, so its path is already in
+  block indices and its rule (deepest accepted node, ties to the smallest index) is
+  the jnp rule's. Example: topology (-1, -1, 0) and tokens [[7, 3, 9]] give the
+  kernel parents [[-1, 0, 0, 1]] and tokens [[-1, 7, 3, 9]].
+  """
+  from pallas_kernels.tree_verify import Verified, tree_verify_gpu, tree_verify_tpu
+
+  b, n = proposal.tokens.shape
+  d = topology.max_depth
+  if proposal.parents is None:
+    parents = jnp.broadcast_to(jnp.asarray(topology.block_parents), (b, n + 1))
+  else:
+    parents = block_parents_from_parents(proposal.parents)
+  tokens = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32),
+                            proposal.tokens.astype(jnp.int32)], axis=1)
+  if impl.startswith("pallas_tpu"):
+    from jax.experimental.pallas import tpu as pltpu
+    interpret = pltpu.InterpretParams() if impl.endswith("_interpret") else False
+    rows = max(1, TPU_SMEM_WORDS // (3 * (n + 1)))
+    parts = [tree_verify_tpu(parents[i:i + rows], tokens[i:i + rows], target[i:i + rows],
+                             max_depth=d, interpret=interpret) for i in range(0, b, rows)]
+    out = Verified(*(jnp.concatenate(x) for x in zip(*parts)))
+  else:
+    out = tree_verify_gpu(parents, tokens, target, max_depth=d,
+                          interpret=impl.endswith("_interpret"))
+  return TreeAcceptance(path=out.path, num_accepted=out.length, next_token=out.next_token,
+                        beta=jnp.zeros((b, d), jnp.float32))
 
 
 def _accept_point_mass(key, proposal, p, topology) -> TreeAcceptance:
@@ -201,7 +298,8 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
 
 
 def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: TreeTopology,
-                *, greedy: bool = False, block: bool = False) -> TreeAcceptance:
+                *, greedy: bool = False, block: bool = False,
+                greedy_impl: str = "auto") -> TreeAcceptance:
   """Runs the lossless rule that matches the proposal (see the module docstring).
 
   Args:
@@ -213,6 +311,8 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
     greedy: the target decodes greedily (p one-hot): take the argmax rule, which for a
       chain gives what the chain rule gives with one-hot p and q (β included) without
       the chain rule's draw over the vocabulary.
+    block: judge a chain jointly (``block_verification``) instead of token by token.
+    greedy_impl: static, where the greedy rule walks the tree (``resolve_greedy_impl``).
   """
   b, n = proposal.tokens.shape
   if n != topology.num_nodes or p.shape[:2] != (b, n + 1):
@@ -221,7 +321,7 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
   p = finite_probs(p)
   chain_of_draws = proposal.parents is None and topology.is_chain and proposal.draw == "sampled"
   if greedy:
-    acc = accept_greedy(proposal, p, topology)
+    acc = accept_greedy(proposal, p, topology, impl=greedy_impl)
     if chain_of_draws:  # the chain rule's β, without its (here deterministic) residual draw
       acc = acc._replace(beta=jnp.sum(jnp.minimum(p[:, :n], finite_probs(proposal.q)), axis=-1))
     return acc

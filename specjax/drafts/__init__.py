@@ -1,0 +1,31 @@
+"""Draft models on disk: the directory formats, the shipped SmolLM2 drafts, HF export.
+
+  ``format``  the token and EAGLE draft directories (``draft.json`` +
+              ``weights.safetensors``), their writers and loaders, and the one
+              check both loaders share (``read_checked_metadata``): a draft is
+              never paired with a target whose vocabulary or tokenizer
+              fingerprint differs from the one it was made for.
+  ``zoo``     the drafts shipped in ``specjax/assets/`` (``default_drafter``,
+              ``default_eagle_drafter``) and ``drafter_from_path``, the one
+              entry point for a draft given as a path, whatever its kind.
+  ``export``  a token draft as a standard Hugging Face Llama directory.
+
+Every public name is handed on here: ``specjax.drafts.load_draft`` and
+``from specjax.drafts import default_drafter`` are the way in.
+"""
+
+from specjax.drafts.export import expand_to_full_vocab, export_hf
+from specjax.drafts.format import (EAGLE_FORMAT, FORMAT, cut_eagle_head, load_draft, load_eagle,
+                                   read_checked_metadata, read_draft_metadata, save_draft,
+                                   save_eagle, tokenizer_fingerprint)
+from specjax.drafts.zoo import (DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR, default_drafter,
+                                default_eagle_drafter, drafter_from_path, load_default_draft,
+                                reads_target_rows)
+
+__all__ = [
+    "DEFAULT_DRAFT_DIR", "DEFAULT_EAGLE_DIR", "EAGLE_FORMAT", "FORMAT", "cut_eagle_head",
+    "default_drafter", "default_eagle_drafter", "drafter_from_path", "expand_to_full_vocab",
+    "export_hf", "load_default_draft", "load_draft", "load_eagle", "read_checked_metadata",
+    "read_draft_metadata", "reads_target_rows", "save_draft", "save_eagle",
+    "tokenizer_fingerprint",
+]

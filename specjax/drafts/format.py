@@ -1,0 +1,259 @@
+"""The draft directory formats, token and EAGLE, behind one checked loader.
+
+A draft directory holds ``draft.json`` and ``weights.safetensors``. The JSON
+names the format (``FORMAT`` for token drafts, ``EAGLE_FORMAT`` for EAGLE
+heads), the target vocabulary size and a sha256 fingerprint of the target
+tokenizer's token list (``tokenizer_fingerprint``); the tensors are float16
+unless asked otherwise, plus ``vocab_map`` [Vd] int32 when the draft has a
+reduced vocabulary (``specjax.drafters.reduced_vocab`` has the convention).
+
+  token draft   draft.json: ``config`` (HF-style), ``reduced_vocab``, ``info``;
+                tensors: HF names of a whole Llama model, optionally
+                ``input_map`` [V] (int16 when Vd < 32768).
+  EAGLE draft   draft.json: ``target_config``, ``num_layers``, optionally
+                ``feature_layers`` (EAGLE-3 fusion), ``info``; tensors: only
+                the trained weights (``drafters.eagle.TRAINED_KEYS``, layers
+                as ``layers.{i}.{key}``): embedding, final norm and head
+                rows are the target's, taken at load time.
+
+Both loaders open a directory through ``read_checked_metadata``, which refuses
+a draft made for another target (vocabulary size or tokenizer fingerprint), so
+a draft is never paired with a target whose token ids mean something else.
+Both refuse non-finite weights (a corrupted draft would otherwise decode with
+α = 0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.drafters.eagle import FUSION_KEYS, TRAINED_KEYS
+from specjax.loaders.hf import (CheckpointError, config_from_hf_dict, config_to_hf_dict,
+                                read_json_object)
+from specjax.loaders.hf_layout import params_from_hf, params_to_hf
+from specjax.model import Params
+from specjax.validation import all_finite
+
+FORMAT = "specjax-draft-v1"
+EAGLE_FORMAT = "specjax-eagle-v1"
+_LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+  """sha256 of the token strings in id order (same ids <=> same fingerprint)."""
+  tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+  return hashlib.sha256("\n".join(map(str, tokens)).encode("utf-8")).hexdigest()
+
+
+# ------------------------------------------------------------------ the directory
+
+
+def _write_draft_dir(path: str, tensors: dict[str, np.ndarray], meta: dict) -> None:
+  """A draft directory of either format: weights.safetensors and draft.json."""
+  from safetensors.numpy import save_file
+
+  os.makedirs(path, exist_ok=True)
+  save_file(tensors, os.path.join(path, "weights.safetensors"))
+  with open(os.path.join(path, "draft.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+
+
+def read_draft_metadata(path: str, formats: tuple[str, ...] = (FORMAT,)) -> dict[str, Any]:
+  """draft.json of a draft directory whose format is one of ``formats``
+  (token drafts: FORMAT; EAGLE drafts: EAGLE_FORMAT)."""
+  meta_file = os.path.join(path, "draft.json")
+  if not os.path.exists(meta_file):
+    raise CheckpointError(f"{path!r} is not a draft directory (no draft.json)")
+  meta = read_json_object(meta_file, f"draft.json in {path!r}")
+  if meta.get("format") not in formats:
+    raise CheckpointError(f"{path!r} has draft format {meta.get('format')!r}, expected "
+                          f"{' or '.join(map(repr, formats))}")
+  return meta
+
+
+def read_checked_metadata(path: str, formats: tuple[str, ...], *,
+                          target_vocab_size: Optional[int] = None,
+                          tokenizer_sha256: Optional[str] = None) -> dict[str, Any]:
+  """draft.json of a draft directory, refusing a draft made for another target.
+
+  The one check both loaders share: each of ``target_vocab_size`` and
+  ``tokenizer_sha256`` that is given must equal what the draft was made for.
+
+  Raises:
+    ValueError: another vocabulary size or tokenizer.
+    CheckpointError (a ValueError): no draft.json, or a format not in ``formats``.
+  """
+  meta = read_draft_metadata(path, formats)
+  what = "EAGLE draft" if meta["format"] == EAGLE_FORMAT else "draft"
+  if target_vocab_size is not None and meta["target_vocab_size"] != target_vocab_size:
+    raise ValueError(f"{what} {path!r} was made for a target vocabulary of "
+                     f"{meta['target_vocab_size']} tokens, but the target has {target_vocab_size}")
+  if tokenizer_sha256 is not None and meta["tokenizer_sha256"] != tokenizer_sha256:
+    raise ValueError(f"{what} {path!r} was made for another tokenizer (fingerprint "
+                     f"{meta['tokenizer_sha256'][:12]}…, the target's is "
+                     f"{tokenizer_sha256[:12]}…): its token ids would mean different strings")
+  return meta
+
+
+# ------------------------------------------------------------------ token drafts
+
+
+def save_draft(path: str, cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray], *,
+               target_vocab_size: int, input_map: Optional[np.ndarray] = None,
+               tokenizer_sha256: str, info: Optional[dict] = None, dtype=np.float16) -> None:
+  """Writes a draft directory (weights cast to ``dtype``; compute stays float32)."""
+  os.makedirs(path, exist_ok=True)  # before the checks below, as it always has been
+  tensors = {k: v.astype(dtype) for k, v in params_to_hf(cfg, params).items()}
+  if vocab_map is not None:
+    vm = np.asarray(vocab_map, np.int32)
+    if len(vm) != cfg.vocab_size or vm.min() < 0 or vm.max() >= target_vocab_size:
+      raise ValueError("vocab_map must have one target id in [0, V) per draft row")
+    tensors["vocab_map"] = vm
+    if input_map is not None:  # draft rows fit int16 for Vd < 32768: half the bytes
+      im = np.asarray(input_map)
+      tensors["input_map"] = im.astype(np.int16 if cfg.vocab_size < 2**15 else np.int32)
+  meta = dict(format=FORMAT, config=config_to_hf_dict(cfg), target_vocab_size=target_vocab_size,
+              tokenizer_sha256=tokenizer_sha256, reduced_vocab=vocab_map is not None,
+              info=info or {})
+  _write_draft_dir(path, tensors, meta)
+
+
+def load_draft(path: str, *, target_vocab_size: Optional[int] = None,
+               tokenizer_sha256: Optional[str] = None, dtype=jnp.float32,
+               with_input_map: bool = False):
+  """Loads (cfg, params, vocab_map or None), refusing a draft made for another target.
+
+  With ``with_input_map=True`` returns a fourth element, the [V] int32 map
+  target id -> draft row the draft was trained with (nearest in-map token for
+  ids outside the map), or None when the draft has none (then use
+  ``specjax.drafters.reduced_vocab.input_map``, which sends such ids to row 0).
+
+  Raises:
+    ValueError: the draft was made for a different vocabulary size or tokenizer.
+    CheckpointError (a ValueError): missing or corrupt files.
+  """
+  from safetensors import safe_open
+
+  meta = read_checked_metadata(path, (FORMAT,), target_vocab_size=target_vocab_size,
+                               tokenizer_sha256=tokenizer_sha256)
+  cfg = config_from_hf_dict(meta["config"])
+  weights = os.path.join(path, "weights.safetensors")
+  if not os.path.exists(weights):
+    raise CheckpointError(f"draft {path!r} has no weights.safetensors")
+  try:
+    with safe_open(weights, framework="numpy") as f:
+      tensors = {k: f.get_tensor(k) for k in f.keys()}
+  except Exception as e:  # safetensors raises its own error types
+    raise CheckpointError(f"corrupt draft weights {weights}: {e}") from None
+  vocab_map = tensors.pop("vocab_map", None)
+  in_map = tensors.pop("input_map", None)
+  in_map = None if in_map is None else in_map.astype(np.int32)
+  if meta.get("reduced_vocab") and vocab_map is None:
+    raise CheckpointError(f"draft {path!r} declares a reduced vocabulary but has no vocab_map")
+  try:  # params_from_hf refuses missing, misshapen and non-finite tensors
+    params = params_from_hf(cfg, tensors.__getitem__, dtype, source=weights, names=tensors)
+  except KeyError as e:
+    raise CheckpointError(f"{path}: {e.args[0]}") from None
+  if with_input_map:
+    return cfg, params, vocab_map, in_map
+  return cfg, params, vocab_map
+
+
+# ------------------------------------------------------------------ EAGLE drafts
+
+
+def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
+               vocab_map: Optional[np.ndarray], *, tokenizer_sha256: str,
+               info: Optional[dict] = None, dtype=np.float16,
+               feature_layers: tuple[int, ...] = ()) -> None:
+  """Writes an EAGLE draft directory: only its trained weights (+ ``vocab_map``); the
+  embedding, final norm and head rows are the target's and are taken at load time.
+  ``feature_layers`` (EAGLE-3 fusion) is recorded in draft.json."""
+  tensors = {k: np.asarray(weights[k], dtype) for k in TRAINED_KEYS
+             if k != "layers" and k in weights}
+  for i, layer in enumerate(weights["layers"]):
+    for k, v in layer.items():
+      tensors[f"layers.{i}.{k}"] = np.asarray(v, dtype)
+  if vocab_map is not None:
+    tensors["vocab_map"] = np.asarray(vocab_map, np.int32)
+  meta = dict(format=EAGLE_FORMAT, target_config=config_to_hf_dict(target_cfg),
+              num_layers=len(weights["layers"]), target_vocab_size=target_cfg.vocab_size,
+              tokenizer_sha256=tokenizer_sha256, info=info or {})
+  if feature_layers:
+    meta["feature_layers"] = [int(l) for l in feature_layers]
+  _write_draft_dir(path, tensors, meta)
+
+
+def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
+               tokenizer_sha256: Optional[str] = None):
+  """(EagleDrafter, draft_params) for ``target``, refusing weights made for another target.
+
+  Raises:
+    ValueError: another tokenizer, vocabulary or model width.
+    CheckpointError (a ValueError): missing or corrupt files.
+  """
+  from safetensors import safe_open
+  from specjax.drafters.eagle import eagle_drafter
+
+  meta = read_checked_metadata(path, (EAGLE_FORMAT,), target_vocab_size=target_cfg.vocab_size,
+                               tokenizer_sha256=tokenizer_sha256)
+  want = config_from_hf_dict(meta["target_config"])
+  if (want.dim, want.num_heads, want.num_kv_heads, want.ffn_dim) != (
+      target_cfg.dim, target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.ffn_dim):
+    raise ValueError(f"EAGLE draft {path!r} was made for a target of width {want.dim} "
+                     f"({want.num_heads}/{want.num_kv_heads} heads), not {target_cfg.dim}")
+  weights_file = os.path.join(path, "weights.safetensors")
+  try:
+    with safe_open(weights_file, framework="numpy") as f:
+      t = {k: f.get_tensor(k) for k in f.keys()}
+  except Exception as e:  # safetensors raises its own error types (missing file included)
+    raise CheckpointError(f"missing or corrupt EAGLE weights {weights_file}: {e}") from None
+  f32 = lambda name: jnp.asarray(t[name], jnp.float32)
+  try:
+    layers = [{k: f32(f"layers.{i}.{k}") for k in _LAYER_KEYS if f"layers.{i}.{k}" in t}
+              for i in range(meta["num_layers"])]
+    fused = bool(meta.get("feature_layers"))
+    weights = dict({k: f32(k) for k in TRAINED_KEYS
+                    if k != "layers" and (fused or k not in FUSION_KEYS)}, layers=layers)
+  except KeyError as e:
+    raise CheckpointError(f"{weights_file} lacks tensor {e.args[0]}") from None
+  for name, w in t.items():
+    if np.issubdtype(w.dtype, np.floating) and not all_finite(w):
+      raise CheckpointError(f"{weights_file}: tensor {name!r} holds non-finite values (NaN or "
+                            "inf): the draft is corrupt")
+  return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"),
+                       tuple(meta.get("feature_layers", ())))
+
+
+def cut_eagle_head(src: str, dst: str, rows: int) -> None:
+  """Copies the EAGLE draft ``src`` to ``dst`` with its output head cut to the first ``rows``
+  rows of its ``vocab_map``: the same trained weights over the ``rows`` most frequent ids
+  (``distill.vocab.select_vocab`` orders the map by frequency). A smaller head makes every
+  draft step cheaper (the head is most of the bytes a step reads) and loses the draft's
+  probability on the dropped ids, which stays lossless (they get q = 0).
+
+  Example: a 16,384-row head cut to 8,192 rows keeps ``vocab_map[:8192]``.
+
+  Raises:
+    ValueError: ``rows`` < 2 or beyond the head, or a ``src`` without a reduced vocabulary.
+  """
+  from safetensors.numpy import load_file
+
+  meta = read_draft_metadata(src, (EAGLE_FORMAT,))
+  tensors = load_file(os.path.join(src, "weights.safetensors"))
+  if "vocab_map" not in tensors:
+    raise ValueError(f"EAGLE draft {src!r} reads the target's full head: there is no "
+                     "frequency-ranked vocab_map to cut")
+  size = len(tensors["vocab_map"])
+  if not 2 <= rows <= size:
+    raise ValueError(f"rows must be in [2, {size}] (the head of {src!r}), got {rows}")
+  tensors["vocab_map"] = tensors["vocab_map"][:rows]
+  meta["info"] = dict(meta.get("info", {}), draft_vocab=rows, head_cut_from=size)
+  _write_draft_dir(dst, tensors, meta)
