@@ -172,3 +172,21 @@ def test_bad_input_raises_before_compilation(target, draft):
     dec.generate(params, dp, [[1]], -1)
   with pytest.raises(ValueError, match="headroom"):
     dec.generate(params, dp, [[1] * 10], 50, cache_size=62)
+
+
+def test_a_drafters_default_tree_is_used_without_gamma_or_tree(target):
+  """``Drafter.default_tree``: taken when neither gamma nor tree is given; gamma still wins."""
+  import dataclasses
+  from specjax.drafters import PromptLookupDrafter
+  from specjax.speculative import TreeTopology
+
+  @dataclasses.dataclass(frozen=True)
+  class TwoBranches(PromptLookupDrafter):
+    def default_tree(self):
+      return TreeTopology((-1, -1, 0))
+
+  cfg, _ = target
+  d = TwoBranches(cfg.vocab_size)
+  assert SpeculativeDecoder(cfg, d).tree == TreeTopology((-1, -1, 0))
+  assert SpeculativeDecoder(cfg, d, gamma=3).tree == TreeTopology.chain(3)
+  assert SpeculativeDecoder(cfg, PromptLookupDrafter(cfg.vocab_size)).tree == TreeTopology.chain(4)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from specjax.speculative.tree import (TreeTopology, block_mask_from_parents,
-                                      block_parents_from_parents, depth_from_parents)
+                                      block_parents_from_parents, breadth_first_order,
+                                      depth_from_parents)
 
 TWO_BRANCH = (-1, -1, 0, 0, 1)  # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}
 
@@ -145,6 +146,7 @@ def test_from_parents_reorders_a_depth_first_tree():
   assert TreeTopology.from_parents((1, -1)).parents == (-1, 0)
   assert TreeTopology.from_parents((2, 2, -1)).parents == (-1, 0, 0)
   assert TreeTopology.from_parents([-1, 0, 1]).is_chain
+  assert breadth_first_order(dfs) == [0, 3, 1, 2, 4]  # node k of the result is this node
 
 
 @pytest.mark.parametrize("seed", range(4))

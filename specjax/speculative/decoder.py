@@ -103,8 +103,9 @@ class SpeculativeDecoder:
       defaults to, and must equal, the tree's depth D.
     sampler: Greedy() or Sampling(...), applied identically to target and draft.
     eos_ids: stop tokens (any sequence of ints, stored as a tuple); default the target's.
-    tree: the static topology (``TreeTopology``), default the chain of γ; or
-      an EAGLE-2 ``DynamicTree`` (N nodes of depth <= D, per-row parents).
+    tree: the static topology (``TreeTopology``), default the chain of γ (or, with
+      neither gamma nor tree given, the drafter's ``default_tree()`` where it has one);
+      or an EAGLE-2 ``DynamicTree`` (N nodes of depth <= D, per-row parents).
     attention_impl: the target's attention in verification (``specjax.attention``:
       "auto", "reference", "cpu", "pallas", "pallas_tpu_interpret", ...).
     verification: how a sampled chain is accepted: "tokenwise" (modified rejection
@@ -129,6 +130,8 @@ class SpeculativeDecoder:
   verification: str = "tokenwise"
 
   def __post_init__(self):
+    if self.tree is None and self.gamma is None and self.drafter.default_tree() is not None:
+      object.__setattr__(self, "tree", self.drafter.default_tree())
     if self.tree is None:
       gamma = validation.as_int(4 if self.gamma is None else self.gamma, "gamma", 1)
       object.__setattr__(self, "tree", TreeTopology.chain(gamma))

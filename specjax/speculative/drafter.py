@@ -22,6 +22,10 @@ never probes attributes:
   * ``supports(topology)``: which trees the drafter can build (default:
     chains only), and ``buildable()`` says so in words. The decoder refuses a
     topology the drafter does not support.
+  * ``default_tree()``: the topology the decoder uses when given neither
+    ``gamma`` nor ``tree`` (default None: a chain of γ = 4). A drafter whose
+    shape follows from its own configuration (lookahead decoding's window and
+    guess set) returns it, so users need not rebuild it.
   * ``shares_target_cache()`` (early exit): ``propose`` gets the target's KV
     cache, holding the committed length − 1, as ``state``; it may write only
     slots at or past that length (verification overwrites them) and keeps no
@@ -84,6 +88,10 @@ class Drafter:
   def buildable(self) -> str:
     """Which trees ``supports`` accepts, in words (for error messages)."""
     return "chains only (pass gamma or TreeTopology.chain(γ))"
+
+  def default_tree(self) -> Optional[TreeTopology]:
+    """The topology to verify when the decoder is given neither gamma nor tree (None: a chain)."""
+    return None
 
   def shares_target_cache(self) -> bool:
     return False

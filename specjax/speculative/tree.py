@@ -90,27 +90,10 @@ class TreeTopology:
 
   @classmethod
   def from_parents(cls, parents: Sequence[int]) -> "TreeTopology":
-    """Any valid parent list (any node order) reordered breadth-first, siblings kept in order."""
+    """Any valid parent list (any node order) reordered breadth-first, siblings kept in order
+    (node k of the result is node ``breadth_first_order(parents)[k]`` of the input)."""
     parents = [int(p) for p in parents]
-    n = len(parents)
-    if n < 1:
-      raise ValueError("a tree needs at least one draft node (N >= 1)")
-    for i, p in enumerate(parents):
-      if not -1 <= p < n or p == i:
-        raise ValueError(f"tree node {i} has parent {p}, outside [-1, {n}) or itself")
-    order, frontier, seen = [], [-1], set()
-    while frontier:
-      nxt = []
-      for f in frontier:
-        for i, p in enumerate(parents):
-          if p == f and i not in seen:
-            seen.add(i)
-            order.append(i)
-            nxt.append(i)
-      frontier = nxt
-    if len(order) != n:
-      raise ValueError(f"tree parents {tuple(parents)} contain a cycle (nodes "
-                       f"{sorted(set(range(n)) - seen)} never reach the root)")
+    order = breadth_first_order(parents)
     new = {old: k for k, old in enumerate(order)}
     return cls(tuple(-1 if parents[o] == -1 else new[parents[o]] for o in order))
 
@@ -236,6 +219,32 @@ class TreeTopology:
 
 
 # --- per-row (dynamic) trees: the same quantities from [B, N] parent arrays ----------
+
+
+def breadth_first_order(parents: Sequence[int]) -> list[int]:
+  """The nodes of a valid parent list (any order; -1: the root) in breadth-first order,
+  siblings in their given order. Raises ValueError for parents out of range or a cycle."""
+  parents = [int(p) for p in parents]
+  n = len(parents)
+  if n < 1:
+    raise ValueError("a tree needs at least one draft node (N >= 1)")
+  for i, p in enumerate(parents):
+    if not -1 <= p < n or p == i:
+      raise ValueError(f"tree node {i} has parent {p}, outside [-1, {n}) or itself")
+  order, frontier, seen = [], [-1], set()
+  while frontier:
+    nxt = []
+    for f in frontier:
+      for i, p in enumerate(parents):
+        if p == f and i not in seen:
+          seen.add(i)
+          order.append(i)
+          nxt.append(i)
+    frontier = nxt
+  if len(order) != n:
+    raise ValueError(f"tree parents {tuple(parents)} contain a cycle (nodes "
+                     f"{sorted(set(range(n)) - seen)} never reach the root)")
+  return order
 
 
 def block_parents_from_parents(parents: jax.Array) -> jax.Array:
