@@ -3,7 +3,7 @@
 import pytest
 
 import specjax
-from specjax.drafters import ModelDrafter
+from specjax.drafters import JacobiDrafter, LookaheadDrafter, ModelDrafter
 from specjax.drafts import default_drafter, default_eagle_drafter
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
 from specjax.speculative import SpeculativeDecoder
@@ -24,6 +24,7 @@ def target():
 
 
 def _check(target, drafter, draft_params, prompts, gamma, new=32):
+  """``gamma`` None: the drafter's own tree (lookahead)."""
   cfg, params, _ = target
   dec = SpeculativeDecoder(cfg, drafter, gamma=gamma)
   out = dec.generate(params, draft_params, prompts, new)
@@ -72,3 +73,14 @@ def test_shipped_drafts_are_lossless_and_get_accepted(target, which):
   """The shipped distilled token draft and EAGLE drafter, as users load them."""
   out = _check(target, *_drafter(target, which), target[2][:2], gamma=3)
   assert out.metrics()["alpha"] > 0.2  # E[β] up to the first rejection; random drafts get ~0
+
+
+@pytest.mark.parametrize("which", ["jacobi", "lookahead"])
+def test_draft_free_methods_are_lossless(target, which):
+  """Jacobi and lookahead decoding (no draft model) on the real model, two rows of different
+  lengths: every row equals plain greedy, and each call emits at least one token."""
+  cfg = target[0]
+  drafter = (JacobiDrafter(cfg.vocab_size) if which == "jacobi"
+             else LookaheadDrafter(cfg.vocab_size, window=4, ngram=3, guesses=3))
+  out = _check(target, drafter, (), target[2][:2], gamma=4 if which == "jacobi" else None)
+  assert out.metrics()["tokens_per_call"] >= 1.0

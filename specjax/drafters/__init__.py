@@ -7,10 +7,11 @@ the step (``specjax.speculative.drafter``) so that the step never imports a draf
 from specjax.drafters.eagle import EagleDrafter, eagle_drafter
 from specjax.drafters.early_exit import early_exit_drafter
 from specjax.drafters.jacobi import JacobiDrafter
+from specjax.drafters.lookahead import LookaheadDrafter
 from specjax.drafters.model_drafter import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter, fit_ngram
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.speculative.drafter import Drafter
 
-__all__ = ["Drafter", "EagleDrafter", "JacobiDrafter", "ModelDrafter", "NgramDrafter",
+__all__ = ["Drafter", "EagleDrafter", "JacobiDrafter", "LookaheadDrafter", "ModelDrafter", "NgramDrafter",
            "PromptLookupDrafter", "eagle_drafter", "early_exit_drafter", "fit_ngram"]
