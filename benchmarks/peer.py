@@ -11,7 +11,9 @@ Batch 1, SmolLM2-135M-Instruct in f32, every output forced to ``new_tokens``
   HF prompt lookup (greedy, γ tokens); specjax autoregressive greedy and
   sampled; specjax speculative with the shipped draft (greedy and T = 1), with
   the shipped EAGLE-3 drafter (greedy and T = 1; HF has no counterpart) and
-  with prompt lookup (greedy); and the same drafters with token trees of
+  with prompt lookup (greedy); the draft-free methods, Jacobi decoding (window
+  γ) and lookahead decoding (its default W, N, G tree), greedy and T = 1 (HF
+  has neither); and the same drafters with token trees of
   ``--tree_nodes`` nodes (HF has none): an EAGLE-2 dynamic tree of depth γ
   and frontier 4 for the draft model and the EAGLE-3 drafter, and a
   prompt-lookup tree of ``--lookup_branches`` matches (chains of γ from the
@@ -33,7 +35,7 @@ import specjax
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import OutputError, matmul_path, probe_output_dir
 from specjax import drafts
-from specjax.drafters import PromptLookupDrafter
+from specjax.drafters import JacobiDrafter, LookaheadDrafter, PromptLookupDrafter
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer, smollm2_gguf_path
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
@@ -98,8 +100,9 @@ def main(argv):
   drafter, dp = drafts.default_drafter(tok, cfg.vocab_size, target_embed=params["embed"])
   eagle, eagle_dp = drafts.default_eagle_drafter(cfg, params, tok)
   dyn, lookup = dynamic_tree(nodes, g), lookup_tree(LOOKUP_BRANCHES.value, g)
-  cache = max(len(p) for p in prompts) + n + max(g, dyn.cache_headroom,
-                                                lookup.cache_headroom) + 8
+  la = LookaheadDrafter(cfg.vocab_size)
+  cache = max(len(p) for p in prompts) + n + max(g, dyn.cache_headroom, lookup.cache_headroom,
+                                                la.default_tree().cache_headroom) + 8
   calls = {}  # speculative rows: target calls per generated token
 
   def sj_ar(sampler):
@@ -118,6 +121,7 @@ def main(argv):
 
   tree_name = f"EAGLE-2 tree N={dyn.num_nodes} (depth {dyn.depth}, top-{dyn.top_k})"
   lookup_name = f"{LOOKUP_BRANCHES.value}-branch tree (depth {g})"
+  la_name = f"W={la.window}, N={la.ngram}, G={la.guesses}: {la.default_tree().num_nodes} nodes"
   spec_rows = {
       f"specjax speculative, shipped draft, greedy (γ={g})": (drafter, dp, Greedy(), None),
       f"specjax speculative, shipped draft, T=1 (γ={g})": (drafter, dp, Sampling(1.0), None),
@@ -132,6 +136,12 @@ def main(argv):
           PromptLookupDrafter(cfg.vocab_size), (), Greedy(), None),
       f"specjax speculative, prompt lookup, {lookup_name}, greedy": (
           PromptLookupDrafter(cfg.vocab_size), (), Greedy(), lookup),
+      f"specjax Jacobi decoding, greedy (window {g})": (
+          JacobiDrafter(cfg.vocab_size), (), Greedy(), None),
+      f"specjax Jacobi decoding, T=1 (window {g})": (
+          JacobiDrafter(cfg.vocab_size), (), Sampling(1.0), None),
+      f"specjax lookahead decoding, greedy ({la_name})": (la, (), Greedy(), la.default_tree()),
+      f"specjax lookahead decoding, T=1 ({la_name})": (la, (), Sampling(1.0), la.default_tree()),
   }
 
   times = {
@@ -193,6 +203,8 @@ def main(argv):
       f"**{tps[f'specjax speculative, EAGLE-3 drafter, greedy (γ={g})'] / tps['specjax autoregressive, greedy']:.2f}x**",
       f"- best specjax tree row / specjax autoregressive (greedy): "
       f"**{max(v for k, v in tps.items() if 'tree' in k and 'greedy' in k) / tps['specjax autoregressive, greedy']:.2f}x**",
+      f"- specjax lookahead decoding / specjax autoregressive (greedy): "
+      f"**{tps[f'specjax lookahead decoding, greedy ({la_name})'] / tps['specjax autoregressive, greedy']:.2f}x**",
       f"- specjax autoregressive / HF generate (greedy): "
       f"**{tps['specjax autoregressive, greedy'] / base:.2f}x**",
   ]

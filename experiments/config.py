@@ -11,12 +11,17 @@ import math
 import os
 from typing import Optional
 
-EXPERIMENTS = ("gamma_sweep", "temperature_sweep", "drafts_alpha", "tree_sweep")
-# The default run: the paper's tables. The tree sweep is opt-in (--experiment=tree_sweep or
-# all): with >= 20 prompts it does not fit the 20-minute budget (experiments/README.md, Sizing).
+EXPERIMENTS = ("gamma_sweep", "temperature_sweep", "drafts_alpha", "tree_sweep", "draft_free")
+# The default run: the paper's tables. The tree sweep and the timed draft-free methods are
+# opt-in (--experiment=tree_sweep, draft_free or all): they do not fit the default run's time
+# budget (experiments/README.md, Sizing).
 DEFAULT_EXPERIMENTS = EXPERIMENTS[:3]
 DRAFT_NAMES = ("default", "eagle", "bigram", "unigram", "prompt_lookup", "jacobi",
-               "jacobi_random", "tiny")
+               "jacobi_random", "lookahead", "tiny")
+# The methods that need no draft model, which the draft_free experiment times.
+DRAFT_FREE = ("prompt_lookup", "jacobi", "jacobi_random", "lookahead")
+# Drafts whose drafter brings its own tree (``Drafter.default_tree``): no γ to sweep.
+OWN_TREE_DRAFTS = ("lookahead",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +35,7 @@ class ExperimentConfig:
     draft: "eagle" (the shipped EAGLE-3 feature drafter, the default) |
       "default" (the shipped distilled token draft) | "early_exit:K" | "bigram" | "unigram" |
       "prompt_lookup" | "jacobi" | "jacobi_random" (Jacobi decoding, no draft model) |
-      "tiny" | path of a specjax draft directory (token or EAGLE), a .gguf file or HF dir.
+      "lookahead" (lookahead decoding, its own tree) | "tiny" | path of a specjax draft directory (token or EAGLE), a .gguf file or HF dir.
     prompts: a .jsonl prompt file, or None for the built-in held-out set.
     num_prompts: prompts taken from the built-in set (default 10: 2 per category; with
       batch 1 and 128 new tokens that fits the run in about a quarter of an hour).
@@ -48,7 +53,9 @@ class ExperimentConfig:
     alpha_gamma: γ used to measure α of the Table-3 drafts.
     early_exit_layers: K of the early-exit row of Table 3 (0 = num_layers // 5).
     alpha_drafts: the other drafts whose α is measured beside --draft
-      ("early_exit" means early_exit:K with K = early_exit_layers).
+      ("early_exit" means early_exit:K with K = early_exit_layers); the draft_free
+      experiment times those of them in DRAFT_FREE. A drafter with its own tree
+      (lookahead) is measured on that tree, not on a chain of alpha_gamma.
     cost_steps: speculative steps timed phase by phase (after one warm step)
       to measure the draft cost ratio c and the verify cost.
     repeats: interleaved timing rounds per setting; each round times plain then
@@ -86,7 +93,7 @@ class ExperimentConfig:
   alpha_gamma: int = 4
   early_exit_layers: int = 0
   alpha_drafts: tuple[str, ...] = ("default", "unigram", "bigram", "early_exit", "prompt_lookup",
-                                   "jacobi")
+                                   "jacobi", "lookahead")
   cost_steps: int = 8
   repeats: int = 2
   extra_rounds: int = 1
@@ -122,6 +129,10 @@ class ExperimentConfig:
       if len(set(values)) != len(values):
         raise ValueError(f"--{name} lists a value twice: {values}")
     check_draft(self.draft, "draft")
+    sweeps = sorted(set(self.experiments) & {"gamma_sweep", "temperature_sweep", "tree_sweep"})
+    if self.draft in OWN_TREE_DRAFTS and sweeps:
+      raise ValueError(f"--draft={self.draft} verifies its own tree, so it has no γ for "
+                       f"{', '.join(sweeps)}; measure it with --experiment=drafts_alpha,draft_free")
     for spec in self.alpha_drafts:
       check_draft(spec, "alpha_drafts")
     for name in ("num_prompts", "max_new_tokens", "batch_size", "alpha_gamma", "cost_steps",

@@ -9,7 +9,7 @@ from typing import Callable
 from absl import logging
 
 from experiments import figures, ngram_corpus, progress, report, sweeps
-from experiments.config import ExperimentConfig
+from experiments.config import DRAFT_FREE, ExperimentConfig
 from experiments.machine import probe_output_dir
 from experiments.measure import Bench, load_average
 from experiments.models import Draft, Target, default_early_exit_layers, load_draft, load_target
@@ -23,8 +23,9 @@ class DraftError(ValueError):
 
 def load_drafts(config: ExperimentConfig, target: Target,
                 corpus: Callable[[], list]) -> tuple[Draft, list[Draft]]:
-  """--draft, and the Table-3 drafts when drafts_alpha runs: all built before anything is
-  timed, so a bad one stops the run before it measures."""
+  """--draft, and the Table-3 drafts when drafts_alpha runs (the draft-free ones of them
+  when only draft_free does): all built before anything is timed, so a bad one stops the
+  run before it measures."""
   def load(spec: str, flag: str) -> Draft:
     try:
       return load_draft(spec, target, corpus)
@@ -32,11 +33,14 @@ def load_drafts(config: ExperimentConfig, target: Target,
       raise DraftError(f"--{flag}={spec}: {e}") from None
 
   draft = load(config.draft, "draft")
-  if "drafts_alpha" not in config.experiments:
+  if "drafts_alpha" not in config.experiments and "draft_free" not in config.experiments:
     return draft, []
   k = config.early_exit_layers or default_early_exit_layers(target.cfg)
+  wanted = [s for s in config.alpha_drafts if s != config.draft]  # (--draft has its row)
+  if "drafts_alpha" not in config.experiments:  # draft_free alone: those it times
+    wanted = [s for s in wanted if s in DRAFT_FREE]
   return draft, [load(f"early_exit:{k}" if s == "early_exit" else s, "alpha_drafts")
-                 for s in config.alpha_drafts if s != config.draft]  # (--draft has its row)
+                 for s in wanted]
 
 
 def run(config: ExperimentConfig, command: str = "") -> dict:
@@ -53,7 +57,6 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
   logging.info("loading target %s", config.target)
   target = load_target(config.target)
   batches = make_batches(items, target.encode, config.batch_size)
-  bench = Bench(target, batches, config, log)
   built: dict[str, ngram_corpus.Corpus] = {}
 
   def corpus():
@@ -63,6 +66,9 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
 
   draft, others = load_drafts(config, target, corpus)
   logging.info("draft %s: %s", draft.name, draft.note)
+  own_trees = [d.drafter.default_tree() for d in [draft] + others]
+  bench = Bench(target, batches, config, log,
+                draft_nodes=max([t.num_nodes for t in own_trees if t is not None], default=0))
   rows: list[dict] = []
   timings: dict[str, float] = {}
   if "gamma_sweep" in config.experiments:
@@ -81,6 +87,13 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
     notes.update({d.name: d.note for d in drafts if d.name != draft.name})
     rows += sweeps.drafts_alpha(bench, drafts)
     timings["drafts_alpha"] = time.perf_counter() - t
+  if "draft_free" in config.experiments:
+    t = time.perf_counter()
+    drafts = [d for d in list({d.name: d for d in others + [draft]}.values())
+              if d.name in DRAFT_FREE]
+    notes.update({d.name: d.note for d in drafts})
+    rows += sweeps.draft_free(bench, drafts)
+    timings["draft_free"] = time.perf_counter() - t
   calibration = {}
   if "tree_sweep" in config.experiments:
     t = time.perf_counter()

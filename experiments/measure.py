@@ -201,10 +201,12 @@ def run_flags(run: SpecRun, indices: Optional[Sequence[int]] = None) -> list[str
                               run.costs.get("draft_spread") if run.costs else None)
 
 
-def cache_size_for(batches: Sequence[Batch], config: ExperimentConfig) -> int:
-  """One cache size for every call (so shapes, hence compiles, are shared)."""
+def cache_size_for(batches: Sequence[Batch], config: ExperimentConfig,
+                   draft_nodes: int = 0) -> int:
+  """One cache size for every call (so shapes, hence compiles, are shared); ``draft_nodes``:
+  the largest tree a drafter brings of its own (``Drafter.default_tree``)."""
   longest = max(len(ids) for b in batches for ids in b.ids)
-  need = longest + config.max_new_tokens + config.max_draft_nodes + 1
+  need = longest + config.max_new_tokens + max(config.max_draft_nodes, draft_nodes) + 1
   return -(-need // 64) * 64
 
 
@@ -213,9 +215,9 @@ class Bench:
   appended to ``log`` (whose earlier records it starts from) as soon as it exists."""
 
   def __init__(self, target: Target, batches: Sequence[Batch], config: ExperimentConfig,
-               log: Optional[ProgressLog] = None):
+               log: Optional[ProgressLog] = None, draft_nodes: int = 0):
     self.target, self.batches, self.config, self.log = target, list(batches), config, log
-    self.cache_size = cache_size_for(batches, config)
+    self.cache_size = cache_size_for(batches, config, draft_nodes)
     self.untimed_batches = merge_batches(self.batches)
     self.eos_ids = None if config.stop_at_eos else ()
     self.plain_compile_seconds: dict[float, float] = {}  # compiled in this process
@@ -419,8 +421,9 @@ class Bench:
     of the draft phase; measured once per (draft, temperature)."""
     key = (draft.name, temperature)
     if key not in self._draft_costs:
-      gamma = self.config.alpha_gamma
-      costs_ = self._phase_costs(self.decoder(draft, gamma, temperature), draft)
+      gamma, tree = self.config.alpha_gamma, draft.drafter.default_tree()
+      dec = self.decoder(draft, gamma, temperature, None if tree is None else tree.parents)
+      costs_ = self._phase_costs(dec, draft)
       self._draft_costs[key] = dict(costs_, gamma=gamma, t1=t1)
     return self._draft_costs[key]
 

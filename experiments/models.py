@@ -93,12 +93,17 @@ def load_draft(spec: str, target: Target,
     fill = "random" if spec == "jacobi_random" else "prompt_lookup"
     return Draft(spec, drafters.JacobiDrafter(cfg.vocab_size, fill=fill), (),
                  f"Jacobi iteration, no draft model; fresh slots: {fill.replace('_', ' ')}")
+  if spec == "lookahead":
+    d = drafters.LookaheadDrafter(cfg.vocab_size)
+    return Draft(spec, d, (), f"lookahead decoding, no draft model: window W={d.window}, "
+                 f"n-grams N={d.ngram}, guess set G={d.guesses} ({d.default_tree().num_nodes} "
+                 "nodes a step)")
   if spec == TINY:
     return _random_tiny_draft(cfg)
   if os.path.exists(spec):
     return _draft_from_path(spec, target)
   raise ValueError(f"unknown --draft {spec!r}: use default, eagle, early_exit:K, bigram, "
-                   "unigram, prompt_lookup, jacobi, jacobi_random, tiny, or the path of a draft "
+                   "unigram, prompt_lookup, jacobi, jacobi_random, lookahead, tiny, or the path of a draft "
                    "directory (token or EAGLE), .gguf file or HF dir")
 
 

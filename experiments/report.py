@@ -247,6 +247,7 @@ def tables_markdown(results: dict) -> str:
                    f"{notes.get(name, '')} |")
     lines.append("")
   lines += _tree_section(results)
+  lines += _draft_free_section(results)
   lines += ["## The paper's numbers, for reference", "", paper.SETUP, "",
             "Table 2 (empirical speedups):", ""] + _paper_table2() + [
             "", "Table 3 (α, T=0 / T=1):", "", "| target | draft | α T=0 | α T=1 |",
@@ -291,6 +292,41 @@ def _tree_section(results: dict) -> list[str]:
                 "", "```"] + ["  ".join(f"{x:.3f}" for x in row) for row in cal["table"]] + ["```"]
     trees = [r for r in sub if r["shape"] == "best tree"]
     lines += [""] + [f"- N={r['num_nodes']}: parents {tuple(r['tree'])}" for r in trees] + [""]
+  return lines
+
+
+def _draft_free_section(results: dict) -> list[str]:
+  """The methods without a draft model, timed: tokens per call against speedup."""
+  rows = [r for r in results["rows"] if r["experiment"] == "draft_free"]
+  if not rows:
+    return []
+  lines = ["## Methods without a draft model (draft_free)", "",
+           "Prompt lookup and Jacobi on chains, lookahead decoding on its own tree (window, "
+           "n-gram and guess nodes verified in one forward); all point-mass drafts, so α is "
+           "undefined. Verify T(N+1)/T(1) = the target's forward over the method's block in "
+           "plain steps, and calibrated = tokens/call ÷ (verify + draft phase / t₁), both from "
+           "the phase timings of `stream`; the gap to the measured speedup is acceptance, "
+           "commit and the pool's upkeep.", ""]
+  for t in sorted({r["temperature"] for r in rows}):
+    lines += [f"### T = {t:g}", "",
+              "| method | shape | tokens/call | verify T(N+1)/T(1) | measured speedup | spread | "
+              "decode-only speedup | calibrated | check |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r["temperature"] == t and r["category"] == ALL):
+      lines.append(f"| {r['draft']} | {_shape(r)} | {_f(r['tokens_per_call'])} | "
+                   f"{_f(r['verify_cost'])} | **{_f(r['speedup'], suffix='×')}** | "
+                   f"{_f(r['speedup_spread'], '{:.0%}')} | "
+                   f"{_f(r.get('decode_speedup'), suffix='×')} | "
+                   f"{_f(r['calibrated_speedup'], suffix='×')} | {_check(r)} |")
+    lines += ["", "Per category (tokens/call, measured speedup):", "",
+              "| category | " + " | ".join(dict.fromkeys(r["draft"] for r in rows)) + " |",
+              "|---|" + "---|" * len(dict.fromkeys(r["draft"] for r in rows))]
+    for c in sorted({r["category"] for r in rows if r["category"] != ALL}):
+      cells = {r["draft"]: r for r in rows if r["temperature"] == t and r["category"] == c}
+      lines.append(f"| {c} | " + " | ".join(
+          f"{_f(cells[d]['tokens_per_call'])}, {_f(cells[d]['speedup'], suffix='×')}"
+          if d in cells else "–" for d in dict.fromkeys(r["draft"] for r in rows)) + " |")
+    lines.append("")
   return lines
 
 

@@ -56,6 +56,10 @@ def _finite(x: Optional[float]) -> Optional[float]:
   return None if x is None or not np.isfinite(x) else float(x)
 
 
+# Experiments that measure each draft on the shape it brings (``sweeps.own_setting``).
+OWN_SHAPE_EXPERIMENTS = ("drafts_alpha", "draft_free")
+
+
 def shape_name(tree, gamma: int) -> str:
   """"chain", "best tree" (static parents) or "dynamic k=4" (EAGLE-2)."""
   if tree is None:
@@ -73,7 +77,8 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
   row = dict(
       experiment=experiment, draft=run.draft, gamma=g, temperature=run.temperature,
       tree=None if run.tree is None else list(run.tree), num_nodes=run.num_nodes,
-      shape=shape_name(run.tree, g),
+      shape=("own tree" if run.tree is not None and experiment in OWN_SHAPE_EXPERIMENTS
+             else shape_name(run.tree, g)),
       category=category, prompts=int(sum(row_mask(batches[i], category).sum() for i in sel)),
       alpha=_finite(alpha), acceptance_rate=_finite(_div(c["accepted"], c["drafted"])),
       tokens_per_call=_finite(_div(c["emitted"], c["target_calls"])),
@@ -117,6 +122,12 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       row["verify_cost"] = verify
       row["calibrated_speedup"] = theory.calibrated_walltime_improvement(
           a, g, cc, theory.VerifyCostCurve({1: 1.0, g + 1: verify}))
+  if experiment == "draft_free" and run.costs is not None and row["tokens_per_call"]:
+    # No α (point-mass drafts): the calibrated prediction is tokens per call over the step's
+    # cost in plain steps, from the phase timings of the method's own block (draft + verify).
+    step = (run.costs["draft"] + run.costs["verify"]) / run.costs["t1"]
+    row.update(verify_cost=run.costs["verify"] / run.costs["t1"],
+               calibrated_speedup=row["tokens_per_call"] / step)
   if run.temperature == 0:
     same = [run.generated[i][r] == run.plain_generated[i][r]
             for i in sel for r in range(batches[i].num_real)]

@@ -22,13 +22,14 @@ FLAGS = flags.FLAGS
 DEFAULT = config_lib.ExperimentConfig()  # the flags' defaults are the config's own
 _ints = lambda values: ",".join(str(v) for v in values)
 flags.DEFINE_string("experiment", "default", "gamma_sweep, temperature_sweep, drafts_alpha, "
-                    "tree_sweep, default (the first three), all "
+                    "tree_sweep, draft_free (prompt lookup, Jacobi and lookahead timed), "
+                    "default (the first three), all "
                     "(or a comma-separated list).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
                     "(the shipped distilled token draft) | early_exit:K | bigram | unigram | "
-                    "prompt_lookup | jacobi | jacobi_random (Jacobi decoding, prompt-lookup or "
-                    "random fill) | tiny | path of a draft directory (token or EAGLE), .gguf or "
+                    "prompt_lookup | lookahead (its own tree: drafts_alpha and draft_free only) "
+                    "| jacobi | jacobi_random (Jacobi decoding, prompt-lookup or random fill) | tiny | path of a draft directory (token or EAGLE), .gguf or "
                     "HF dir.")
 flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category": ...} per '
                     "line (default: built-in held-out prompts over code, summarise, qa, math, "

@@ -56,13 +56,33 @@ def temperature_sweep(bench: Bench, draft: Draft, gamma: int) -> list[dict]:
   return rows
 
 
+def own_setting(draft: Draft, gamma: int) -> tuple[int, Optional[tuple]]:
+  """The ``(γ, tree)`` setting a draft is measured at: its own tree where it brings one
+  (``Drafter.default_tree``: lookahead decoding), else the chain of ``gamma``."""
+  tree = draft.drafter.default_tree()
+  return (gamma, None) if tree is None else (tree.max_depth, tree.parents)
+
+
 def drafts_alpha(bench: Bench, drafts: Sequence[Draft]) -> list[dict]:
   """α of each draft at T=0 and T=1 (the paper's Table 3); untimed unless already timed."""
   g = bench.config.alpha_gamma
   jobs = [(d, t) for d in drafts for t in SWEEP_TEMPERATURES]
   rows = []
   for d, t in tqdm.tqdm(jobs, desc=f"drafts alpha (γ={g})", unit="run"):
-    rows += _rows(bench, "drafts_alpha", d, t, [(g, None)], timed=bench.has_timed(d, g, t))
+    setting = own_setting(d, g)
+    rows += _rows(bench, "drafts_alpha", d, t, [setting],
+                  timed=setting[1] is None and bench.has_timed(d, g, t))
+  return rows
+
+
+def draft_free(bench: Bench, drafts: Sequence[Draft]) -> list[dict]:
+  """The methods without a draft model (prompt lookup, Jacobi, lookahead), timed against
+  plain decoding at T=0 and T=1: chains at γ = alpha_gamma, lookahead on its own tree."""
+  g = bench.config.alpha_gamma
+  rows = []
+  for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc=f"draft-free methods ({len(drafts)})", unit="T"):
+    for d in drafts:
+      rows += _rows(bench, "draft_free", d, t, [own_setting(d, g)])
   return rows
 
 

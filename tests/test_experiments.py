@@ -253,6 +253,8 @@ def test_untimed_batches_group_rows_by_prompt_length():
     (dict(draft="/no/such/draft"), "--draft: '/no/such/draft' is neither a draft name"),
     (dict(alpha_drafts=("trigram",)), "--alpha_drafts: 'trigram' is neither"),
     (dict(verification="joint"), "--verification must be one of"),
+    (dict(draft="lookahead"), "--draft=lookahead verifies its own tree, so it has no γ for "
+                              "gamma_sweep, temperature_sweep"),
 ])
 def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -412,6 +414,33 @@ def test_jacobi_drafts_get_real_alpha_runs(tmp_path):
                      for t in (0.0, 1.0)}
   assert not by["jacobi", 0.0]["replayed"] and by["prompt_lookup", 0.0]["replayed"]
   assert all(r["tokens_per_call"] >= 1.0 for r in rows)
+
+
+def test_draft_free_methods_are_timed_on_their_own_shapes(tmp_path):
+  """draft_free times prompt lookup and Jacobi on chains of alpha_gamma and lookahead on its
+  own tree, against plain decoding, greedy-exact; drafts_alpha gives lookahead its row too."""
+  from experiments import experiment
+  from specjax.drafters import LookaheadDrafter
+  config = ExperimentConfig(target="tiny", draft="lookahead", num_prompts=2, gammas=(2,),
+                            temperatures=(0.0, 1.0), max_new_tokens=6, batch_size=1,
+                            experiments=("drafts_alpha", "draft_free"), alpha_gamma=3,
+                            cost_steps=2, repeats=1, extra_rounds=0,
+                            alpha_drafts=("jacobi", "prompt_lookup", "unigram"),
+                            out=str(tmp_path))
+  results = experiment.run(config, command="draft-free test")
+  rows = [r for r in results["rows"] if r["category"] == "all"]
+  free = {(r["draft"], r["temperature"]): r for r in rows if r["experiment"] == "draft_free"}
+  assert set(free) == {(d, t) for d in ("lookahead", "jacobi", "prompt_lookup")
+                       for t in (0.0, 1.0)}  # unigram has a draft model: alpha only
+  tree = LookaheadDrafter(64).default_tree()  # the shape does not depend on V
+  la = free["lookahead", 0.0]
+  assert la["tree"] == list(tree.parents) and la["gamma"] == tree.max_depth
+  assert all(r["speedup"] is not None and r["tokens_per_call"] >= 1.0 for r in free.values())
+  assert all(r["greedy_match"] == 1.0 for (d, t), r in free.items() if t == 0.0)
+  assert free["jacobi", 1.0]["gamma"] == 3 and free["jacobi", 1.0]["tree"] is None
+  alpha = {(r["draft"], r["temperature"]) for r in rows if r["experiment"] == "drafts_alpha"}
+  assert ("lookahead", 0.0) in alpha and ("unigram", 1.0) in alpha
+  assert "draft_free" in open(tmp_path / "tables.md").read()
 
 
 def test_eagle_drafts_resolve_by_name_and_by_directory(tmp_path):
