@@ -66,7 +66,8 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
 
   draft, others = load_drafts(config, target, corpus)
   logging.info("draft %s: %s", draft.name, draft.note)
-  own_trees = [d.drafter.default_tree() for d in [draft] + others]
+  every = list({d.name: d for d in others + [draft]}.values())  # each draft once
+  own_trees = [d.drafter.default_tree() for d in every]
   bench = Bench(target, batches, config, log,
                 draft_nodes=max([t.num_nodes for t in own_trees if t is not None], default=0))
   rows: list[dict] = []
@@ -83,14 +84,12 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
   notes = {draft.name: draft.note}
   if "drafts_alpha" in config.experiments:
     t = time.perf_counter()
-    drafts = list({d.name: d for d in others + [draft]}.values())
-    notes.update({d.name: d.note for d in drafts if d.name != draft.name})
-    rows += sweeps.drafts_alpha(bench, drafts)
+    notes.update({d.name: d.note for d in every if d.name != draft.name})
+    rows += sweeps.drafts_alpha(bench, every)
     timings["drafts_alpha"] = time.perf_counter() - t
   if "draft_free" in config.experiments:
     t = time.perf_counter()
-    drafts = [d for d in list({d.name: d for d in others + [draft]}.values())
-              if d.name in DRAFT_FREE]
+    drafts = [d for d in every if d.name in DRAFT_FREE]
     notes.update({d.name: d.note for d in drafts})
     rows += sweeps.draft_free(bench, drafts)
     timings["draft_free"] = time.perf_counter() - t
