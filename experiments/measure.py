@@ -192,6 +192,17 @@ def costs(run: SpecRun) -> tuple[Optional[float], Optional[float]]:
   return c, median_known(run.step_seconds) / t1 - run.gamma * c
 
 
+def own_tree_costs(run: SpecRun) -> Optional[tuple[float, float]]:
+  """(verify cost T(N+1)/T(1), draft phase / t₁) of a timed tree run whose phase timings
+  were taken on that same tree (a drafter's own tree: ``Drafter.default_tree``); None
+  otherwise (chains, and trees timed beside a chain's phase costs)."""
+  if run.tree is None or run.costs is None or run.costs.get("tree") is None:
+    return None
+  if tuple(run.costs["tree"]) != tuple(run.tree):
+    return None
+  return run.costs["verify"] / run.costs["t1"], run.costs["draft"] / run.costs["t1"]
+
+
 def run_flags(run: SpecRun, indices: Optional[Sequence[int]] = None) -> list[str]:
   """``checks.setting_flags`` of a timed run, its speedup taken over the given batches
   (default: all)."""
@@ -421,10 +432,10 @@ class Bench:
     of the draft phase; measured once per (draft, temperature)."""
     key = (draft.name, temperature)
     if key not in self._draft_costs:
-      gamma, tree = self.config.alpha_gamma, draft.drafter.default_tree()
-      dec = self.decoder(draft, gamma, temperature, None if tree is None else tree.parents)
-      costs_ = self._phase_costs(dec, draft)
-      self._draft_costs[key] = dict(costs_, gamma=gamma, t1=t1)
+      gamma, own = self.config.alpha_gamma, draft.drafter.default_tree()
+      tree = None if own is None else own.parents  # where the phases were timed
+      costs_ = self._phase_costs(self.decoder(draft, gamma, temperature, tree), draft)
+      self._draft_costs[key] = dict(costs_, gamma=gamma, t1=t1, tree=tree)
     return self._draft_costs[key]
 
   def _phase_costs(self, dec: SpeculativeDecoder, draft: Draft) -> dict[str, float]:
@@ -462,8 +473,9 @@ class Bench:
     return dict(table=estimate_rank_accept(accepted, offered), accepted=accepted,
                 offered=offered, branching=branching, prompts=len(prompts))
 
-  def has_timed(self, draft: Draft, gamma: int, temperature: float) -> bool:
-    run = self._specs.get((draft.name, gamma, temperature, None))
+  def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
+                temperature: float) -> bool:
+    run = self._specs.get((draft.name, gamma, temperature, tree))
     return run is not None and run.timed
 
   def runs(self) -> list[SpecRun]:

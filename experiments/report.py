@@ -302,11 +302,11 @@ def _draft_free_section(results: dict) -> list[str]:
     return []
   lines = ["## Methods without a draft model (draft_free)", "",
            "Prompt lookup and Jacobi on chains, lookahead decoding on its own tree (window, "
-           "n-gram and guess nodes verified in one forward); all point-mass drafts, so α is "
-           "undefined. Verify T(N+1)/T(1) = the target's forward over the method's block in "
-           "plain steps, and calibrated = tokens/call ÷ (verify + draft phase / t₁), both from "
-           "the phase timings of `stream`; the gap to the measured speedup is acceptance, "
-           "commit and the pool's upkeep.", ""]
+           "n-gram and guess nodes verified in one forward). Chains: verify and calibrated as "
+           "in the γ sweep (from α, c and the measured step). Lookahead's tree has no single "
+           "α: its verify T(N+1)/T(1) is the target's forward over its block and calibrated = "
+           "tokens/call ÷ (verify + draft phase / t₁), both from the phase timings of "
+           "`stream`.", ""]
   for t in sorted({r["temperature"] for r in rows}):
     lines += [f"### T = {t:g}", "",
               "| method | shape | tokens/call | verify T(N+1)/T(1) | measured speedup | spread | "

@@ -33,8 +33,8 @@ import numpy as np
 from specjax import theory
 
 from experiments import checks
-from experiments.measure import (SpecRun, costs, median_known, round_decode_speedups,
-                                 round_speedups, run_flags)
+from experiments.measure import (SpecRun, costs, median_known, own_tree_costs,
+                                 round_decode_speedups, round_speedups, run_flags)
 from experiments.prompts import ALL, Batch, batch_indices
 
 
@@ -122,12 +122,13 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       row["verify_cost"] = verify
       row["calibrated_speedup"] = theory.calibrated_walltime_improvement(
           a, g, cc, theory.VerifyCostCurve({1: 1.0, g + 1: verify}))
-  if experiment == "draft_free" and run.costs is not None and row["tokens_per_call"]:
-    # No α (point-mass drafts): the calibrated prediction is tokens per call over the step's
-    # cost in plain steps, from the phase timings of the method's own block (draft + verify).
-    step = (run.costs["draft"] + run.costs["verify"]) / run.costs["t1"]
-    row.update(verify_cost=run.costs["verify"] / run.costs["t1"],
-               calibrated_speedup=row["tokens_per_call"] / step)
+  tree_costs = own_tree_costs(run)
+  if tree_costs is not None and row["tokens_per_call"]:
+    # A drafter's own tree (no single α): tokens per call over the step's cost in plain
+    # steps, from the phase timings taken on that tree (draft + verify).
+    verify_tree, draft_tree = tree_costs
+    row.update(verify_cost=verify_tree,
+               calibrated_speedup=row["tokens_per_call"] / (verify_tree + draft_tree))
   if run.temperature == 0:
     same = [run.generated[i][r] == run.plain_generated[i][r]
             for i in sel for r in range(batches[i].num_real)]

@@ -70,8 +70,7 @@ def drafts_alpha(bench: Bench, drafts: Sequence[Draft]) -> list[dict]:
   rows = []
   for d, t in tqdm.tqdm(jobs, desc=f"drafts alpha (γ={g})", unit="run"):
     setting = own_setting(d, g)
-    rows += _rows(bench, "drafts_alpha", d, t, [setting],
-                  timed=setting[1] is None and bench.has_timed(d, g, t))
+    rows += _rows(bench, "drafts_alpha", d, t, [setting], timed=bench.has_timed(d, *setting, t))
   return rows
 
 

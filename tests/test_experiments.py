@@ -128,9 +128,7 @@ def test_decode_only_speedups_take_each_calls_prefill_out(smoke):
 
 
 def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):
-  # (draft_free rows take their verify cost and calibrated figure from phase timings)
-  predicted = [r for r in smoke[0]["rows"]
-               if r["predicted_speedup"] is not None and r["experiment"] != "draft_free"]
+  predicted = [r for r in smoke[0]["rows"] if r["predicted_speedup"] is not None]
   assert predicted
   for r in predicted:
     assert r["predicted_speedup"] == pytest.approx(

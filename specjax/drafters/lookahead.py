@@ -6,7 +6,8 @@ Parameters (static): window W, n-gram size N, guess set G.
 
 One target forward per step runs, as a single static token tree rooted at the last
 committed token x (``TreeTopology``; the decoder's tree verification, so its mask, its
-positions and, on GPU/TPU, its Pallas tree-attention kernels serve it unchanged):
+positions and, on GPU/TPU, the tree-attention entry point with its Pallas kernels serve
+it unchanged; not yet run on an accelerator):
 
   lookahead branch  N − 1 levels of W columns: cell (ℓ, j) is a guess for position
                     p + j + ℓ (p: x's position; cell (0, 0) is x itself). Level 0 is a
@@ -97,7 +98,7 @@ class _Layout(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _layout(window: int, ngram: int, guesses: int) -> _Layout:
-  levels, glen = ngram - 1, ngram - 1
+  levels = ngram - 1  # window levels, and the length of a guess
   parents, source, cell = [], [], {}
 
   def add(parent: int, src: int) -> int:
@@ -107,9 +108,9 @@ def _layout(window: int, ngram: int, guesses: int) -> _Layout:
 
   for g in range(guesses):  # the verification branch first: siblings are tried in order
     prev = -1
-    for k in range(glen):
-      prev = add(prev, g * glen + k)
-  base = guesses * glen
+    for k in range(levels):
+      prev = add(prev, g * levels + k)
+  base = guesses * levels
   cell[(0, 0)] = -1  # the root
   for l in range(levels):
     for j in range(window):
@@ -118,8 +119,8 @@ def _layout(window: int, ngram: int, guesses: int) -> _Layout:
       parent = cell[(0, j - 1)] if l == 0 else cell[(l - 1, j)]
       cell[(l, j)] = add(parent, base + l * window + j)
   order = breadth_first_order(parents)
-  topology = TreeTopology.from_parents(parents)
   position = {old: k for k, old in enumerate(order)}
+  topology = TreeTopology(tuple(-1 if parents[o] < 0 else position[parents[o]] for o in order))
   window_block = np.zeros((levels, window), np.int32)
   for (l, j), node in cell.items():
     window_block[l, j] = 0 if node < 0 else position[node] + 1

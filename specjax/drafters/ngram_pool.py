@@ -7,7 +7,8 @@ n − 1] holds each row's continuations by key (the n-gram's first token), ``sta
 Inserting a continuation that is already there refreshes its stamp; a new one takes an
 empty slot, else the least recently inserted (the reference implementation's
 ``update_token_map``: a list per key, moved to the end on a repeat, the head dropped
-when full). Memory: B·V·G·n int32s, 6.3 MB a row for V = 49152, G = 8, n = 5.
+when full). Memory: B·V·G·n int32s (n − 1 tokens and a stamp per slot), 7.9 MB a row for
+V = 49152, G = 8, n = 5.
 
 Example (V = 4, G = 2, 2-grams)::
 

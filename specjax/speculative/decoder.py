@@ -130,8 +130,8 @@ class SpeculativeDecoder:
   verification: str = "tokenwise"
 
   def __post_init__(self):
-    if self.tree is None and self.gamma is None and self.drafter.default_tree() is not None:
-      object.__setattr__(self, "tree", self.drafter.default_tree())
+    if self.tree is None and self.gamma is None:
+      object.__setattr__(self, "tree", self.drafter.default_tree())  # None: a chain
     if self.tree is None:
       gamma = validation.as_int(4 if self.gamma is None else self.gamma, "gamma", 1)
       object.__setattr__(self, "tree", TreeTopology.chain(gamma))
