@@ -122,6 +122,7 @@ def main(argv):
   tree_name = f"EAGLE-2 tree N={dyn.num_nodes} (depth {dyn.depth}, top-{dyn.top_k})"
   lookup_name = f"{LOOKUP_BRANCHES.value}-branch tree (depth {g})"
   la_name = f"W={la.window}, N={la.ngram}, G={la.guesses}: {la.default_tree().num_nodes} nodes"
+  la_greedy = f"specjax lookahead decoding, greedy ({la_name})"
   spec_rows = {
       f"specjax speculative, shipped draft, greedy (γ={g})": (drafter, dp, Greedy(), None),
       f"specjax speculative, shipped draft, T=1 (γ={g})": (drafter, dp, Sampling(1.0), None),
@@ -140,7 +141,7 @@ def main(argv):
           JacobiDrafter(cfg.vocab_size), (), Greedy(), None),
       f"specjax Jacobi decoding, T=1 (window {g})": (
           JacobiDrafter(cfg.vocab_size), (), Sampling(1.0), None),
-      f"specjax lookahead decoding, greedy ({la_name})": (la, (), Greedy(), la.default_tree()),
+      la_greedy: (la, (), Greedy(), la.default_tree()),
       f"specjax lookahead decoding, T=1 ({la_name})": (la, (), Sampling(1.0), la.default_tree()),
   }
 
@@ -204,7 +205,7 @@ def main(argv):
       f"- best specjax tree row / specjax autoregressive (greedy): "
       f"**{max(v for k, v in tps.items() if 'tree' in k and 'greedy' in k) / tps['specjax autoregressive, greedy']:.2f}x**",
       f"- specjax lookahead decoding / specjax autoregressive (greedy): "
-      f"**{tps[f'specjax lookahead decoding, greedy ({la_name})'] / tps['specjax autoregressive, greedy']:.2f}x**",
+      f"**{tps[la_greedy] / tps['specjax autoregressive, greedy']:.2f}x**",
       f"- specjax autoregressive / HF generate (greedy): "
       f"**{tps['specjax autoregressive, greedy'] / base:.2f}x**",
   ]

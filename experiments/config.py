@@ -35,7 +35,8 @@ class ExperimentConfig:
     draft: "eagle" (the shipped EAGLE-3 feature drafter, the default) |
       "default" (the shipped distilled token draft) | "early_exit:K" | "bigram" | "unigram" |
       "prompt_lookup" | "jacobi" | "jacobi_random" (Jacobi decoding, no draft model) |
-      "lookahead" (lookahead decoding, its own tree) | "tiny" | path of a specjax draft directory (token or EAGLE), a .gguf file or HF dir.
+      "lookahead" (lookahead decoding, its own tree) | "tiny" | path of a specjax draft
+      directory (token or EAGLE), a .gguf file or HF dir.
     prompts: a .jsonl prompt file, or None for the built-in held-out set.
     num_prompts: prompts taken from the built-in set (default 10: 2 per category; with
       batch 1 and 128 new tokens that fits the run in about a quarter of an hour).

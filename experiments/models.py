@@ -103,8 +103,8 @@ def load_draft(spec: str, target: Target,
   if os.path.exists(spec):
     return _draft_from_path(spec, target)
   raise ValueError(f"unknown --draft {spec!r}: use default, eagle, early_exit:K, bigram, "
-                   "unigram, prompt_lookup, jacobi, jacobi_random, lookahead, tiny, or the path of a draft "
-                   "directory (token or EAGLE), .gguf file or HF dir")
+                   "unigram, prompt_lookup, jacobi, jacobi_random, lookahead, tiny, or the path of "
+                   "a draft directory (token or EAGLE), .gguf file or HF dir")
 
 
 def _model_draft(name: str, dcfg: ModelConfig, dparams: Params, vocab_map: Optional[np.ndarray],

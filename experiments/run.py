@@ -29,8 +29,8 @@ flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF direc
 flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
                     "(the shipped distilled token draft) | early_exit:K | bigram | unigram | "
                     "prompt_lookup | lookahead (its own tree: drafts_alpha and draft_free only) "
-                    "| jacobi | jacobi_random (Jacobi decoding, prompt-lookup or random fill) | tiny | path of a draft directory (token or EAGLE), .gguf or "
-                    "HF dir.")
+                    "| jacobi | jacobi_random (Jacobi decoding, prompt-lookup or random fill) | "
+                    "tiny | path of a draft directory (token or EAGLE), .gguf or HF dir.")
 flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category": ...} per '
                     "line (default: built-in held-out prompts over code, summarise, qa, math, "
                     "chat).")

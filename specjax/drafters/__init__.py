@@ -13,5 +13,6 @@ from specjax.drafters.ngram import NgramDrafter, fit_ngram
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.speculative.drafter import Drafter
 
-__all__ = ["Drafter", "EagleDrafter", "JacobiDrafter", "LookaheadDrafter", "ModelDrafter", "NgramDrafter",
-           "PromptLookupDrafter", "eagle_drafter", "early_exit_drafter", "fit_ngram"]
+__all__ = ["Drafter", "EagleDrafter", "JacobiDrafter", "LookaheadDrafter", "ModelDrafter",
+           "NgramDrafter", "PromptLookupDrafter", "eagle_drafter", "early_exit_drafter",
+           "fit_ngram"]
