@@ -79,6 +79,25 @@ def over_chunks(step, carry, num_tokens: jax.Array, length: int, chunk: int = PR
   return carry
 
 
+def over_backlog(step, carry, lengths: jax.Array, target: jax.Array, chunk: int):
+  """Feeds each row's positions ``lengths[b]`` … ``target[b] − 1`` in chunks: ``carry =
+  step(pos, valid, carry)`` with pos [B, C] the chunk's positions per row (C = ``chunk``;
+  those past ``valid[b]`` are padding) and valid [B] how many of them the row commits.
+
+  How a drafter catches up on tokens committed while it was skipped (an adaptive
+  policy's plain decoding steps). The number of chunks is dynamic (a ``while_loop``):
+  none when no row lags, so the common case costs one comparison.
+  """
+
+  def body(c):
+    fed, carry = c
+    valid = jnp.clip(target - fed, 0, chunk)
+    return fed + valid, step(fed[:, None] + jnp.arange(chunk)[None, :], valid, carry)
+
+  _, carry = jax.lax.while_loop(lambda c: jnp.any(c[0] < target), body, (lengths, carry))
+  return carry
+
+
 def last_tokens(tokens: jax.Array, seq_lens: jax.Array) -> jax.Array:
   """[B, 1] the last token of each row, the one the next forward feeds."""
   return jnp.take_along_axis(tokens, (seq_lens - 1)[:, None], axis=1)

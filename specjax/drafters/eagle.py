@@ -50,7 +50,7 @@ from specjax import validation
 from specjax.config import ModelConfig
 from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
-from specjax.generate import over_chunks
+from specjax.generate import over_backlog, over_chunks
 from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, policy_of, unpacked
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, init_params, rms_norm, run_layers
@@ -202,16 +202,31 @@ class EagleDrafter(Drafter):
     # Only pairs < seq_lens were built from true features; the rest is scratch.
     return drafts, q, state.replace(cache=cache.with_lengths(seq_lens))
 
-  def _catch_up(self, dp, state: EagleState, tokens, seq_lens, window: int):
-    """Feeds the pending pairs (true features): (ĥ of the last committed position, cache)."""
+  def tolerates_skipped_steps(self) -> bool:
+    return True  # a plain step's feature arrives by ``observe``; ``_catch_up`` feeds any backlog
+
+  def _pairs(self, dp, state: EagleState, tokens, pos, num_valid, cache):
+    """Feeds the pairs (f_{p−1}, x_p) of positions pos [B, T] (true features), committing the
+    first ``num_valid`` [B]: (ĥ [B, T, D], cache)."""
     s = tokens.shape[1]
-    c = state.cache.lengths  # pairs c … seq_lens − 1 are pending (1 … window of them)
-    pos = c[:, None] + jnp.arange(window)[None, :]
     pair_tokens = jnp.take_along_axis(tokens, jnp.clip(pos, 0, s - 1), axis=1)
     feats = jnp.take_along_axis(state.features, jnp.clip(pos - 1, 0, s - 1)[:, :, None], axis=1)
     feats = jnp.where((pos >= 1)[:, :, None], self.fuse(dp, feats), 0.0)
+    return self.hidden(dp, feats, pair_tokens, pos, cache, num_valid)
+
+  def _catch_up(self, dp, state: EagleState, tokens, seq_lens, window: int):
+    """Feeds the pending pairs (true features): (ĥ of the last committed position, cache).
+
+    After a speculative step 1 … ``window`` pairs are pending, fed in one forward. After
+    plain decoding steps that skipped the drafter (an adaptive policy's γ = 0) the
+    backlog before the last ``window`` goes first, ``window`` pairs per forward.
+    """
+    feed = lambda pos, valid, cache: self._pairs(dp, state, tokens, pos, valid, cache)[1]
+    cache = over_backlog(feed, state.cache, state.cache.lengths, seq_lens - window, window)
+    c = cache.lengths  # pairs c … seq_lens − 1 are pending (1 … window of them)
     num_valid = seq_lens - c
-    h, cache = self.hidden(dp, feats, pair_tokens, pos, state.cache, num_valid)
+    h, cache = self._pairs(dp, state, tokens, c[:, None] + jnp.arange(window)[None, :],
+                           num_valid, cache)
     last = jnp.clip(num_valid - 1, 0, window - 1)[:, None, None]
     return jnp.take_along_axis(h, last, axis=1)[:, 0], cache
 

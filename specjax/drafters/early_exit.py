@@ -46,6 +46,9 @@ class EarlyExitDrafter(Drafter):
   def vocab_size(self) -> int:
     return self.cfg.vocab_size
 
+  def tolerates_skipped_steps(self) -> bool:
+    return True  # its state is the target's cache, which plain steps keep current
+
   def shares_target_cache(self) -> bool:
     return True  # ``propose`` gets the target's KV cache as its state
 

@@ -4,7 +4,8 @@ The draft keeps its own KV cache. After a step in which all γ drafts were
 accepted, the draft has not yet seen its own last draft token, so its cache
 can lag the committed sequence by up to two tokens; each ``propose`` therefore
 starts with one forward over two tokens (``num_valid`` 1 or 2), which keeps
-the shapes static.
+the shapes static. Plain decoding steps of an adaptive policy skip the draft;
+the next ``propose`` first feeds that backlog in chunks (``over_backlog``).
 
 Reduced vocabulary (FR-Spec / EAGLE-3 style): a draft with V_d < V outputs
 logits over V_d ids and carries ``vocab_map`` [V_d] of target ids. It samples
@@ -34,12 +35,14 @@ from specjax import validation
 from specjax.config import ModelConfig
 from specjax.drafters.reduced_vocab import full_input
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
-from specjax.generate import prefill
+from specjax.generate import over_backlog, prefill
 from specjax.model import Params, forward
 from specjax.sampling import Sampler, sample_subset
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
+
+BACKLOG_CHUNK = 4  # tokens per forward when catching up after skipped steps
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -155,8 +158,23 @@ class ModelDrafter(Drafter):
                   num_valid=num_valid)
     return out.logits, out.cache
 
+  def tolerates_skipped_steps(self) -> bool:
+    return True  # ``_catch_up`` feeds any backlog
+
   def _catch_up(self, dp, state: kvc.KVCache, tokens, seq_lens):
-    """Feeds the 1–2 committed tokens the cache lacks: (logits after the last [B, Vd], cache)."""
+    """Feeds the committed tokens the cache lacks: (logits after the last [B, Vd], cache).
+
+    After a speculative step these are 1–2 tokens, fed in one forward. After plain
+    decoding steps that skipped the drafter (an adaptive policy's γ = 0) the backlog
+    before the last two goes first, ``BACKLOG_CHUNK`` tokens per forward.
+    """
+    s = tokens.shape[1]
+
+    def feed(pos, valid, cache):
+      chunk = jnp.take_along_axis(tokens, jnp.clip(pos, 0, s - 1), axis=1)
+      return self._forward(dp, chunk, pos, cache, valid)[1]
+
+    state = over_backlog(feed, state, state.lengths, seq_lens - 2, BACKLOG_CHUNK)
     start = state.lengths  # seq_lens - 2 <= start <= seq_lens - 1
     idx = start[:, None] + jnp.arange(2)[None, :]
     pair = jnp.take_along_axis(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)

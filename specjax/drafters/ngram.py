@@ -31,6 +31,9 @@ class NgramDrafter(Drafter):
     if self.order not in (1, 2):
       raise ValueError(f"order must be 1 (unigram) or 2 (bigram), got {self.order}")
 
+  def tolerates_skipped_steps(self) -> bool:
+    return True  # stateless: every proposal reads the committed tokens afresh
+
   def init(self, draft_params, tokens, prompt_lens, features=None):
     return ()
 

@@ -64,6 +64,9 @@ class PromptLookupDrafter(Drafter):
   def buildable(self) -> str:
     return "chains and trees that branch only at the root (each node has at most one child)"
 
+  def tolerates_skipped_steps(self) -> bool:
+    return True  # stateless: every proposal reads the committed tokens afresh
+
   def init(self, draft_params, tokens, prompt_lens, features=None):
     return ()
 

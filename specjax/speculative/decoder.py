@@ -42,6 +42,7 @@ from specjax.model import Params, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
+from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.block_verification import VERIFICATIONS
 from specjax.speculative.metrics import SpecResult, summarize
 from specjax.speculative.proposal import Proposal
@@ -112,6 +113,9 @@ class SpeculativeDecoder:
       sampling, token by token) or "block" (``block_verification``: the chain judged
       jointly, never fewer tokens per step in expectation; chains only). Both are
       lossless; with a greedy sampler both keep the longest matching prefix.
+    policy: an ``AdaptiveGamma`` that picks each step's chain length from its static
+      set (``lax.switch`` inside the loop; γ = 0 is a plain decoding step); give it
+      instead of gamma and tree. The state's depth is then its largest γ.
 
   Example::
 
@@ -128,8 +132,12 @@ class SpeculativeDecoder:
   tree: Optional[TreeTopology | DynamicTree] = None
   attention_impl: str = "auto"
   verification: str = "tokenwise"
+  policy: Optional[AdaptiveGamma] = None
 
   def __post_init__(self):
+    if self.policy is not None:
+      self._check_policy()
+      object.__setattr__(self, "tree", TreeTopology.chain(self.policy.max_gamma))
     if self.tree is None and self.gamma is None:
       object.__setattr__(self, "tree", self.drafter.default_tree())  # None: a chain
     if self.tree is None:
@@ -162,6 +170,21 @@ class SpeculativeDecoder:
     resolve_impl(self.attention_impl)  # unknown names fail here, not at trace time
     eos = self.target_cfg.eos_token_ids if self.eos_ids is None else self.eos_ids
     object.__setattr__(self, "eos_ids", validation.token_ids(eos, "eos_ids"))
+
+  def with_policy(self, policy: Optional[AdaptiveGamma]) -> "SpeculativeDecoder":
+    """This decoder with an adaptive policy in place of its gamma and tree (None: back to
+    a fixed chain of γ = 4 or the drafter's default tree)."""
+    return dataclasses.replace(self, policy=policy, gamma=None, tree=None)
+
+  def _check_policy(self):
+    if not isinstance(self.policy, AdaptiveGamma):
+      raise TypeError(f"policy must be an AdaptiveGamma, got {type(self.policy).__name__}")
+    if self.tree is not None or self.gamma is not None:
+      raise ValueError(f"give the draft lengths in the policy {self.policy.gammas}, not "
+                       f"gamma={self.gamma} or tree={self.tree}")
+    if self.policy.plain and not self.drafter.tolerates_skipped_steps():
+      raise ValueError(f"{type(self.drafter).__name__} cannot skip steps, so the policy cannot "
+                       f"choose plain decoding: take 0 out of gammas {self.policy.gammas}")
 
   # --- the algorithm's steps -------------------------------------------------
 
@@ -231,23 +254,27 @@ class SpeculativeDecoder:
 
   def count(self, counters: SpecCounters, active: jax.Array, proposal: Proposal,
             acc: TreeAcceptance, n_emit: jax.Array) -> SpecCounters:
-    d = self.tree.max_depth
+    # The counters' depth is the state's (an adaptive policy's largest γ), at least the tree's.
+    d, depth = counters.accepted_at.shape[1], self.tree.max_depth
     a = active.astype(jnp.int32)
     levels = jnp.arange(d)[None, :]
     accepted_at = (levels < acc.num_accepted[:, None]) & active[:, None]  # [B, D]
     rank = _node_ranks(proposal, self.tree)  # [B, N]
-    path_rank = jnp.take_along_axis(rank, jnp.maximum(acc.path[:, 1:] - 1, 0), axis=1)  # [B, D]
+    path_rank = jnp.take_along_axis(rank, jnp.maximum(acc.path[:, 1:] - 1, 0), axis=1)
+    path_rank = jnp.pad(path_rank, ((0, 0), (0, d - depth)))  # [B, D]
     rank_hit = jax.nn.one_hot(path_rank, counters.accepted_rank.shape[-1], dtype=jnp.int32)
+    hist = lambda x: jax.nn.one_hot(x, d + 1, dtype=jnp.int32) * a[:, None]
     counters = counters.replace(
         target_calls=counters.target_calls + a,
         drafted=counters.drafted + self.tree.num_nodes * a,
         accepted=counters.accepted + acc.num_accepted * a, emitted=counters.emitted + n_emit,
         accepted_at=counters.accepted_at + accepted_at,
-        accept_len_hist=counters.accept_len_hist
-        + jax.nn.one_hot(acc.num_accepted, d + 1, dtype=jnp.int32) * a[:, None],
+        accept_len_hist=counters.accept_len_hist + hist(acc.num_accepted),
+        depth_hist=counters.depth_hist + hist(jnp.full_like(a, depth)),
         accepted_rank=counters.accepted_rank + rank_hit * accepted_at[:, :, None])
     if not (self.tree.is_chain and proposal.draw == "sampled"):
       return counters  # β = Σ min(p, q) is defined for chains of sampled drafts only
+    levels = jnp.arange(acc.beta.shape[1])[None, :]
     scored = (levels <= acc.num_accepted[:, None]) & active[:, None]
     return counters.replace(
         beta_sum=counters.beta_sum + jnp.sum(jnp.where(scored, acc.beta, 0.0), axis=1),
@@ -256,7 +283,60 @@ class SpeculativeDecoder:
   # --- composition -----------------------------------------------------------
 
   def step(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
-    """One full speculative step (pure)."""
+    """One full speculative step (pure); with a policy, of the draft length it chooses."""
+    if self.policy is None:
+      return self.fixed_step(target_params, draft_params, state)
+    index = self.choice(state)
+    new = jax.lax.switch(index, [functools.partial(f, target_params, draft_params)
+                                 for f in self.branch_steps()], state)
+    return self.observed(state, new, index)
+
+  def choice(self, state: SpecState) -> jax.Array:
+    """The policy's choice for the next step: an index into its gammas (int32 scalar)."""
+    return self.policy.choose(state.policy, ~state.done)
+
+  def observed(self, before: SpecState, after: SpecState, index: jax.Array) -> SpecState:
+    """``after`` (one step at the policy's ``gammas[index]``) with the policy's estimates
+    updated by that step's acceptance."""
+    accepted = after.counters.accepted - before.counters.accepted
+    return after.replace(policy=self.policy.observe(before.policy, index, accepted,
+                                                    ~before.done))
+
+  def branch(self, index: int) -> Optional["SpeculativeDecoder"]:
+    """The fixed-chain decoder of the policy's ``gammas[index]`` (None for γ = 0)."""
+    gamma = self.policy.gammas[index]
+    return dataclasses.replace(self, policy=None, gamma=gamma, tree=None) if gamma else None
+
+  def branch_steps(self) -> list:
+    """One step function per policy choice: ``plain_step`` for γ = 0, else a chain's."""
+    return [self.plain_step if g == 0 else self.branch(i).fixed_step
+            for i, g in enumerate(self.policy.gammas)]
+
+  def plain_step(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
+    """A plain decoding step (a policy's γ = 0): the target feeds the last token and samples
+    the next; the drafter is skipped, except that a feature drafter observes that feature."""
+    rng, key = jax.random.split(state.rng)
+    b = state.tokens.shape[0]
+    start = state.seq_lens - 1
+    layers = self.drafter.target_feature_layers()
+    out = forward(target_params, self.target_cfg, last_tokens(state.tokens, state.seq_lens),
+                  start[:, None], state.target_cache, num_valid=jnp.ones((b,), jnp.int32),
+                  attention_impl=self.attention_impl, return_layers=layers)
+    nxt, _ = self.sampler.sample(key, out.logits[:, 0])
+    new, n_emit = append(state, nxt[:, None], jnp.ones_like(state.seq_lens), self.eos_ids)
+    draft_state = state.draft_state
+    if self.drafter.reads_target_features():
+      draft_state = self.drafter.observe(draft_state, target_features(out, layers), start)
+    a = (~state.done).astype(jnp.int32)
+    c = state.counters
+    counters = c.replace(target_calls=c.target_calls + a, emitted=c.emitted + n_emit,
+                         depth_hist=c.depth_hist.at[:, 0].add(a))
+    return new.replace(target_cache=out.cache.with_lengths(new.seq_lens - 1),
+                       draft_state=draft_state, rng=rng, steps=state.steps + 1,
+                       counters=counters)
+
+  def fixed_step(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
+    """One speculative step of the decoder's own topology."""
     rng, k_draft, k_accept = jax.random.split(state.rng, 3)
     proposal, draft_state = self.propose(draft_params, state, k_draft)
     scores = self.verify(target_params, state, proposal)
@@ -290,13 +370,33 @@ class SpeculativeDecoder:
                      target_cache=target_cache, draft_state=draft_state, rng=jnp.array(rng),
                      steps=jnp.zeros((), jnp.int32),
                      counters=SpecCounters.zeros(b, self.tree.max_depth,
-                                                 self.tree.max_children))
+                                                 self.tree.max_children),
+                     policy=() if self.policy is None else self.policy.init(b))
 
   @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
   def run(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
-    """Runs steps in a ``lax.while_loop`` until every row is done."""
-    body = functools.partial(self.step, target_params, draft_params)
-    return jax.lax.while_loop(lambda st: ~jnp.all(st.done), body, state)
+    """Runs steps in a ``lax.while_loop`` until every row is done.
+
+    With a policy, the loop's body is one inner ``while_loop`` per choice, each running
+    its γ's steps for as long as the policy keeps choosing it. That is ``step`` in
+    effect, without its ``lax.switch``: XLA copies every buffer a conditional's branches
+    update (the KV caches: 20% of a batch-1 step on CPU), a loop updates them in place.
+    Each pass of the outer loop takes at least one step (the chosen γ's loop runs).
+    """
+    not_done = lambda st: ~jnp.all(st.done)
+    if self.policy is None:
+      return jax.lax.while_loop(not_done, functools.partial(self.step, target_params,
+                                                            draft_params), state)
+
+    def while_chosen(index, step_fn):
+      def body(st):
+        return self.observed(st, step_fn(target_params, draft_params, st), jnp.int32(index))
+      return lambda st: jax.lax.while_loop(
+          lambda s: not_done(s) & (self.choice(s) == index), body, st)
+
+    loops = [while_chosen(i, f) for i, f in enumerate(self.branch_steps())]
+    return jax.lax.while_loop(not_done, lambda st: functools.reduce(lambda s, f: f(s), loops, st),
+                              state)
 
   # --- Python-side API ---------------------------------------------------------
 
@@ -369,17 +469,24 @@ class SpeculativeDecoder:
     """
     state, _ = self.prepare(target_params, draft_params, prompts, max_new_tokens, seed=seed,
                             cache_size=cache_size)
-    propose, verify, finish = _phase_fns(self)
     while not bool(jnp.all(state.done)):
-      t0 = time.perf_counter()
-      rng, k_draft, k_accept = jax.random.split(state.rng, 3)
-      proposal, draft_state = jax.block_until_ready(propose(draft_params, state, k_draft))
-      t1 = time.perf_counter()
-      scores = jax.block_until_ready(verify(target_params, state, proposal))
-      t2 = time.perf_counter()
-      state = jax.block_until_ready(finish(state, proposal, scores, k_accept, draft_state, rng))
-      t3 = time.perf_counter()
-      yield state, {"draft": t1 - t0, "verify": t2 - t1, "other": t3 - t2}
+      if self.policy is None:
+        state, timing = _timed_step(self, target_params, draft_params, state)
+      else:  # the policy's choice comes to the host, then the chosen step runs in phases
+        choice, observed, plain = _policy_fns(self)
+        t0 = time.perf_counter()
+        index = int(choice(state))
+        t1 = time.perf_counter()
+        branch = self.branch(index)
+        if branch is None:
+          new = jax.block_until_ready(plain(target_params, draft_params, state))
+          timing = {"draft": 0.0, "verify": time.perf_counter() - t1, "other": 0.0}
+        else:
+          new, timing = _timed_step(branch, target_params, draft_params, state)
+        t2 = time.perf_counter()
+        state = jax.block_until_ready(observed(state, new, jnp.int32(index)))
+        timing["other"] += (t1 - t0) + (time.perf_counter() - t2)
+      yield state, timing
 
 
 def _node_ranks(proposal: Proposal, tree: TreeTopology) -> jax.Array:
@@ -396,3 +503,24 @@ def _node_ranks(proposal: Proposal, tree: TreeTopology) -> jax.Array:
 def _phase_fns(dec: SpeculativeDecoder):
   """Separately jitted phases of one step (for ``stream``)."""
   return jax.jit(dec.propose), jax.jit(dec.verify), jax.jit(dec.finish)
+
+
+@functools.lru_cache(maxsize=32)
+def _policy_fns(dec: SpeculativeDecoder):
+  """The policy's choice and update and the plain step, jitted (for ``stream``)."""
+  return jax.jit(dec.choice), jax.jit(dec.observed), jax.jit(dec.plain_step)
+
+
+def _timed_step(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
+                state: SpecState) -> tuple[SpecState, dict[str, float]]:
+  """One step of ``dec``'s own topology in separately jitted phases, each timed."""
+  propose, verify, finish = _phase_fns(dec)
+  t0 = time.perf_counter()
+  rng, k_draft, k_accept = jax.random.split(state.rng, 3)
+  proposal, draft_state = jax.block_until_ready(propose(draft_params, state, k_draft))
+  t1 = time.perf_counter()
+  scores = jax.block_until_ready(verify(target_params, state, proposal))
+  t2 = time.perf_counter()
+  state = jax.block_until_ready(finish(state, proposal, scores, k_accept, draft_state, rng))
+  t3 = time.perf_counter()
+  return state, {"draft": t1 - t0, "verify": t2 - t1, "other": t3 - t2}

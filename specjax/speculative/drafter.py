@@ -26,6 +26,12 @@ never probes attributes:
     ``gamma`` nor ``tree`` (default None: a chain of γ = 4). A drafter whose
     shape follows from its own configuration (lookahead decoding's window and
     guess set) returns it, so users need not rebuild it.
+  * ``tolerates_skipped_steps()``: the decoder may take plain decoding steps
+    without calling the drafter (an adaptive policy's γ = 0, ``adaptive``):
+    the next ``propose`` then finds any number of tokens committed since its
+    state last saw the sequence and must catch up on them. A feature drafter
+    still receives ``observe`` with each plain step's single feature (the
+    root's, at position ``start``). Default False: the decoder refuses γ = 0.
   * ``shares_target_cache()`` (early exit): ``propose`` gets the target's KV
     cache, holding the committed length − 1, as ``state``; it may write only
     slots at or past that length (verification overwrites them) and keeps no
@@ -92,6 +98,9 @@ class Drafter:
   def default_tree(self) -> Optional[TreeTopology]:
     """The topology to verify when the decoder is given neither gamma nor tree (None: a chain)."""
     return None
+
+  def tolerates_skipped_steps(self) -> bool:
+    return False
 
   def shares_target_cache(self) -> bool:
     return False

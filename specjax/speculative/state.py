@@ -24,6 +24,9 @@ class SpecCounters:
     accepted_at: [B, D] how often a node at depth i + 1 was accepted (for a
       chain, draft position i).
     accept_len_hist: [B, D+1] how often exactly n drafts were accepted.
+    depth_hist: [B, D+1] how many steps verified a draft of each depth: all at γ (a
+      tree's depth D) for a fixed topology, spread by an adaptive policy, whose
+      plain decoding steps count at 0 (and nowhere in ``accept_len_hist``).
     accepted_rank: [B, D, R] how often the accepted node at depth d + 1 was
       its parent's child of rank r (R = the most children a node has); with
       ``accept_len_hist`` this gives the per-depth, per-rank acceptance that
@@ -39,6 +42,7 @@ class SpecCounters:
   emitted: jax.Array
   accepted_at: jax.Array
   accept_len_hist: jax.Array
+  depth_hist: jax.Array
   accepted_rank: jax.Array
   beta_sum: jax.Array
   beta_count: jax.Array
@@ -49,6 +53,7 @@ class SpecCounters:
     return cls(target_calls=z(batch_size), drafted=z(batch_size), accepted=z(batch_size),
                emitted=z(batch_size), accepted_at=z(batch_size, max_depth),
                accept_len_hist=z(batch_size, max_depth + 1),
+               depth_hist=z(batch_size, max_depth + 1),
                accepted_rank=z(batch_size, max_depth, max_rank),
                beta_sum=jnp.zeros((batch_size,), jnp.float32), beta_count=z(batch_size))
 
@@ -67,6 +72,7 @@ class SpecState:
     rng: PRNG key.
     steps: scalar, speculative steps taken.
     counters: acceptance statistics.
+    policy: the adaptive policy's state (``adaptive.PolicyState``); () without one.
   """
 
   tokens: jax.Array
@@ -78,3 +84,4 @@ class SpecState:
   rng: jax.Array
   steps: jax.Array
   counters: SpecCounters
+  policy: Any = ()

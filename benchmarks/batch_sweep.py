@@ -1,0 +1,209 @@
+"""Speedup versus batch size: plain decoding, fixed chains, a dynamic tree and the adaptive policy.
+
+Usage:
+  python -m benchmarks.batch_sweep [--batch_sizes 1,2,4,8,16,32] [--temperatures 0]
+      [--gammas 1,2,3,4] [--trees 3:3:4] [--new_tokens 128] [--rounds 2] [--draft eagle]
+      [--out benchmarks/results/batch_sweep.md]
+
+For each batch size B and temperature, on the same B prompts (the held-out
+prompts, cycled when B exceeds them), in one process:
+
+  1. the step costs: a speculative step at each γ over a plain decoding step, decode
+     loop only (``specjax.speculative.calibration.measure_step_costs``, 48 tokens);
+  2. ``AdaptiveGamma`` over {0} ∪ gammas with those costs;
+  3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
+     EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy, whole generations
+     (prefill included, EOS ignored); speedup = plain time / method time per round,
+     the median round reported.
+
+Results go to ``--out`` (markdown, with a figure beside it) and to a JSON file
+beside it that a rerun resumes from (delete it to start over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+import specjax
+from benchmarks.common import provenance, write_markdown
+from experiments.machine import probe_output_dir
+from experiments.models import load_draft, load_target
+from experiments.prompts import default_prompts
+from specjax.sampling import make_sampler
+from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.calibration import measure_step_costs
+from specjax.speculative.tree import DynamicTree
+
+BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "batch sizes")
+TEMPS = flags.DEFINE_list("temperatures", ["0"], "temperatures")
+GAMMAS = flags.DEFINE_list("gammas", ["1", "2", "3", "4"], "fixed chains (and the policy's set)")
+TREES = flags.DEFINE_list("trees", ["3:3:4"], "EAGLE-2 dynamic trees as top_k:depth:nodes")
+NEW = flags.DEFINE_integer("new_tokens", 128, "tokens generated per prompt")
+ROUNDS = flags.DEFINE_integer("rounds", 2, "interleaved timed rounds")
+PROMPTS = flags.DEFINE_integer("prompts", 8, "distinct held-out prompts (cycled to fill a batch)")
+DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_draft spec)")
+OUT = flags.DEFINE_string("out", "benchmarks/results/batch_sweep.md", "markdown output")
+
+CALIBRATION_TOKENS = 48
+
+
+def _log(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _check_flags() -> tuple[list[int], list[float], list[int], list[DynamicTree]]:
+  """Parsed flags; bad values fail here, before any model loads."""
+  try:
+    batches = [int(b) for b in BATCHES.value]
+    temps = [float(t) for t in TEMPS.value]
+    gammas = [int(g) for g in GAMMAS.value]
+    trees = [DynamicTree(*(int(x) for x in t.split(":"))) for t in TREES.value if t]
+  except (ValueError, TypeError) as e:
+    raise app.UsageError(f"bad flag value: {e}")
+  if not batches or min(batches) < 1:
+    raise app.UsageError(f"batch sizes must be >= 1, got {batches}")
+  if not gammas or min(gammas) < 1:
+    raise app.UsageError(f"gammas must be >= 1, got {gammas}")
+  if NEW.value < 1 or ROUNDS.value < 1 or PROMPTS.value < 1:
+    raise app.UsageError("new_tokens, rounds and prompts must be >= 1")
+  return batches, temps, gammas, trees
+
+
+def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> dict:
+  """One (batch size, temperature) cell: costs, then interleaved timed rounds."""
+  sampler = make_sampler(temp)
+  batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+  new = NEW.value
+  cache = max(len(p) for p in batch_prompts) + new + 16
+  template = SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler, eos_ids=())
+  t0 = time.perf_counter()
+  costs = measure_step_costs(template, target.params, draft.params, batch_prompts,
+                             (0, *gammas), CALIBRATION_TOKENS)
+  _log(f"B={batch} T={temp:g}: step costs "
+       + ", ".join(f"γ={g}: {c:.3f}" for g, c in zip((0, *gammas), costs))
+       + f" ({time.perf_counter() - t0:.0f} s)")
+  policy = AdaptiveGamma(gammas=(0, *gammas), step_costs=costs)
+  methods = {f"γ={g}": dataclasses.replace(template, gamma=g, tree=None) for g in gammas}
+  methods.update({f"tree k={t.top_k} D={t.depth} N={t.num_nodes}":
+                  dataclasses.replace(template, gamma=None, tree=t) for t in trees})
+  methods["adaptive"] = template.with_policy(policy)
+  plain = lambda: specjax.generate(target.params, target.cfg, batch_prompts, new, sampler,
+                                   cache_size=cache, eos_ids=())
+  run = lambda dec: dec.generate(target.params, draft.params, batch_prompts, new,
+                                 cache_size=cache)
+  plain()
+  for dec in methods.values():
+    run(dec)
+  speedups = {name: [] for name in methods}
+  plain_seconds, stats = [], {}
+  for r in range(ROUNDS.value):
+    base = plain().seconds
+    plain_seconds.append(base)
+    for name, dec in methods.items():
+      out = run(dec)
+      speedups[name].append(base / out.seconds)
+      m = out.metrics()
+      stats[name] = {"tokens_per_call": m["tokens_per_call"],
+                     "depth_hist": out.per_row["depth_hist"].sum(axis=0).tolist()}
+    _log(f"B={batch} T={temp:g} round {r + 1}: " + ", ".join(
+        f"{k} {v[-1]:.2f}×" for k, v in speedups.items()))
+  plain_tps = batch * new / float(np.median(plain_seconds))
+  return {"batch": batch, "temperature": temp, "gammas": [0, *gammas], "step_costs": list(costs),
+          "plain_tokens_per_second": plain_tps,
+          "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
+                                 tokens_per_second=plain_tps * float(np.median(v)))
+                      for name, v in speedups.items()}}
+
+
+def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
+  lines = ["# Speedup versus batch size (SmolLM2-135M-Instruct target)", "",
+           f"Command: `{command}`  ", f"{provenance()}; draft `{DRAFT.value}`; "
+           f"{NEW.value} new tokens per row (EOS ignored), whole generations (prefill "
+           f"included); median of {ROUNDS.value} interleaved rounds; {minutes:.1f} min (this "
+           "invocation; a rerun resumes from the JSON beside this file).", "",
+           "Step cost = a speculative step's decode-loop time over a plain decoding step's, "
+           "at that batch (what the adaptive policy is given). Adaptive = `AdaptiveGamma` over "
+           f"γ ∈ {{0, {', '.join(map(str, gammas))}}} with those costs; its γ mix counts "
+           "steps at each γ (0 = plain decoding).", ""]
+  for temp in sorted({c["temperature"] for c in cells}):
+    rows = sorted((c for c in cells if c["temperature"] == temp), key=lambda c: c["batch"])
+    fixed = [n for n in rows[0]["methods"] if n != "adaptive"]
+    lines += [f"## T = {temp:g}", "",
+              "| batch | plain tok/s | step cost " + " / ".join(f"γ={g}" for g in gammas)
+              + " | " + " | ".join(fixed) + " | best fixed | **adaptive** | adaptive / best "
+              "| adaptive tok/s | adaptive γ mix (0…" + str(max(gammas)) + ") |",
+              "|---" * (8 + len(fixed)) + "|"]
+    for c in rows:
+      m = c["methods"]
+      best = max(fixed, key=lambda n: m[n]["speedup"])
+      a = m["adaptive"]
+      cost = dict(zip(c["gammas"], c["step_costs"]))
+      costs = " / ".join(f"{cost[g]:.2f}" for g in gammas)
+      lines.append(
+          f"| {c['batch']} | {c['plain_tokens_per_second']:.0f} | {costs} | "
+          + " | ".join(f"{m[n]['speedup']:.2f}×" for n in fixed)
+          + f" | {best} ({m[best]['speedup']:.2f}×) | **{a['speedup']:.2f}×** | "
+          f"{a['speedup'] / m[best]['speedup']:.0%} | {a['tokens_per_second']:.0f} | "
+          f"{'/'.join(str(x) for x in a['depth_hist'])} |")
+    lines.append("")
+  return lines
+
+
+def _figure(cells: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for temp in sorted({c["temperature"] for c in cells}):
+    rows = sorted((c for c in cells if c["temperature"] == temp), key=lambda c: c["batch"])
+    bs = [c["batch"] for c in rows]
+    best = [max(v["speedup"] for n, v in c["methods"].items() if n != "adaptive") for c in rows]
+    ax.plot(bs, best, "o--", label=f"best fixed, T={temp:g}")
+    ax.plot(bs, [c["methods"]["adaptive"]["speedup"] for c in rows], "s-",
+            label=f"adaptive, T={temp:g}")
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("batch size")
+  ax.set_ylabel("speedup over plain decoding")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(_):
+  batches, temps, gammas, trees = _check_flags()
+  probe_output_dir(os.path.dirname(OUT.value) or ".")
+  store = os.path.splitext(OUT.value)[0] + ".json"
+  cells = json.load(open(store)) if os.path.exists(store) else []
+  done = {(c["batch"], c["temperature"]) for c in cells}
+  target = load_target("smollm2")
+  draft = load_draft(DRAFT.value, target, lambda: [])
+  prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
+  start = time.perf_counter()
+  for temp in temps:
+    for batch in batches:
+      if (batch, temp) in done:
+        _log(f"B={batch} T={temp:g}: done before, kept")
+        continue
+      cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees))
+      with open(store + ".tmp", "w") as f:
+        json.dump(cells, f, indent=1)
+      os.replace(store + ".tmp", store)
+  cells = [c for c in cells if c["batch"] in batches and c["temperature"] in temps]
+  command = " ".join(["python -m benchmarks.batch_sweep", *sys.argv[1:]])
+  write_markdown(OUT.value, _report(cells, gammas, command,
+                                    (time.perf_counter() - start) / 60))
+  _figure(cells, os.path.splitext(OUT.value)[0] + ".png")
+
+
+if __name__ == "__main__":
+  app.run(main)
