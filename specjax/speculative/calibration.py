@@ -6,7 +6,8 @@ plain decoding step, at the batch size it will serve: on CPU a verify forward of
 where the forward is compute-bound; on a GPU it stays near 1 far longer. So the
 costs are measured, not assumed: ``measure_step_costs`` times plain decoding and
 a fixed chain of each γ on the same prompts, decode loop only (prefill
-excluded), interleaved, and keeps each setting's fastest round.
+excluded), interleaved, keeps each setting's fastest round, and pools measured
+dips (``monotone_costs``): a longer chain never costs less.
 
 Example::
 
@@ -66,7 +67,29 @@ def measure_step_costs(template: SpeculativeDecoder, target_params: Params, draf
   for _ in range(rounds):
     for g, timer in timers.items():
       best[g] = min(best[g], timer())
-  return tuple(1.0 if g == 0 else best[g] / best[0] for g in gammas)
+  return monotone_costs(gammas, [1.0 if g == 0 else best[g] / best[0] for g in gammas])
+
+
+def monotone_costs(gammas: Sequence[int], costs: Sequence[float]) -> tuple[float, ...]:
+  """Costs made non-decreasing in γ and at least 1: a step of γ + 1 does all the work of a
+  step of γ and more, so a measured dip is timing noise. Adjacent violators are pooled
+  (their mean replaces them, the least-squares monotone fit), in the order of ``gammas``.
+
+  Example: γ = (0, 1, 2, 3) measured (1.0, 1.05, 0.99, 1.08) gives (1.0, 1.025, 1.025, 1.08).
+  """
+  order = sorted(range(len(gammas)), key=lambda i: gammas[i])
+  blocks: list[list[float]] = []  # [sum, count] of pooled runs, in γ order
+  for i in order:
+    blocks.append([max(float(costs[i]), 1.0), 1.0])
+    while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+      total, count = blocks.pop()
+      blocks[-1][0] += total
+      blocks[-1][1] += count
+  fitted = [total / count for total, count in blocks for _ in range(int(count))]
+  out = [0.0] * len(gammas)
+  for rank, i in enumerate(order):
+    out[i] = 1.0 if gammas[i] == 0 else fitted[rank]
+  return tuple(out)
 
 
 def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params: Any,

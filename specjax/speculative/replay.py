@@ -56,7 +56,7 @@ def replay_greedy(dec: SpeculativeDecoder, target_params: Params, draft_params: 
   against the target's greedy ``continuations`` of the prompts (module docstring).
 
   Raises:
-    ValueError: ``dec`` does not decode greedily, the continuations do not match the
+    ValueError: ``dec`` does not decode greedily or has an adaptive policy, the continuations do not match the
       prompts, one is shorter than ``max_new_tokens + D``, or holds an id outside the
       vocabulary (plus everything ``SpeculativeDecoder.generate`` refuses).
   """
@@ -66,6 +66,9 @@ def replay_greedy(dec: SpeculativeDecoder, target_params: Params, draft_params: 
   if dec.drafter.reads_target_predictions():
     raise ValueError(f"{type(dec.drafter).__name__} reads the target's predictions over the "
                      "whole block, which a greedy continuation does not give: run it for real")
+  if dec.policy is not None:
+    raise ValueError("replay_greedy replays one fixed topology; an adaptive policy's plain "
+                     "steps feed the target's own features and cache: run it for real")
   if len(continuations) != len(prompts):
     raise ValueError(f"{len(continuations)} continuations for {len(prompts)} prompts")
   need = max_new_tokens + dec.tree.max_depth
