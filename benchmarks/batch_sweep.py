@@ -5,16 +5,18 @@ Usage:
       [--gammas 1,2,3,4] [--trees 3:3:4] [--new_tokens 128] [--rounds 2] [--draft eagle]
       [--out benchmarks/results/batch_sweep.md]
 
-For each batch size B and temperature, on the same B prompts (the held-out
-prompts, cycled when B exceeds them), in one process:
+For each batch size B and temperature, on batches of B held-out prompts (the
+``--prompts`` prompts split into batches of B, or cycled to fill one batch when B
+exceeds them), in one process:
 
   1. the step costs: a speculative step at each γ over a plain decoding step, decode
-     loop only (``specjax.speculative.calibration.measure_step_costs``, 48 tokens);
+     loop only (``specjax.speculative.calibration.measure_step_costs``, 48 tokens, on
+     the first batch);
   2. ``AdaptiveGamma`` over {0} ∪ gammas with those costs;
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy, whole generations
      (prefill included, EOS ignored); speedup = plain time / method time per round,
-     the median round reported.
+     both summed over the batches, the median round reported.
 
 Results go to ``--out`` (markdown, with a figure beside it) and to a JSON file
 beside it that a rerun resumes from (delete it to start over).
@@ -80,12 +82,15 @@ def _check_flags() -> tuple[list[int], list[float], list[int], list[DynamicTree]
 def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> dict:
   """One (batch size, temperature) cell: costs, then interleaved timed rounds."""
   sampler = make_sampler(temp)
-  batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+  if batch < len(prompts):
+    batches = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+  else:
+    batches = [[prompts[i % len(prompts)] for i in range(batch)]]
   new = NEW.value
-  cache = max(len(p) for p in batch_prompts) + new + 16
+  cache = max(len(p) for p in prompts) + new + 16
   template = SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler, eos_ids=())
   t0 = time.perf_counter()
-  costs = measure_step_costs(template, target.params, draft.params, batch_prompts,
+  costs = measure_step_costs(template, target.params, draft.params, batches[0],
                              (0, *gammas), CALIBRATION_TOKENS)
   _log(f"B={batch} T={temp:g}: step costs "
        + ", ".join(f"γ={g}: {c:.3f}" for g, c in zip((0, *gammas), costs))
@@ -95,28 +100,34 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> 
   methods.update({f"tree k={t.top_k} D={t.depth} N={t.num_nodes}":
                   dataclasses.replace(template, gamma=None, tree=t) for t in trees})
   methods["adaptive"] = template.with_policy(policy)
-  plain = lambda: specjax.generate(target.params, target.cfg, batch_prompts, new, sampler,
-                                   cache_size=cache, eos_ids=())
-  run = lambda dec: dec.generate(target.params, draft.params, batch_prompts, new,
-                                 cache_size=cache)
-  plain()
+  plain = lambda b: specjax.generate(target.params, target.cfg, b, new, sampler,
+                                     cache_size=cache, eos_ids=())
+  run = lambda dec, b: dec.generate(target.params, draft.params, b, new, cache_size=cache)
+  plain(batches[0])
   for dec in methods.values():
-    run(dec)
+    run(dec, batches[0])
   speedups = {name: [] for name in methods}
   plain_seconds, stats = [], {}
   for r in range(ROUNDS.value):
-    base = plain().seconds
+    base, seconds, counts = 0.0, {name: 0.0 for name in methods}, {}
+    for b in batches:  # per batch: plain decoding, then every method
+      base += plain(b).seconds
+      for name, dec in methods.items():
+        out = run(dec, b)
+        seconds[name] += out.seconds
+        c = counts.setdefault(name, [0, 0, 0])
+        c[0] += int(out.per_row["emitted"].sum())
+        c[1] += int(out.per_row["target_calls"].sum())
+        c[2] = np.add(c[2], out.per_row["depth_hist"].sum(axis=0))
     plain_seconds.append(base)
-    for name, dec in methods.items():
-      out = run(dec)
-      speedups[name].append(base / out.seconds)
-      m = out.metrics()
-      stats[name] = {"tokens_per_call": m["tokens_per_call"],
-                     "depth_hist": out.per_row["depth_hist"].sum(axis=0).tolist()}
+    for name in methods:
+      speedups[name].append(base / seconds[name])
+      emitted, calls, hist = counts[name]
+      stats[name] = {"tokens_per_call": emitted / calls, "depth_hist": hist.tolist()}
     _log(f"B={batch} T={temp:g} round {r + 1}: " + ", ".join(
         f"{k} {v[-1]:.2f}×" for k, v in speedups.items()))
-  plain_tps = batch * new / float(np.median(plain_seconds))
-  return {"batch": batch, "temperature": temp, "gammas": [0, *gammas], "step_costs": list(costs),
+  plain_tps = len(batches) * batch * new / float(np.median(plain_seconds))
+  return {"batch": batch, "temperature": temp, "batches": len(batches), "gammas": [0, *gammas], "step_costs": list(costs),
           "plain_tokens_per_second": plain_tps,
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
                                  tokens_per_second=plain_tps * float(np.median(v)))
@@ -126,7 +137,8 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
   lines = ["# Speedup versus batch size (SmolLM2-135M-Instruct target)", "",
            f"Command: `{command}`  ", f"{provenance()}; draft `{DRAFT.value}`; "
-           f"{NEW.value} new tokens per row (EOS ignored), whole generations (prefill "
+           f"{NEW.value} new tokens per row (EOS ignored), {PROMPTS.value} held-out prompts in "
+           "batches of B (cycled to fill one batch when B is larger); whole generations (prefill "
            f"included); median of {ROUNDS.value} interleaved rounds; {minutes:.1f} min (this "
            "invocation; a rerun resumes from the JSON beside this file).", "",
            "Step cost = a speculative step's decode-loop time over a plain decoding step's, "

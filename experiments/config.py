@@ -11,11 +11,12 @@ import math
 import os
 from typing import Optional
 
-EXPERIMENTS = ("gamma_sweep", "temperature_sweep", "drafts_alpha", "tree_sweep", "draft_free")
-# The default run: the paper's tables. The tree sweep and the timed draft-free methods are
-# opt-in (--experiment=tree_sweep, draft_free or all): they do not fit the default run's time
-# budget (experiments/README.md, Sizing).
-DEFAULT_EXPERIMENTS = EXPERIMENTS[:3]
+EXPERIMENTS = ("gamma_sweep", "adaptive", "temperature_sweep", "drafts_alpha", "tree_sweep",
+               "draft_free")
+# The default run: the paper's tables and the adaptive policy. The tree sweep and the timed
+# draft-free methods are opt-in (--experiment=tree_sweep, draft_free or all): they do not fit
+# the default run's time budget (experiments/README.md, Sizing).
+DEFAULT_EXPERIMENTS = EXPERIMENTS[:4]
 DRAFT_NAMES = ("default", "eagle", "bigram", "unigram", "prompt_lookup", "jacobi",
                "jacobi_random", "lookahead", "tiny")
 # The methods that need no draft model, which the draft_free experiment times.
@@ -130,7 +131,8 @@ class ExperimentConfig:
       if len(set(values)) != len(values):
         raise ValueError(f"--{name} lists a value twice: {values}")
     check_draft(self.draft, "draft")
-    sweeps = sorted(set(self.experiments) & {"gamma_sweep", "temperature_sweep", "tree_sweep"})
+    sweeps = sorted(set(self.experiments) & {"gamma_sweep", "adaptive", "temperature_sweep",
+                                             "tree_sweep"})
     if self.draft in OWN_TREE_DRAFTS and sweeps:
       raise ValueError(f"--draft={self.draft} verifies its own tree, so it has no γ for "
                        f"{', '.join(sweeps)}; measure it with --experiment=drafts_alpha,draft_free")

@@ -76,6 +76,10 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
     t = time.perf_counter()
     rows += sweeps.gamma_sweep(bench, draft)
     timings["gamma_sweep"] = time.perf_counter() - t
+  if "adaptive" in config.experiments:
+    t = time.perf_counter()
+    rows += sweeps.adaptive(bench, draft)
+    timings["adaptive"] = time.perf_counter() - t
   best = sweeps.best_gamma(rows, config.temperature_gamma or config.alpha_gamma)
   if "temperature_sweep" in config.experiments:
     t = time.perf_counter()

@@ -52,6 +52,7 @@ from absl import logging
 import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
@@ -64,6 +65,7 @@ from experiments.progress import ProgressLog
 from experiments.prompts import ALL, Batch, batch_indices, categories, merge_batches
 
 COUNTERS = ("target_calls", "drafted", "accepted", "emitted", "accepted_at", "accept_len_hist",
+            "depth_hist",
             "accepted_rank", "beta_sum", "beta_count")
 
 
@@ -74,7 +76,8 @@ class SpecRun:
   Attributes:
     gamma: the chain's γ, or the tree's depth D.
     tree: the static tree's parents; ("dynamic", k, D, N) for an EAGLE-2
-      dynamic tree; None for a chain.
+      dynamic tree; ("adaptive", γ₁ … γ_K, cost₁ … cost_K) for an adaptive policy
+      (``adaptive_setting``; ``gamma`` is then its largest γ); None for a chain.
     counters: per batch, ``SpecCounters`` arrays of the real rows.
     generated: per batch, generated ids of each real row.
     steps: per batch, speculative steps.
@@ -143,9 +146,32 @@ class SpecRun:
     return cls(**rec)
 
 
+ADAPTIVE = "adaptive"
+
+
+def adaptive_setting(gammas: Sequence[int], step_costs: Sequence[float]) -> tuple[int, tuple]:
+  """The ``(γ, tree)`` setting of an adaptive policy over ``gammas`` with these step costs."""
+  return max(gammas), (ADAPTIVE, *(int(g) for g in gammas),
+                       *(round(float(c), 4) for c in step_costs))
+
+
+def policy_of(tree: Optional[tuple]) -> Optional[AdaptiveGamma]:
+  """The ``AdaptiveGamma`` of an adaptive setting's tree; None for chains and trees."""
+  if tree is None or tree[0] != ADAPTIVE:
+    return None
+  k = (len(tree) - 1) // 2
+  return AdaptiveGamma(gammas=tuple(int(g) for g in tree[1:1 + k]), step_costs=tree[1 + k:])
+
+
+def step_cost(run: SpecRun) -> float:
+  """A timed run's fused-loop step over plain decoding's, both medians over its rounds."""
+  return median_known(run.step_seconds) / median_known(run.plain_step_seconds)
+
+
 def tree_shape(tree: Optional[tuple], gamma: int):
-  """``SpecRun.tree`` (None, parents, or ("dynamic", k, D, N)) -> the decoder's topology."""
-  if tree is None:
+  """``SpecRun.tree`` (None, parents, ("dynamic", k, D, N) or an adaptive policy's) -> the
+  decoder's topology (an adaptive policy's: the chain of its largest γ)."""
+  if tree is None or tree[0] == ADAPTIVE:
     return TreeTopology.chain(gamma)
   if tree[0] == "dynamic":
     return DynamicTree(*tree[1:])
@@ -265,6 +291,11 @@ class Bench:
 
   def decoder(self, draft: Draft, gamma: int, temperature: float,
               tree: Optional[tuple] = None) -> SpeculativeDecoder:
+    policy = policy_of(tree)
+    if policy is not None:
+      return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
+                                eos_ids=self.eos_ids, policy=policy,
+                                verification=self.config.verification)
     return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
                               eos_ids=self.eos_ids, tree=tree_shape(tree, gamma),
                               verification="tokenwise" if tree else self.config.verification)
@@ -302,7 +333,8 @@ class Bench:
     ``call`` gives, at the drafter's cost, with no verification forwards (except for drafters
     that read the target's whole block, which run for real)."""
     budget, batches = self.config.max_new_tokens, self.untimed_batches
-    replay = temperature == 0 and not draft.drafter.reads_target_predictions()
+    replay = (temperature == 0 and not draft.drafter.reads_target_predictions()
+              and policy_of(tree) is None)
     if replay:
       dec = self.decoder(draft, gamma, temperature, tree)
       conts = self.greedy_continuations(budget + dec.tree.max_depth)

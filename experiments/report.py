@@ -219,6 +219,7 @@ def tables_markdown(results: dict) -> str:
     best = results.get("best_gamma")
     lines += [f"### Per category at the best γ = {best}", ""]
     lines += _category_table([r for r in sweep if r["gamma"] == best], "temperature", "T") + [""]
+  lines += _adaptive_section(rows)
   temp = [r for r in rows if r["experiment"] == "temperature_sweep"]
   if temp:
     g = temp[0]["gamma"]
@@ -257,6 +258,40 @@ def tables_markdown(results: dict) -> str:
             "| task | draft | c | expected | empirical |", "|---|---|---|---|---|"]
   lines += [f"| {a} | {b} | {c} | {e}× | {m}× |" for a, b, c, e, m in paper.TABLE4]
   return "\n".join(lines) + "\n"
+
+
+def _adaptive_section(rows: Sequence[dict]) -> list[str]:
+  """The adaptive policy against plain decoding and against the best fixed γ of the sweep."""
+  adaptive = [r for r in rows if r["experiment"] == "adaptive" and r["category"] == ALL]
+  if not adaptive:
+    return []
+  lines = ["## Adaptive γ", "",
+           "`AdaptiveGamma` (specjax/speculative/adaptive.py) picks each step's γ inside the "
+           "jitted loop: the choice with the most expected tokens (1 + α̂ + … + α̂^γ, α̂ a "
+           "running per-row estimate) per unit of step cost, γ = 0 being a plain decoding "
+           "step. Its step costs are those the γ sweep measured above (step / t₁ on these "
+           "batches), made non-decreasing in γ. Steps at γ counts the steps it took at each of "
+           "its choices (0 = plain decoding).", "",
+           "| T | choices | step costs | steps at γ | tokens/call | measured speedup | spread | "
+           "decode-only speedup | best fixed γ | adaptive / best fixed | check |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in sorted(adaptive, key=lambda r: r["temperature"]):
+    k = (len(r["tree"]) - 1) // 2
+    choices, step_costs = r["tree"][1:1 + k], r["tree"][1 + k:]
+    hist = r.get("depth_hist") or []
+    steps = " / ".join(f"{g}: {hist[g]}" for g in choices if g < len(hist))
+    fixed = [f for f in rows if f["experiment"] == "gamma_sweep" and f["category"] == ALL
+             and f["temperature"] == r["temperature"] and f["speedup"]]
+    best = max(fixed, key=lambda f: f["speedup"]) if fixed else None
+    ratio = r["speedup"] / best["speedup"] if best and r["speedup"] else None
+    lines.append(
+        f"| {r['temperature']:g} | {', '.join(map(str, choices))} | "
+        f"{', '.join(f'{c:.2f}' for c in step_costs)} | {steps} | "
+        f"{_f(r['tokens_per_call'])} | **{_f(r['speedup'], suffix='×')}** | "
+        f"{_f(r['speedup_spread'], '{:.0%}')} | {_f(r.get('decode_speedup'), suffix='×')} | "
+        + (f"γ = {best['gamma']} ({best['speedup']:.2f}×)" if best else "–")
+        + f" | {_f(ratio, '{:.0%}')} | {_check(r)} |")
+  return lines + [""]
 
 
 def _tree_section(results: dict) -> list[str]:

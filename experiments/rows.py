@@ -33,7 +33,7 @@ import numpy as np
 from specjax import theory
 
 from experiments import checks
-from experiments.measure import (SpecRun, costs, median_known, own_tree_costs,
+from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
                                  round_decode_speedups, round_speedups, run_flags)
 from experiments.prompts import ALL, Batch, batch_indices
 
@@ -61,9 +61,11 @@ OWN_SHAPE_EXPERIMENTS = ("drafts_alpha", "draft_free")
 
 
 def shape_name(tree, gamma: int) -> str:
-  """"chain", "best tree" (static parents) or "dynamic k=4" (EAGLE-2)."""
+  """"chain", "best tree" (static parents), "dynamic k=4" (EAGLE-2) or "adaptive"."""
   if tree is None:
     return "chain"
+  if tree[0] == ADAPTIVE:
+    return "adaptive"
   return f"dynamic k={tree[1]}" if tree[0] == "dynamic" else "best tree"
 
 
@@ -91,6 +93,7 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
                                if m)),
       steps=int(sum(run.steps[i] for i in sel)),
       accept_len_hist=[int(x) for x in c["accept_len_hist"]],
+      depth_hist=[int(x) for x in c["depth_hist"]] if "depth_hist" in c else None,
       spec_seconds=None, ar_seconds=None, speedup=None, speedup_spread=None, rounds=None,
       decode_speedup=None, ar_prefill_share=None,
       step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,

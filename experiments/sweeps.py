@@ -8,10 +8,11 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from experiments.measure import Bench
+from experiments.measure import Bench, adaptive_setting, step_cost
 from experiments.models import Draft
 from experiments.prompts import ALL, categories, training_prompts
 from experiments.rows import make_row
+from specjax.speculative.calibration import monotone_costs
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree
 
@@ -34,6 +35,24 @@ def gamma_sweep(bench: Bench, draft: Draft) -> list[dict]:
   for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc=f"gamma sweep ({len(bench.config.gammas)} γ)",
                      unit="T"):
     rows += _rows(bench, "gamma_sweep", draft, t, [(g, None) for g in bench.config.gammas])
+  return rows
+
+
+def adaptive(bench: Bench, draft: Draft) -> list[dict]:
+  """The adaptive policy (``specjax.speculative.adaptive``) at T=0 and T=1, timed against
+  plain decoding. Its choices are the γ sweep's γs, plus plain decoding (γ = 0) where the
+  drafter tolerates skipped steps; its step costs are the ones the γ sweep measured on these
+  batches, on this machine (its runs are reused, or measured now), pooled into a
+  non-decreasing fit (``calibration.monotone_costs``)."""
+  rows = []
+  gammas = tuple(bench.config.gammas)
+  plain = draft.drafter.tolerates_skipped_steps()
+  for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc="adaptive γ", unit="T"):
+    sweep = bench.spec_many(draft, [(g, None) for g in gammas], t)
+    choices = ((0,) if plain else ()) + gammas
+    costs = ((1.0,) if plain else ()) + tuple(step_cost(run) for run in sweep)
+    rows += _rows(bench, "adaptive", draft, t,
+                  [adaptive_setting(choices, monotone_costs(choices, costs))])
   return rows
 
 
