@@ -14,7 +14,8 @@ exceeds them), in one process:
      the first batch);
   2. ``AdaptiveGamma`` over {0} ∪ gammas with those costs;
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
-     EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy, whole generations
+     EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
+     one per batch and round, as in ``experiments``), whole generations
      (prefill included, EOS ignored); speedup = plain time / method time per round,
      both summed over the batches, the median round reported.
 
@@ -49,7 +50,7 @@ TEMPS = flags.DEFINE_list("temperatures", ["0"], "temperatures")
 GAMMAS = flags.DEFINE_list("gammas", ["1", "2", "3", "4"], "fixed chains (and the policy's set)")
 TREES = flags.DEFINE_list("trees", ["3:3:4"], "EAGLE-2 dynamic trees as top_k:depth:nodes")
 NEW = flags.DEFINE_integer("new_tokens", 128, "tokens generated per prompt")
-ROUNDS = flags.DEFINE_integer("rounds", 2, "interleaved timed rounds")
+ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved timed rounds")
 PROMPTS = flags.DEFINE_integer("prompts", 8, "distinct held-out prompts (cycled to fill a batch)")
 DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_draft spec)")
 OUT = flags.DEFINE_string("out", "benchmarks/results/batch_sweep.md", "markdown output")
@@ -108,12 +109,16 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> 
     run(dec, batches[0])
   speedups = {name: [] for name in methods}
   plain_seconds, stats = [], {}
+  order = [None, *methods]  # None: plain decoding
   for r in range(ROUNDS.value):
     base, seconds, counts = 0.0, {name: 0.0 for name in methods}, {}
-    for b in batches:  # per batch: plain decoding, then every method
-      base += plain(b).seconds
-      for name, dec in methods.items():
-        out = run(dec, b)
+    for i, b in enumerate(batches):
+      shift = (r * len(batches) + i) % len(order)  # rotated: no method always runs first
+      for name in order[shift:] + order[:shift]:
+        if name is None:
+          base += plain(b).seconds
+          continue
+        out = run(methods[name], b)
         seconds[name] += out.seconds
         c = counts.setdefault(name, [0, 0, 0])
         c[0] += int(out.per_row["emitted"].sum())
@@ -141,6 +146,7 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "batches of B (cycled to fill one batch when B is larger); whole generations (prefill "
            f"included); median of {ROUNDS.value} interleaved rounds; {minutes:.1f} min (this "
            "invocation; a rerun resumes from the JSON beside this file).", "",
+           "Adaptive's per-round speedups are in brackets. "
            "Step cost = a speculative step's decode-loop time over a plain decoding step's, "
            "at that batch (what the adaptive policy is given). Adaptive = `AdaptiveGamma` over "
            f"γ ∈ {{0, {', '.join(map(str, gammas))}}} with those costs; its γ mix counts "
@@ -162,7 +168,8 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
       lines.append(
           f"| {c['batch']} | {c['plain_tokens_per_second']:.0f} | {costs} | "
           + " | ".join(f"{m[n]['speedup']:.2f}×" for n in fixed)
-          + f" | {best} ({m[best]['speedup']:.2f}×) | **{a['speedup']:.2f}×** | "
+          + f" | {best} ({m[best]['speedup']:.2f}×) | **{a['speedup']:.2f}×** "
+          f"({', '.join(f'{x:.2f}' for x in a['rounds'])}) | "
           f"{a['speedup'] / m[best]['speedup']:.0%} | {a['tokens_per_second']:.0f} | "
           f"{'/'.join(str(x) for x in a['depth_hist'])} |")
     lines.append("")

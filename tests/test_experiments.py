@@ -38,25 +38,37 @@ def test_results_json_records_config_revision_and_machine(smoke):
   timed = [r for r in saved["runs"] if r["seconds"] is not None]
   assert timed and all(len(r["load_average"]) == 2 for r in timed)
   assert len(saved["rows"]) == len(results["rows"])
-  assert {r["experiment"] for r in saved["rows"]} == {"gamma_sweep", "temperature_sweep",
-                                                      "drafts_alpha", "tree_sweep",
-                                                      "draft_free"}
+  assert {r["experiment"] for r in saved["rows"]} == {"gamma_sweep", "adaptive",
+                                                      "temperature_sweep", "drafts_alpha",
+                                                      "tree_sweep", "draft_free"}
 
 
 def test_token_counts_agree_with_accepted_counts(smoke):
   rows = smoke[0]["rows"]
   for r in rows:
     g, hist = r["gamma"], np.asarray(r["accept_len_hist"])  # γ, or a tree's depth D
-    assert r["drafted"] == r["num_nodes"] * r["target_calls"]
-    assert hist.sum() == r["target_calls"]
+    steps_at = np.asarray(r["depth_hist"])  # steps at each γ (a fixed shape: all at g)
+    assert steps_at.sum() == r["target_calls"]
+    if r["shape"] == "adaptive":  # γ varies by step; its plain steps (γ = 0) draft nothing
+      assert r["drafted"] == (steps_at * np.arange(g + 1)).sum()
+      assert hist.sum() == r["target_calls"] - steps_at[0]
+    else:
+      assert r["drafted"] == r["num_nodes"] * r["target_calls"]
+      assert steps_at[g] == r["target_calls"] == hist.sum()
     assert (hist * np.arange(g + 1)).sum() == r["accepted"]
     # emitted = accepted + one target token per call, minus what the budget cut off
     assert r["accepted"] <= r["emitted"] <= r["accepted"] + r["target_calls"]
     assert r["emitted"] == r["generated_tokens"] == r["prompts"] * NEW  # EOS ignored
     assert r["tokens_per_call"] == pytest.approx(r["emitted"] / r["target_calls"])
     assert r["acceptance_rate"] == pytest.approx(r["accepted"] / r["drafted"])
-    # α = E[β] is defined for chains of sampled drafts only
-    assert (0.0 <= r["alpha"] <= 1.0) if r["tree"] is None else r["alpha"] is None
+    # α = E[β] is defined for chains of sampled drafts only (an adaptive policy's chains
+    # included, unless it drafted nothing)
+    if r["tree"] is None:
+      assert 0.0 <= r["alpha"] <= 1.0
+    elif r["shape"] == "adaptive":
+      assert r["alpha"] is None if r["drafted"] == 0 else 0.0 <= r["alpha"] <= 1.0
+    else:
+      assert r["alpha"] is None
 
 
 def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
@@ -484,8 +496,30 @@ def test_tree_sweep_rows_and_calibration(smoke):
   assert os.path.exists(os.path.join(out, "trees.png"))
 
 
+def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
+  """The policy chooses among plain decoding and the sweep's γs at the step costs the sweep
+  measured (made non-decreasing), is timed against plain decoding, and is greedy-exact."""
+  from specjax.speculative.calibration import monotone_costs
+  results, out = smoke
+  rows = [r for r in results["rows"] if r["experiment"] == "adaptive" and r["category"] == "all"]
+  assert {r["temperature"] for r in rows} == {0.0, 1.0}
+  runs = {(r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"])): r
+          for r in results["runs"]}
+  for r in rows:
+    assert r["shape"] == "adaptive" and r["speedup"] is not None
+    assert r["tree"][0] == "adaptive" and tuple(r["tree"][1:3]) == (0, 2)  # gammas=(2,)
+    sweep = runs[(2, r["temperature"], None)]
+    known = lambda xs: np.median([x for x in xs if x is not None])
+    cost = known(sweep["step_seconds"]) / known(sweep["plain_step_seconds"])
+    assert tuple(r["tree"][3:]) == pytest.approx(monotone_costs((0, 2), (1.0, cost)), abs=1e-4)
+    assert sum(r["depth_hist"]) == r["target_calls"]
+    if r["temperature"] == 0:
+      assert r["greedy_match"] == 1.0
+  assert "## Adaptive γ" in open(os.path.join(out, "tables.md")).read()
+
+
 def test_default_run_is_the_papers_tables_and_all_adds_the_tree_sweep():
   from experiments.config import DEFAULT_EXPERIMENTS, EXPERIMENTS, parse_experiments
   assert parse_experiments("default") == DEFAULT_EXPERIMENTS == ExperimentConfig().experiments
-  assert "tree_sweep" not in DEFAULT_EXPERIMENTS
+  assert "tree_sweep" not in DEFAULT_EXPERIMENTS and "adaptive" in DEFAULT_EXPERIMENTS
   assert parse_experiments("all") == EXPERIMENTS and "tree_sweep" in EXPERIMENTS

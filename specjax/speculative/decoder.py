@@ -20,6 +20,11 @@ Step, for a row with committed length s (the target cache holds s − 1):
            where the path already is contiguous); a feature drafter (EAGLE)
            receives the target's features along the path;
   rollback: both models forget everything past the new committed length.
+
+With an adaptive policy (``adaptive.AdaptiveGamma``) each step is first sized:
+the policy picks a chain length from its static set (0: a plain decoding
+step that skips the drafter) from the acceptance seen so far; ``run`` runs
+each choice's steps in its own inner loop (``run``'s docstring says why).
 """
 
 from __future__ import annotations
@@ -114,8 +119,8 @@ class SpeculativeDecoder:
       jointly, never fewer tokens per step in expectation; chains only). Both are
       lossless; with a greedy sampler both keep the longest matching prefix.
     policy: an ``AdaptiveGamma`` that picks each step's chain length from its static
-      set (``lax.switch`` inside the loop; γ = 0 is a plain decoding step); give it
-      instead of gamma and tree. The state's depth is then its largest γ.
+      set inside the jitted loop (γ = 0 is a plain decoding step); give it instead of
+      gamma and tree. The state's depth is then its largest γ.
 
   Example::
 

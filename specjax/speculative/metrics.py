@@ -6,6 +6,8 @@ Conventions:
     defined for chains of sampled drafts only (NaN for trees and point-mass drafts).
   * ``acceptance_rate`` is accepted drafts / proposed drafts (γ per step for a
     chain, the N nodes for a tree, of which at most D can be accepted).
+  * ``depth_hist[γ]`` counts steps that verified a draft of depth γ (an adaptive
+    policy's mix; 0 = plain decoding steps, which ``accept_len_hist`` leaves out);
   * ``accepted_at[d]`` counts steps that accepted a node at depth d + 1 and
     ``accepted_rank[d, r]`` those whose accepted depth-(d + 1) node had sibling
     rank r: the per-depth, per-rank acceptance of ``tree_builders``.
@@ -81,6 +83,7 @@ def _rates(c: dict[str, np.ndarray]) -> dict[str, Any]:
       "tokens_per_call": div(c["emitted"], c["target_calls"]),
       "accepted_at": np.asarray(c["accepted_at"]).tolist(),
       "accept_len_hist": np.asarray(c["accept_len_hist"]).tolist(),
+      "depth_hist": np.asarray(c["depth_hist"]).tolist(),
   }
 
 
