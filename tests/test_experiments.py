@@ -60,7 +60,10 @@ def test_token_counts_agree_with_accepted_counts(smoke):
     assert r["accepted"] <= r["emitted"] <= r["accepted"] + r["target_calls"]
     assert r["emitted"] == r["generated_tokens"] == r["prompts"] * NEW  # EOS ignored
     assert r["tokens_per_call"] == pytest.approx(r["emitted"] / r["target_calls"])
-    assert r["acceptance_rate"] == pytest.approx(r["accepted"] / r["drafted"])
+    if r["drafted"]:  # an adaptive policy may have taken plain steps only
+      assert r["acceptance_rate"] == pytest.approx(r["accepted"] / r["drafted"])
+    else:
+      assert r["shape"] == "adaptive" and r["acceptance_rate"] is None
     # α = E[β] is defined for chains of sampled drafts only (an adaptive policy's chains
     # included, unless it drafted nothing)
     if r["tree"] is None:
@@ -267,7 +270,7 @@ def test_untimed_batches_group_rows_by_prompt_length():
     (dict(alpha_drafts=("trigram",)), "--alpha_drafts: 'trigram' is neither"),
     (dict(verification="joint"), "--verification must be one of"),
     (dict(draft="lookahead"), "--draft=lookahead verifies its own tree, so it has no γ for "
-                              "gamma_sweep, temperature_sweep"),
+                              "adaptive, gamma_sweep, temperature_sweep"),
 ])
 def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -503,12 +506,12 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
   results, out = smoke
   rows = [r for r in results["rows"] if r["experiment"] == "adaptive" and r["category"] == "all"]
   assert {r["temperature"] for r in rows} == {0.0, 1.0}
-  runs = {(r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"])): r
+  runs = {(r["draft"], r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"])): r
           for r in results["runs"]}
   for r in rows:
     assert r["shape"] == "adaptive" and r["speedup"] is not None
     assert r["tree"][0] == "adaptive" and tuple(r["tree"][1:3]) == (0, 2)  # gammas=(2,)
-    sweep = runs[(2, r["temperature"], None)]
+    sweep = runs[("tiny", 2, r["temperature"], None)]
     known = lambda xs: np.median([x for x in xs if x is not None])
     cost = known(sweep["step_seconds"]) / known(sweep["plain_step_seconds"])
     assert tuple(r["tree"][3:]) == pytest.approx(monotone_costs((0, 2), (1.0, cost)), abs=1e-4)
