@@ -132,7 +132,8 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> 
     _log(f"B={batch} T={temp:g} round {r + 1}: " + ", ".join(
         f"{k} {v[-1]:.2f}×" for k, v in speedups.items()))
   plain_tps = len(batches) * batch * new / float(np.median(plain_seconds))
-  return {"batch": batch, "temperature": temp, "batches": len(batches), "gammas": [0, *gammas], "step_costs": list(costs),
+  return {"batch": batch, "temperature": temp, "batches": len(batches),
+          "gammas": [0, *gammas], "step_costs": list(costs),
           "plain_tokens_per_second": plain_tps,
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
                                  tokens_per_second=plain_tps * float(np.median(v)))

@@ -56,9 +56,10 @@ def replay_greedy(dec: SpeculativeDecoder, target_params: Params, draft_params: 
   against the target's greedy ``continuations`` of the prompts (module docstring).
 
   Raises:
-    ValueError: ``dec`` does not decode greedily or has an adaptive policy, the continuations do not match the
-      prompts, one is shorter than ``max_new_tokens + D``, or holds an id outside the
-      vocabulary (plus everything ``SpeculativeDecoder.generate`` refuses).
+    ValueError: ``dec`` does not decode greedily or has an adaptive policy, the
+      continuations do not match the prompts, one is shorter than ``max_new_tokens + D``,
+      or holds an id outside the vocabulary (plus everything
+      ``SpeculativeDecoder.generate`` refuses).
   """
   if not isinstance(dec.sampler, Greedy):
     raise ValueError(f"replay_greedy replays greedy decoding only (sampler {dec.sampler!r}): "
