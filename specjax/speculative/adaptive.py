@@ -17,11 +17,11 @@ chosen the counts only decay, so α̂ drifts back to the prior and a draft is
 tried again: the policy keeps exploring at a cost of one short step every
 few dozen.
 
-The decoder (``SpeculativeDecoder(policy=...)``) runs the chosen step with
-``lax.switch`` over one branch per γ: no recompilation and no host round
-trip. The choice depends only on steps already taken, never on the draft or
-the target's scores of the step it sizes, so every step is an ordinary lossless
-step: greedy output equals plain decoding and sampled output is distributed as
+The decoder (``SpeculativeDecoder(policy=...)``) runs each choice's steps in
+an inner while loop of its own, inside the one jitted loop: no recompilation
+and no host round trip. The choice depends only on steps already taken, never
+on the draft or the target's scores of the step it sizes, so every step is an
+ordinary lossless step: greedy output equals plain decoding and sampled output is distributed as
 the target's (``tests/test_adaptive.py`` pins both, and rejects a policy that
 chooses after seeing the verification).
 
