@@ -21,9 +21,9 @@ The decoder (``SpeculativeDecoder(policy=...)``) runs each choice's steps in
 an inner while loop of its own, inside the one jitted loop: no recompilation
 and no host round trip. The choice depends only on steps already taken, never
 on the draft or the target's scores of the step it sizes, so every step is an
-ordinary lossless step: greedy output equals plain decoding and sampled output is distributed as
-the target's (``tests/test_adaptive.py`` pins both, and rejects a policy that
-chooses after seeing the verification).
+ordinary lossless step: greedy output equals plain decoding and sampled
+output is distributed as the target's (``tests/test_adaptive.py`` pins both,
+and rejects a policy that chooses after seeing the verification).
 
 Example (costs measured by ``calibration.measure_step_costs`` at batch 1)::
 
