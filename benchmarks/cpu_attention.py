@@ -111,9 +111,9 @@ class _Decoding:
   def round(self, prompts=None):
     """Times every measurement once over ``prompts`` (default: all) and records it; with
     ``prompts`` given (a warm-up after compilation caches were cleared) nothing is recorded."""
-    from experiments.measure import loop_step_seconds
     from specjax.distill import teacher
     from specjax.sampling import Greedy
+    from specjax.speculative.calibration import loop_step_seconds
     record = prompts is None
     prompts = self.prompts if record else prompts
     keep = lambda xs, x: xs.append(x) if record else None

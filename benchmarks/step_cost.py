@@ -29,11 +29,11 @@ from absl import app, flags
 import specjax
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
-from experiments.measure import loop_step_seconds
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.calibration import loop_step_seconds
 from specjax.speculative.tree import DynamicTree, TreeTopology
 
 PROMPTS = flags.DEFINE_integer("prompts", 5, "held-out prompts (round-robin over categories)")

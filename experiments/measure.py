@@ -53,6 +53,7 @@ import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.calibration import loop_step_seconds
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
@@ -522,10 +523,4 @@ def _spec_outputs(outs: Sequence[Any], batches: Sequence[Batch]) -> dict[str, An
                          for o, b in zip(outs, batches)],
               steps=[int(o.steps) for o in outs])
 
-
-def loop_step_seconds(outs: Sequence[Any]) -> float:
-  """Seconds per fused-loop step, prefill excluded, pooled over calls (``generate`` outputs
-  with ``prefill_seconds``): Σ (seconds − prefill_seconds) / Σ steps."""
-  return (sum(o.seconds - o.prefill_seconds for o in outs)
-          / max(sum(o.steps for o in outs), 1))
 

@@ -51,15 +51,11 @@ def measure_step_costs(template: SpeculativeDecoder, target_params: Params, draf
               for g in gammas if g > 0}
   cache = len(max(prompts, key=len)) + max_new_tokens + max(gammas) + 1
 
-  def plain():
-    out = generate(target_params, template.target_cfg, prompts, max_new_tokens,
-                   template.sampler, cache_size=cache, eos_ids=template.eos_ids)
-    return (out.seconds - out.prefill_seconds) / max(out.steps, 1)
-
-  def spec(dec):
-    out = dec.generate(target_params, draft_params, prompts, max_new_tokens, cache_size=cache)
-    return (out.seconds - out.prefill_seconds) / max(out.steps, 1)
-
+  plain = lambda: loop_step_seconds([generate(
+      target_params, template.target_cfg, prompts, max_new_tokens, template.sampler,
+      cache_size=cache, eos_ids=template.eos_ids)])
+  spec = lambda dec: loop_step_seconds([dec.generate(target_params, draft_params, prompts,
+                                                     max_new_tokens, cache_size=cache)])
   timers = {0: plain, **{g: (lambda d=d: spec(d)) for g, d in decoders.items()}}
   for timer in timers.values():
     timer()  # compile and warm
@@ -68,6 +64,13 @@ def measure_step_costs(template: SpeculativeDecoder, target_params: Params, draf
     for g, timer in timers.items():
       best[g] = min(best[g], timer())
   return monotone_costs(gammas, [1.0 if g == 0 else best[g] / best[0] for g in gammas])
+
+
+def loop_step_seconds(outs: Sequence[Any]) -> float:
+  """Seconds per fused-loop step, prefill excluded, pooled over calls (``generate`` or
+  ``SpeculativeDecoder.generate`` outputs): Σ (seconds − prefill_seconds) / Σ steps."""
+  return (sum(o.seconds - o.prefill_seconds for o in outs)
+          / max(sum(o.steps for o in outs), 1))
 
 
 def monotone_costs(gammas: Sequence[int], costs: Sequence[float]) -> tuple[float, ...]:
