@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 from experiments import checks, paper
 from experiments.machine import cpu_info, describe_cpu, matmul_path
-from experiments.measure import SpecRun
+from experiments.measure import SpecRun, policy_of
 from experiments.prompts import ALL
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
@@ -276,8 +276,8 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
            "decode-only speedup | best fixed γ | adaptive / best fixed | check |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(adaptive, key=lambda r: r["temperature"]):
-    k = (len(r["tree"]) - 1) // 2
-    choices, step_costs = r["tree"][1:1 + k], r["tree"][1 + k:]
+    policy = policy_of(tuple(r["tree"]))
+    choices, step_costs = policy.gammas, policy.step_costs
     hist = r.get("depth_hist") or []
     steps = " / ".join(f"{g}: {hist[g]}" for g in choices if g < len(hist))
     fixed = [f for f in rows if f["experiment"] == "gamma_sweep" and f["category"] == ALL
