@@ -346,3 +346,27 @@ def test_measured_dips_are_pooled_into_non_decreasing_costs():
   assert monotone_costs((3, 0, 1, 2), (1.2, 1.0, 0.97, 1.3)) == pytest.approx(
       (1.25, 1.0, 1.0, 1.25))  # in the caller's order; below 1 is noise too
   assert monotone_costs((1, 2, 4), (1.1, 1.2, 1.5)) == (1.1, 1.2, 1.5)
+
+
+def _cache_copies(compiled_text: str, cache) -> int:
+  """Copy instructions in an optimized HLO module whose result is a target-cache layer."""
+  import re
+  layer = "f32[" + ",".join(map(str, cache.k[0].shape)) + "]"
+  return sum(1 for m in re.finditer(r"= (\S+?)\{[^}]*\} copy\(", compiled_text)
+             if m.group(1) == layer)
+
+
+def test_the_policy_loop_updates_the_caches_in_place(models):
+  """``run`` gives each choice its own inner loop, and XLA keeps the KV caches in place; the
+  same loop around ``step`` (a ``lax.switch`` over the choices) copies them every step."""
+  target, draft = models
+  cfg, params = target
+  drafter, dp = _drafter("model", target, draft)
+  dec = SpeculativeDecoder(cfg, drafter, policy=SWITCHING, eos_ids=())
+  state, _ = dec.prepare(params, dp, PROMPTS, 16)
+  looped = dec.run.lower(dec, params, dp, state).compile().as_text()
+  switched = jax.jit(lambda tp, dpp, st: jax.lax.while_loop(
+      lambda s: ~jnp.all(s.done), functools.partial(dec.step, tp, dpp), st)).lower(
+          params, dp, state).compile().as_text()
+  assert _cache_copies(looped, state.target_cache) == 0
+  assert _cache_copies(switched, state.target_cache) > 0

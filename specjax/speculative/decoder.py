@@ -385,7 +385,8 @@ class SpeculativeDecoder:
     With a policy, the loop's body is one inner ``while_loop`` per choice, each running
     its γ's steps for as long as the policy keeps choosing it. That is ``step`` in
     effect, without its ``lax.switch``: XLA copies every buffer a conditional's branches
-    update (the KV caches: 20% of a batch-1 step on CPU), a loop updates them in place.
+    update (the KV caches), a loop updates them in place (tests/test_adaptive.py counts the
+    copies; docs/methods.md gives what they cost once measured).
     Each pass of the outer loop takes at least one step (the chosen γ's loop runs).
     """
     not_done = lambda st: ~jnp.all(st.done)
