@@ -1,6 +1,18 @@
 """Prompt sets: the built-in held-out set, ``--prompts FILE.jsonl`` validation, batching.
 
-A prompt file has one JSON object per line, ``{"prompt": "...", "category": "..."}``;
+A prompt file has one JSON object per line, in either of two shapes (lines may mix them):
+
+* ours: ``{"prompt": "...", "category": "..."}``;
+* Spec-Bench's ``data/spec_bench/question.jsonl`` (Xia et al. 2024):
+  ``{"question_id": 81, "category": "writing", "turns": ["turn 1", "turn 2"]}``.
+  Each question becomes one prompt, its FIRST turn, with the question's category.
+  Spec-Bench runs a multi-turn question (its 80 MT-bench ones have two turns) as a
+  conversation: turn 2 is asked after the model's own answer to turn 1, and its
+  speed sums both turns. specjax measures one fixed-length generation per prompt,
+  known before the run, so later turns are validated but not measured; the prompt's
+  ``source`` says "turn 1 of 2" so results.json records what was left out. (Turn 2
+  without the model's answer to turn 1 would be a conversation Spec-Bench never has.)
+
 ``category`` is optional (default "uncategorised"), blank lines are skipped.
 Every error names the file and the 1-based line number.
 """
@@ -39,11 +51,11 @@ class PromptItem:
 
 
 def load_prompt_file(path: str) -> list[PromptItem]:
-  """Reads and validates a .jsonl prompt file.
+  """Reads and validates a .jsonl prompt file: ours, Spec-Bench's, or lines of both.
 
   Raises:
     PromptFileError: missing file, malformed JSON, a line that is not an
-      object, a missing or non-string "prompt", an empty prompt, a bad
+      object, a bad "prompt" or "turns" (see ``_prompt_text``), a bad
       category, or no prompts at all.
   """
   if not os.path.isfile(path):
@@ -60,21 +72,52 @@ def load_prompt_file(path: str) -> list[PromptItem]:
         raise PromptFileError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
       if not isinstance(obj, dict):
         raise PromptFileError(f"{where}: expected a JSON object like "
-                              f'{{"prompt": ..., "category": ...}}, got {type(obj).__name__}')
-      if "prompt" not in obj:
-        raise PromptFileError(f'{where}: missing required key "prompt" (keys: {sorted(obj)})')
-      text = obj["prompt"]
-      if not isinstance(text, str):
-        raise PromptFileError(f'{where}: "prompt" must be a string, got {type(text).__name__}')
-      if not text.strip():
-        raise PromptFileError(f"{where}: empty prompt")
+                              f'{{"prompt": ..., "category": ...}} or Spec-Bench\'s '
+                              f'{{"turns": [...], "category": ...}}, got {type(obj).__name__}')
+      text, turns = _prompt_text(obj, where)
       category = obj.get("category", DEFAULT_CATEGORY)
       if not isinstance(category, str) or not category.strip():
         raise PromptFileError(f'{where}: "category" must be a non-empty string')
-      items.append(PromptItem(text=text, category=category.strip(), source=f"{path}:{lineno}"))
+      source = f"{path}:{lineno}" + (f" (turn 1 of {turns})" if turns > 1 else "")
+      items.append(PromptItem(text=text, category=category.strip(), source=source))
   if not items:
     raise PromptFileError(f"prompts file {path!r} has no prompts")
   return items
+
+
+def _prompt_text(obj: dict, where: str) -> tuple[str, int]:
+  """The prompt of one line and how many turns it has: its "prompt" (1 turn), or the
+  first of Spec-Bench's "turns" (every turn must be a non-empty string).
+
+  Raises:
+    PromptFileError: neither key or both, a "turns" that is not a non-empty list of
+      non-empty strings, a non-string or empty "prompt".
+  """
+  if "prompt" in obj and "turns" in obj:
+    raise PromptFileError(f'{where}: has both "prompt" and "turns"; give one')
+  if "turns" in obj:
+    turns = obj["turns"]
+    if not isinstance(turns, list):
+      raise PromptFileError(f'{where}: "turns" must be a list of strings, '
+                            f"got {type(turns).__name__}")
+    if not turns:
+      raise PromptFileError(f'{where}: "turns" is empty')
+    for k, turn in enumerate(turns, start=1):
+      if not isinstance(turn, str):
+        raise PromptFileError(f'{where}: turn {k} of "turns" must be a string, '
+                              f"got {type(turn).__name__}")
+      if not turn.strip():
+        raise PromptFileError(f'{where}: turn {k} of "turns" is empty')
+    return turns[0], len(turns)
+  if "prompt" not in obj:
+    raise PromptFileError(f'{where}: missing required key "prompt" (or Spec-Bench\'s '
+                          f'"turns"; keys: {sorted(obj)})')
+  text = obj["prompt"]
+  if not isinstance(text, str):
+    raise PromptFileError(f'{where}: "prompt" must be a string, got {type(text).__name__}')
+  if not text.strip():
+    raise PromptFileError(f"{where}: empty prompt")
+  return text, 1
 
 
 def default_prompts(num: int) -> list[PromptItem]:
