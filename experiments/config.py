@@ -38,7 +38,8 @@ class ExperimentConfig:
       "prompt_lookup" | "jacobi" | "jacobi_random" (Jacobi decoding, no draft model) |
       "lookahead" (lookahead decoding, its own tree) | "tiny" | path of a specjax draft
       directory (token or EAGLE), a .gguf file or HF dir.
-    prompts: a .jsonl prompt file, or None for the built-in held-out set.
+    prompts: a .jsonl prompt file (ours or Spec-Bench's question.jsonl, first turns), or
+      None for the built-in held-out set.
     num_prompts: prompts taken from the built-in set (default 10: 2 per category; with
       batch 1 and 128 new tokens that fits the run in about a quarter of an hour).
     gammas: draft lengths of the γ sweep (at T=0 and T=1), distinct.
@@ -75,6 +76,9 @@ class ExperimentConfig:
       training-side prompts (never the evaluated ones), give the per-depth,
       per-rank acceptance the tree sweep builds its best trees from.
     calibration_prompts: how many training-side prompts calibrate.
+    dtype: the target's (and its drafts') weights, activations and KV cache: "auto"
+      (bfloat16 on GPU and TPU, float32 on CPU), "float32" or "bfloat16". Products
+      accumulate and logits and acceptance compute in float32 either way.
     verification: how the chains' sampled drafts are accepted: "tokenwise" (modified
       rejection sampling) or "block" (Sun et al. 2024; ``SpeculativeDecoder.verification``).
       Trees are always verified token-wise.
@@ -105,6 +109,7 @@ class ExperimentConfig:
   calibration_tree: tuple[int, ...] = (6, 3, 2, 1)
   calibration_prompts: int = 8
   verification: str = "tokenwise"
+  dtype: str = "auto"
 
   def __post_init__(self):
     unknown = [e for e in self.experiments if e not in EXPERIMENTS]
@@ -146,6 +151,9 @@ class ExperimentConfig:
     if self.verification not in VERIFICATIONS:
       raise ValueError(f"--verification must be one of {VERIFICATIONS}, got "
                        f"{self.verification!r}")
+    from specjax.validation import COMPUTE_DTYPES
+    if self.dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
     if self.extra_rounds < 0:
       raise ValueError(f"--extra_rounds must be >= 0, got {self.extra_rounds}")
     if self.max_new_tokens < 2:

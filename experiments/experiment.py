@@ -55,7 +55,7 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
   git = report.git_revision()
   log = progress.ProgressLog(config.out, progress.header(config, git["commit"]), config.fresh)
   logging.info("loading target %s", config.target)
-  target = load_target(config.target)
+  target = load_target(config.target, config.dtype)
   batches = make_batches(items, target.encode, config.batch_size)
   built: dict[str, ngram_corpus.Corpus] = {}
 

@@ -11,7 +11,8 @@ from absl import logging
 
 from specjax import drafters
 from specjax.config import ModelConfig
-from specjax.model import Params
+from specjax import validation
+from specjax.model import Params, cast_params, compute_dtype
 from specjax.drafters.eagle import head_rows
 
 TINY = "tiny"
@@ -51,15 +52,17 @@ class Draft:
   note: str = ""
 
 
-def load_target(source: str) -> Target:
+def load_target(source: str, dtype: str = "auto") -> Target:
+  """The target named by --target, its weights in ``dtype`` (``validation.compute_dtype``)."""
   if source == TINY:
     from specjax.testing import tiny_model
     cfg, params = tiny_model(seed=0)
+    params = cast_params(params, validation.compute_dtype(dtype))
     # Bytes folded into the tiny vocabulary: deterministic and prompt-dependent.
     encode = lambda text: [b % cfg.vocab_size for b in text.encode("utf-8")][:48] or [1]
     return Target(TINY, cfg, params, encode)
   from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
-  cfg, params = load_model(source)
+  cfg, params = load_model(source, dtype)
   tok = load_model_tokenizer(source)
   return Target(source, cfg, params, lambda text: chat_prompt(tok, text), tok)
 
@@ -70,7 +73,17 @@ def default_early_exit_layers(cfg: ModelConfig) -> int:
 
 def load_draft(spec: str, target: Target,
                ngram_corpus: Callable[[], Sequence[Sequence[int]]]) -> Draft:
-  """Resolves a --draft value; ``ngram_corpus`` is called only for n-gram drafts."""
+  """Resolves a --draft value; ``ngram_corpus`` is called only for n-gram drafts. A draft
+  model computes in the target's dtype (an EAGLE drafter's weights are cast by
+  ``eagle_params``, early exit shares the target's)."""
+  d = _resolve_draft(spec, target, ngram_corpus)
+  if isinstance(d.drafter, drafters.ModelDrafter):
+    d = dataclasses.replace(d, params=cast_params(d.params, compute_dtype(target.params)))
+  return d
+
+
+def _resolve_draft(spec: str, target: Target,
+                   ngram_corpus: Callable[[], Sequence[Sequence[int]]]) -> Draft:
   cfg = target.cfg
   if spec == "default":
     return _default_draft(target)

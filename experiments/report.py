@@ -13,6 +13,7 @@ from experiments import checks, paper
 from experiments.machine import cpu_info, describe_cpu, matmul_path
 from experiments.measure import SpecRun, policy_of
 from experiments.prompts import ALL
+from specjax.model import compute_dtype
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
                "acceptance_rate", "tokens_per_call", "expected_tokens_per_call", "speedup",
@@ -34,7 +35,8 @@ def machine_info(target_params=None) -> dict[str, Any]:
   """CPU, cores, versions and (given the target's parameters) the matmul path it runs."""
   import jax
   cpu = cpu_info()
-  matmul = {} if target_params is None else {"matmul": matmul_path(target_params)}
+  matmul = {} if target_params is None else {"matmul": matmul_path(target_params),
+                                              "dtype": str(compute_dtype(target_params))}
   return {"cpu": describe_cpu(cpu), "cpu_model": cpu["model"], **matmul,
           **{f"cpu_{k}": v for k, v in cpu.items() if k != "model"},
           "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
@@ -181,6 +183,7 @@ def tables_markdown(results: dict) -> str:
       f"{results['machine']['cpu']}, {results['machine']['cores']} cores, "
       f"jax {results['machine']['jax']} ({results['machine']['backend']}); "
       f"matmul: {results['machine'].get('matmul', 'not recorded')}; "
+      f"weights, activations and KV cache in {results['machine'].get('dtype', 'float32')}; "
       f"{_load_line(results)}; total {results['total_seconds'] / 60:.1f} min"
       f"{_resumed(results)}.  ",
       f"Target `{cfg['target']}`; draft `{draft['name']}` ({draft['note']}); "

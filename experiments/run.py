@@ -31,9 +31,10 @@ flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafte
                     "prompt_lookup | lookahead (its own tree: drafts_alpha and draft_free only) "
                     "| jacobi | jacobi_random (Jacobi decoding, prompt-lookup or random fill) | "
                     "tiny | path of a draft directory (token or EAGLE), .gguf or HF dir.")
-flags.DEFINE_string("prompts", None, 'JSONL file, one {"prompt": ..., "category": ...} per '
-                    "line (default: built-in held-out prompts over code, summarise, qa, math, "
-                    "chat).")
+flags.DEFINE_string("prompts", None, 'JSONL file: one {"prompt": ..., "category": ...} per '
+                    "line, or Spec-Bench's question.jsonl ({\"category\": ..., \"turns\": [...]}; "
+                    "each question is measured on its first turn only) (default: built-in "
+                    "held-out prompts over code, summarise, qa, math, chat).")
 flags.DEFINE_integer("num_prompts", DEFAULT.num_prompts, "Prompts taken from the built-in set "
                      "(round-robin over the 5 categories; 10 = 2 per category).")
 flags.DEFINE_string("gammas", _ints(DEFAULT.gammas), "Draft lengths of the γ sweep.")
@@ -76,6 +77,10 @@ flags.DEFINE_integer("calibration_prompts", DEFAULT.calibration_prompts,
 flags.DEFINE_enum("verification", DEFAULT.verification, ["tokenwise", "block"],
                   "Acceptance of the chains' drafts: token-wise modified rejection sampling or "
                   "block verification (Sun et al. 2024); trees are always token-wise.")
+flags.DEFINE_enum("dtype", DEFAULT.dtype, ["auto", "float32", "bfloat16"],
+                  "Weights, activations and KV cache of the target and its drafts; auto is "
+                  "bfloat16 on GPU/TPU and float32 on CPU. Products accumulate, and logits "
+                  "and acceptance compute, in float32 either way.")
 flags.DEFINE_bool("compilation_cache", True, "Keep compiled XLA programs on disk "
                   "(specjax.compile_cache: $SPECJAX_CACHE/xla) so a rerun or a resumed run "
                   "skips most compiling; outputs are unchanged.")
@@ -97,7 +102,8 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh,
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
       calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),
-      calibration_prompts=FLAGS.calibration_prompts, verification=FLAGS.verification)
+      calibration_prompts=FLAGS.calibration_prompts, verification=FLAGS.verification,
+      dtype=FLAGS.dtype)
 
 
 def main(argv):

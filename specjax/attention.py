@@ -131,7 +131,8 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
   scores = scores.reshape(b, kh, t, g, s) * (1.0 / np.sqrt(h))
   scores = jnp.where(visible[:, None, :, None], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kh, t * g, s)
-  out = jnp.einsum("bkms,bksh->bkmh", probs, v).reshape(b, kh, t, g, h)
+  out = jnp.einsum("bkms,bksh->bkmh", probs, v,
+                   preferred_element_type=jnp.float32).astype(v.dtype).reshape(b, kh, t, g, h)
   return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 

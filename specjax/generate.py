@@ -21,7 +21,7 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
-from specjax.model import Params, forward, target_features
+from specjax.model import Params, compute_dtype, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler, Sampling
 from specjax.sequences import append
@@ -55,7 +55,7 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax
     return out.cache, hidden
 
   width = cfg.dim * max(1, len(feature_layers))
-  hidden = jnp.zeros((b, s, width) if return_hidden else (0,), jnp.float32)
+  hidden = jnp.zeros((b, s, width) if return_hidden else (0,), compute_dtype(params))
   cache, hidden = over_chunks(step, (cache, hidden), num_tokens, s, chunk)
   return (cache, hidden) if return_hidden else cache
 
@@ -143,7 +143,7 @@ def init_decode_state(params: Params, cfg: ModelConfig, tokens: jax.Array,
                       prompt_lens: jax.Array, max_new_tokens: jax.Array,
                       rng: jax.Array) -> DecodeState:
   b, s = tokens.shape
-  cache = prefill(params, cfg, tokens, prompt_lens - 1, kvc.init_cache(cfg, b, s))
+  cache = prefill(params, cfg, tokens, prompt_lens - 1, kvc.init_cache(cfg, b, s, compute_dtype(params)))
   max_lens = prompt_lens + max_new_tokens
   return DecodeState(tokens=tokens, seq_lens=prompt_lens, max_lens=max_lens,
                      done=prompt_lens >= max_lens, cache=cache, rng=rng,

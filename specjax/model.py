@@ -56,6 +56,28 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+def compute_dtype(params: Params) -> jnp.dtype:
+  """The dtype of a model's activations, KV cache and features: its embedding table's.
+
+  float32 by default; bfloat16 after ``cast_params(params, jnp.bfloat16)``. Products
+  accumulate in float32 whatever it is (``kernels.packed.dense``), and logits are float32.
+  """
+  return jnp.dtype(params["embed"].dtype)
+
+
+def cast_params(params: Any, dtype) -> Any:
+  """Every floating-point array of a parameter pytree in ``dtype``; integer arrays (vocabulary
+  maps) and packed CPU weights (float32 only, ``kernels.packed``) are left as they are."""
+  dtype = jnp.dtype(dtype)
+
+  def cast(x):
+    if isinstance(x, PackedWeight) or not hasattr(x, "dtype"):
+      return x
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+  return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, PackedWeight))
+
+
 def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
   """[B, T, T] lower-triangular mask: new token i sees new tokens j <= i."""
   tri = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))

@@ -75,13 +75,13 @@ def exact_joint(cfg: ModelConfig, params: Params, sampler, prompt: Sequence[int]
   import jax.numpy as jnp
 
   from specjax import kv_cache as kvc
-  from specjax.model import forward
+  from specjax.model import compute_dtype, forward
 
   def next_probs(seqs):
     seqs = jnp.asarray(seqs)
     b, t = seqs.shape
     out = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                  kvc.init_cache(cfg, b, t))
+                  kvc.init_cache(cfg, b, t, compute_dtype(params)))
     return np.asarray(sampler.probs(out.logits[:, -1]), np.float64)
 
   p1 = next_probs([list(prompt)])[0]

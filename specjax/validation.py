@@ -73,6 +73,25 @@ def model_source(source: Any) -> str:
   return source
 
 
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def compute_dtype(value: Any, name: str = "dtype") -> jnp.dtype:
+  """A model's compute dtype: "auto" is bfloat16 on GPU and TPU and float32 on CPU (where
+  the CPU kernels take float32 only and XLA emulates bfloat16 products); "float32" or
+  "bfloat16" (or those jnp dtypes) as asked. Anything else is refused."""
+  import jax  # local: validation is imported before the backend is chosen
+  if isinstance(value, str) and value == "auto":
+    return jnp.dtype(jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32)
+  try:
+    dt = jnp.dtype(value)
+  except TypeError:
+    dt = None
+  if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"{name} must be one of {', '.join(COMPUTE_DTYPES)}; got {value!r}")
+  return dt
+
+
 def float_dtype(dtype: Any, name: str = "dtype") -> jnp.dtype:
   """``dtype`` as a jnp dtype, refusing non-float ones (int weights compute garbage)."""
   try:

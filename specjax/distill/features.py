@@ -23,14 +23,14 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.loaders.hf import CheckpointError
-from specjax.model import Params, forward, target_features
+from specjax.model import Params, compute_dtype, forward, target_features
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layers"))
 def _hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, layers=()) -> jax.Array:
   b, l = tokens.shape
   out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
-                kvc.init_cache(cfg, b, l), compute_logits=False, return_layers=layers)
+                kvc.init_cache(cfg, b, l, compute_dtype(params)), compute_logits=False, return_layers=layers)
   return target_features(out, layers).astype(jnp.float16)
 
 

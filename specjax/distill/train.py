@@ -27,7 +27,7 @@ from specjax.config import ModelConfig
 from specjax.distill import checkpoint as ckpt
 from specjax.distill import losses
 from specjax.drafters import reduced_vocab
-from specjax.model import Params, forward, lm_head, target_features
+from specjax.model import Params, compute_dtype, forward, lm_head, target_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +163,7 @@ class Teacher:
     b, l = tokens.shape
     layers = self.feature_layers or ()
     out = forward(target_params, self.cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
-                  kvc.init_cache(self.cfg, b, l), compute_logits=False, return_layers=layers)
+                  kvc.init_cache(self.cfg, b, l, compute_dtype(target_params)), compute_logits=False, return_layers=layers)
     hidden = jnp.take_along_axis(out.hidden, batch["pred_pos"][:, :, None], axis=1)
     logp = jax.nn.log_softmax(lm_head(self.cfg, target_params, hidden), axis=-1)
     top_logp, top_ids = jax.lax.top_k(logp, self.k)
@@ -184,7 +184,8 @@ def draft_logp_at(params: Params, cfg: ModelConfig, input_ids: jax.Array,
   rows, or target ids when ``params`` hold a full-vocabulary ``input_embed``)."""
   b, l = input_ids.shape
   pos = jnp.broadcast_to(jnp.arange(l), (b, l))
-  out = forward(params, cfg, input_ids, pos, kvc.init_cache(cfg, b, l), compute_logits=False)
+  out = forward(params, cfg, input_ids, pos, kvc.init_cache(cfg, b, l, compute_dtype(params)),
+                compute_logits=False)
   hidden = jnp.take_along_axis(out.hidden, pred_pos[:, :, None], axis=1)
   return jax.nn.log_softmax(lm_head(cfg, params, hidden), axis=-1)
 
@@ -378,7 +379,7 @@ def score_with_target(params: Params, cfg: ModelConfig, seqs: Sequence[tuple[np.
 def _score(params, cfg, tokens, k):
   b, l = tokens.shape
   out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
-                kvc.init_cache(cfg, b, l))
+                kvc.init_cache(cfg, b, l, compute_dtype(params)))
   return jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), k)
 
 

@@ -53,7 +53,7 @@ from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_ma
 from specjax.generate import over_backlog, over_chunks
 from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, policy_of, unpacked
 from specjax.kernels.policy import MatmulPolicy
-from specjax.model import Params, init_params, rms_norm, run_layers
+from specjax.model import Params, cast_params, compute_dtype, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, TreeTopology
@@ -172,7 +172,7 @@ class EagleDrafter(Drafter):
                              jnp.broadcast_to(idx, (b, idx.shape[0])), cache, num_valid=valid)
       return cache
 
-    cache = over_chunks(step, kvc.init_cache(self.cfg, b, s), prompt_lens - 1, s)
+    cache = over_chunks(step, kvc.init_cache(self.cfg, b, s, compute_dtype(draft_params)), prompt_lens - 1, s)
     return EagleState(cache=cache, features=features)
 
   def observe(self, state: EagleState, hidden: jax.Array, start: jax.Array) -> EagleState:
@@ -373,7 +373,9 @@ def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params
   (``vocab_map`` selects a reduced output vocabulary; None = all rows)."""
   head = (target_params["embed"] if target_cfg.tie_embeddings
           else jnp.transpose(unpacked(target_params["lm_head"])))
-  dp = dict(weights, embed=target_params["embed"], final_norm=target_params["final_norm"])
+  # The trained weights compute in the target's dtype (bfloat16 beside a bfloat16 target).
+  dp = dict(cast_params(weights, compute_dtype(target_params)), embed=target_params["embed"],
+            final_norm=target_params["final_norm"])
   if vocab_map is None:
     dp["head"] = head
   else:

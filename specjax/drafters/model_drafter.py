@@ -36,7 +36,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.reduced_vocab import full_input
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, prefill
-from specjax.model import Params, forward
+from specjax.model import Params, compute_dtype, forward
 from specjax.sampling import Sampler, sample_subset
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, TreeTopology
@@ -192,7 +192,7 @@ class ModelDrafter(Drafter):
     b, s = tokens.shape
     return prefill(draft_params["model"], self.cfg, self._draft_ids(draft_params, tokens),
                    prompt_lens - 1,
-                   kvc.init_cache(self.cfg, b, s))
+                   kvc.init_cache(self.cfg, b, s, compute_dtype(draft_params["model"])))
 
   def propose_chain(self, draft_params, state: kvc.KVCache, tokens, seq_lens, key,
                     sampler: Sampler, gamma: int):

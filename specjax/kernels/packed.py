@@ -85,7 +85,10 @@ def uses_kernel(w: Any, rows: int) -> bool:
 def dense(x: jax.Array, w: Any) -> jax.Array:
   """x [..., K] @ w [K, N] -> [..., N], for a plain or packed ``w``."""
   if not isinstance(w, PackedWeight):
-    return x @ w
+    if x.dtype == jnp.float32:
+      return x @ w
+    # bfloat16 (or mixed) operands: accumulate in float32, hand back the activation dtype.
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
   lead, k = x.shape[:-1], x.shape[-1]
   rows = int(np.prod(lead))
   if not w.policy.use_kernel(rows):

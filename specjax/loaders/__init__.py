@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import jax.numpy as jnp
-
 from specjax import validation
 from specjax.config import ModelConfig
 from specjax.kernels import streaming_matmul
@@ -21,7 +19,7 @@ from specjax.model import Params
 EMBEDDED = "smollm2"
 
 
-def load_model(source: str = EMBEDDED, dtype=jnp.float32, packed: Optional[bool] = None
+def load_model(source: str = EMBEDDED, dtype="auto", packed: Optional[bool] = None
                ) -> tuple[ModelConfig, Params]:
   """Loads a model from ``"smollm2"`` (embedded), a ``.gguf`` file or an HF directory.
 
@@ -32,7 +30,10 @@ def load_model(source: str = EMBEDDED, dtype=jnp.float32, packed: Optional[bool]
 
   Args:
     source: ``"smollm2"``, a ``.gguf`` path or an HF model directory.
-    dtype: parameter dtype.
+    dtype: the dtype of the weights, and so of the activations and the KV cache
+      (``model.compute_dtype``): "auto" (default) is bfloat16 on GPU and TPU and float32
+      on CPU (``validation.compute_dtype``); "float32", "bfloat16" or another float dtype.
+      Products accumulate in float32 and logits are float32 whatever it is.
     packed: None (default): the measured policy; True: the kernel for every
       product (an error when it cannot run here); False: XLA's dot only.
       Packed parameters are for inference only.
@@ -52,7 +53,8 @@ def load_model(source: str = EMBEDDED, dtype=jnp.float32, packed: Optional[bool]
 
 def _load(source: str, dtype) -> tuple[ModelConfig, Params]:
   source = validation.model_source(source)
-  validation.float_dtype(dtype)
+  dtype = (validation.compute_dtype(dtype) if isinstance(dtype, str) and dtype == "auto"
+           else validation.float_dtype(dtype))
   if source == EMBEDDED:
     return load_smollm2(dtype)
   if source.endswith(".gguf"):

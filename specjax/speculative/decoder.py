@@ -43,7 +43,7 @@ from specjax import validation
 from specjax.attention import resolve_impl
 from specjax.config import ModelConfig
 from specjax.generate import check_sampler, last_tokens, prefill
-from specjax.model import Params, forward, target_features
+from specjax.model import Params, compute_dtype, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
@@ -73,7 +73,7 @@ def prefill_models(target_cfg: ModelConfig, drafter: "Drafter", target_params: P
   the prompt, read off the same prefill.
   """
   b, s = tokens.shape
-  empty = kvc.init_cache(target_cfg, b, s)
+  empty = kvc.init_cache(target_cfg, b, s, compute_dtype(target_params))
   if drafter.reads_target_features():
     target_cache, hidden = prefill(target_params, target_cfg, tokens, prompt_lens - 1, empty,
                                    return_hidden=True,

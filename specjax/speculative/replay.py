@@ -41,7 +41,7 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax.generate import prefill
-from specjax.model import Params
+from specjax.model import Params, compute_dtype
 from specjax.sampling import Greedy
 from specjax.speculative.decoder import SpeculativeDecoder, TargetScores
 from specjax.speculative.metrics import SpecResult, summarize
@@ -102,7 +102,7 @@ def _replay(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
   after each prompt (the state's own buffer holds the prompts only, as in a real run)."""
   drafter, cfg = dec.drafter, dec.target_cfg
   b, s = tokens.shape
-  cache = kvc.init_cache(cfg, b, s)
+  cache = kvc.init_cache(cfg, b, s, compute_dtype(target_params))
   hidden_all = jnp.zeros((b, s, 0), jnp.float32)
   if drafter.reads_target_features() or drafter.shares_target_cache():
     # One forward over prompt + continuation: the target's cache (for a drafter that
