@@ -41,6 +41,7 @@ import numpy as np
 
 from pallas_kernels.tree_attention.reference import batched_mask, check_inputs
 from specjax.kernels import cpu_attention
+from specjax.kernels.accumulate import einsum_f32
 
 IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_tpu", "pallas_gpu",
          "pallas_tpu_interpret", "pallas_gpu_interpret")
@@ -123,16 +124,15 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
   g = n // kh
   if k.size * k.dtype.itemsize <= CACHE_MAJOR_SCORES_BYTES:
     q = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
-    scores = jnp.einsum("bkmh,bksh->bkms", q, k, preferred_element_type=jnp.float32)
+    scores = einsum_f32("bkmh,bksh->bkms", q, k)
   else:
     q_t = q.reshape(b, t, kh, g, h).transpose(0, 2, 4, 1, 3).reshape(b, kh, h, t * g)
     scores = jnp.swapaxes(
-        jnp.einsum("bksh,bkhm->bksm", k, q_t, preferred_element_type=jnp.float32), 2, 3)
+        einsum_f32("bksh,bkhm->bksm", k, q_t), 2, 3)
   scores = scores.reshape(b, kh, t, g, s) * (1.0 / np.sqrt(h))
   scores = jnp.where(visible[:, None, :, None], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kh, t * g, s)
-  out = jnp.einsum("bkms,bksh->bkmh", probs, v,
-                   preferred_element_type=jnp.float32).astype(v.dtype).reshape(b, kh, t, g, h)
+  out = einsum_f32("bkms,bksh->bkmh", probs, v).astype(v.dtype).reshape(b, kh, t, g, h)
   return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 

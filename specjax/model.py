@@ -28,6 +28,7 @@ import numpy as np
 from specjax import attention as attn_lib
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
+from specjax.kernels.accumulate import einsum_f32
 from specjax.kernels.packed import PackedWeight, dense, uses_kernel
 from specjax.rope import apply_rope, inverse_frequencies
 
@@ -142,8 +143,8 @@ def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
   if isinstance(head, PackedWeight) and (uses_kernel(head, rows) or not cfg.tie_embeddings):
     return dense(x, head)
   if cfg.tie_embeddings:  # contract against [V, D] directly: no transposed copy
-    return jnp.einsum("btd,vd->btv", x, params["embed"], preferred_element_type=jnp.float32)
-  return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+    return einsum_f32("...d,vd->...v", x, params["embed"])
+  return einsum_f32("...d,dv->...v", x, params["lm_head"])
 
 
 def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,

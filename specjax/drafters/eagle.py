@@ -51,6 +51,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, over_chunks
+from specjax.kernels.accumulate import einsum_f32
 from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, policy_of, unpacked
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, cast_params, compute_dtype, init_params, rms_norm, run_layers
@@ -142,7 +143,7 @@ class EagleDrafter(Drafter):
     x = rms_norm(h, dp["final_norm"], self.cfg.norm_eps)
     if isinstance(dp["head"], PackedWeight):  # [D, Vd] panels (``pack_eagle_params``)
       return dense(x.astype(jnp.float32), dp["head"])
-    return jnp.einsum("...d,vd->...v", x, dp["head"], preferred_element_type=jnp.float32)
+    return einsum_f32("...d,vd->...v", x, dp["head"])
 
   def logits(self, dp: Params, h: jax.Array) -> jax.Array:
     """Logits over the target vocabulary (−inf outside ``vocab_map`` when there is one)."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import streaming_matmul as sm
+from specjax.kernels.accumulate import einsum_f32
 from specjax.kernels.policy import KERNEL, XLA, MatmulPolicy
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -88,7 +89,7 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
     if x.dtype == jnp.float32:
       return x @ w
     # bfloat16 (or mixed) operands: accumulate in float32, hand back the activation dtype.
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return einsum_f32("...k,kn->...n", x, w).astype(x.dtype)
   lead, k = x.shape[:-1], x.shape[-1]
   rows = int(np.prod(lead))
   if not w.policy.use_kernel(rows):
