@@ -401,6 +401,8 @@ BAD = {  # id: (checkpoint, change, target, error, message)
                       "one midlayer"),
     "no_draft_vocab": ("eagle3", lambda c, t: c.pop("draft_vocab_size"), {}, CheckpointError,
                        "lacks draft_vocab_size"),
+    "draft_vocab_null": ("eagle3", lambda c, t: c.update(draft_vocab_size=None), {},
+                         CheckpointError, "draft_vocab_size None is not a positive integer"),
     "no_hidden_size": ("eagle1", lambda c, t: c.pop("hidden_size"), {}, CheckpointError,
                        "lacks the field 'hidden_size'"),
     "heads": ("eagle1", lambda c, t: c.update(num_attention_heads=3, num_key_value_heads=3), {},

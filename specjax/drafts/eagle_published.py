@@ -169,6 +169,9 @@ def _kind(c: dict[str, Any], names: set[str], path: str) -> str:
   if mid and "draft_vocab_size" not in c:
     raise CheckpointError(f"config.json in {path!r} lacks draft_vocab_size, which an EAGLE-3 "
                           "checkpoint (midlayer.*) has")
+  if mid and (not isinstance(c["draft_vocab_size"], int) or c["draft_vocab_size"] < 1):
+    raise CheckpointError(f"config.json in {path!r}: draft_vocab_size "
+                          f"{c['draft_vocab_size']!r} is not a positive integer")
   return EAGLE3 if mid else EAGLE1
 
 
