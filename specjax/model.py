@@ -11,6 +11,11 @@ Params layout (D model width, N/K query/kv heads, H head dim, F ffn width):
   final_norm  [D]
   lm_head     [D, V] (absent when embeddings are tied)
 
+A layer without ``attn_norm`` attends over its input un-normalised (the first
+layer of a published EAGLE-1 drafter; a target always has it,
+``validation.check_params``). ``run_layers``' ``attn_prefix`` widens layer 0's
+attention input (EAGLE-3's drafter layer: its ``wqkv`` is [P + D, (N+2K)H]).
+
 Any projection (and ``lm_head``, even with tied embeddings) may instead be a
 ``kernels.packed.PackedWeight`` (``load_model`` packs on CPU): every product
 goes through ``kernels.packed.dense``.
@@ -87,13 +92,15 @@ def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
 
 def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
            k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, mask: jax.Array,
-           inv_freq: np.ndarray, attention_impl: str):
+           inv_freq: np.ndarray, attention_impl: str, attn_prefix: Optional[jax.Array] = None):
   # The T new tokens are the last T slots of a window of W = mask.shape[-1]
   # slots that starts at ``start`` (W = T except while drafting a tree).
   write_start = start + (mask.shape[-1] - x.shape[1])
   b, t, _ = x.shape
   n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  y = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+  y = rms_norm(x, p["attn_norm"], cfg.norm_eps) if "attn_norm" in p else x
+  if attn_prefix is not None:  # [B, T, P] read by the attention beside y, not by the residual
+    y = jnp.concatenate([attn_prefix, y], axis=-1)
   qkv = dense(y, p["wqkv"])
   if "bqkv" in p:
     qkv = qkv + p["bqkv"]
@@ -150,12 +157,15 @@ def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
 def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
                cache: kvc.KVCache, mask: Optional[jax.Array] = None,
                num_valid: Optional[jax.Array] = None, return_layers: tuple[int, ...] = (),
-               attention_impl: str = "auto"
+               attention_impl: str = "auto", attn_prefix: Optional[jax.Array] = None
                ) -> tuple[jax.Array, tuple[jax.Array, ...], kvc.KVCache]:
   """The decoder layers over input embeddings ``x`` [B, T, D] (see ``forward``).
 
   Returns (hidden [B, T, D] before the final norm, intermediates, new cache).
-  Feature drafters (EAGLE) call this with their own input projection.
+  Feature drafters (EAGLE) call this with their own input projection; ``attn_prefix``
+  [B, T, P] is concatenated before layer 0's normalised input where its attention
+  reads it (EAGLE-3: [norm(token embedding); norm(x)]), while its residual stream
+  stays ``x``.
   """
   b, t = x.shape[:2]
   if mask is None:
@@ -166,7 +176,7 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Ar
   ks, vs, inter = [], [], []
   for l, p in enumerate(params["layers"]):
     x, k_l, v_l = _layer(cfg, p, x, positions, cache.k[l], cache.v[l], cache.lengths,
-                         mask, inv_freq, attention_impl)
+                         mask, inv_freq, attention_impl, attn_prefix if l == 0 else None)
     ks.append(k_l)
     vs.append(v_l)
     if l in return_layers:

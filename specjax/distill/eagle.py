@@ -38,6 +38,7 @@ import optax
 
 from specjax import kv_cache as kvc
 from specjax.drafters.eagle import EagleDrafter, eagle_params
+from specjax.drafters.eagle_arch import SPECJAX
 
 
 def _unit_rms(x: jax.Array) -> jax.Array:
@@ -86,6 +87,9 @@ class EagleObjective:
   def __post_init__(self):
     if self.ttt_steps < 1:
       raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+    if self.drafter.arch != SPECJAX:  # the unroll below feeds pair zero and specjax's norms
+      raise ValueError(f"EAGLE training covers specjax's own wiring only, not {self.drafter.arch} "
+                       "(published EAGLE drafters load for inference)")
 
   def unroll(self, params, frozen, batch, key=None) -> jax.Array:
     """[K, B, L, D]: ĥ of every position at each of the K unrolled draft steps."""

@@ -5,6 +5,7 @@ the step (``specjax.speculative.drafter``) so that the step never imports a draf
 """
 
 from specjax.drafters.eagle import EagleDrafter, eagle_drafter
+from specjax.drafters.eagle_arch import EagleArch
 from specjax.drafters.early_exit import early_exit_drafter
 from specjax.drafters.jacobi import JacobiDrafter
 from specjax.drafters.lookahead import LookaheadDrafter
@@ -13,6 +14,6 @@ from specjax.drafters.ngram import NgramDrafter, fit_ngram
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.speculative.drafter import Drafter
 
-__all__ = ["Drafter", "EagleDrafter", "JacobiDrafter", "LookaheadDrafter", "ModelDrafter",
-           "NgramDrafter", "PromptLookupDrafter", "eagle_drafter", "early_exit_drafter",
-           "fit_ngram"]
+__all__ = ["Drafter", "EagleArch", "EagleDrafter", "JacobiDrafter", "LookaheadDrafter",
+           "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "eagle_drafter",
+           "early_exit_drafter", "fit_ngram"]

@@ -33,6 +33,11 @@ Draft params: ``embed_norm`` [D], ``feature_norm`` [D], ``fc`` [2D, D],
 ``fuse_norms`` [k, D] and ``fuse`` [kD, D] (trained), and ``embed``,
 ``final_norm``, ``head`` [Vd, D], ``vocab_map`` [Vd] (the target's arrays,
 shared, see ``eagle_params``).
+
+That is specjax's own wiring, the default ``EagleArch``; the published EAGLE-1/2
+and EAGLE-3 drafters (``drafts.eagle_published``) run on the same code with
+theirs (``eagle_arch``: which norms, where the token enters, which head, whether
+the pair (0, x_0) exists). Training (``distill.eagle``) covers the default only.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
+from specjax.drafters.eagle_arch import SPECJAX, EagleArch
 from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, over_chunks
@@ -89,35 +95,52 @@ class EagleDrafter(Drafter):
       EAGLE-2 dynamic trees (``DynamicTree``) always take the top-k.
     feature_layers: target layers fused into the feature (EAGLE-3), sorted;
       () reads the last hidden state (EAGLE-1).
+    arch: the wiring (``eagle_arch``): specjax's own by default, or a published
+      drafter's.
   """
 
   cfg: ModelConfig
   tree_draw: str = "point_mass"
   feature_layers: tuple[int, ...] = ()
+  arch: EagleArch = SPECJAX
 
   def __post_init__(self):
     if self.tree_draw not in TREE_DRAWS:
       raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
+    if not isinstance(self.arch, EagleArch):
+      raise TypeError(f"arch must be an EagleArch, got {type(self.arch).__name__}")
     object.__setattr__(self, "feature_layers",
                        validation.layer_indices(self.feature_layers, "feature_layers"))
+    if self.feature_layers and self.arch.target_norm_eps is not None:
+      raise ValueError("a drafter reads either the target's final-normed last hidden state "
+                       f"(arch.target_norm_eps) or fused layers {self.feature_layers}, not both")
 
   def target_feature_layers(self) -> tuple[int, ...]:
     return self.feature_layers
 
   def check_params(self, draft_params) -> None:
     k = len(self.feature_layers)
+    required, optional = self.arch.param_keys(fused=bool(k))
+    have = set(draft_params)
+    if (have & required) != required or have - required - optional:
+      missing, extra = sorted(required - have), sorted(have - required - optional)
+      raise ValueError(f"draft params do not fit the drafter's wiring {self.arch}: missing "
+                       f"{missing}, unexpected {extra}")
     if k and draft_params["fuse"].shape != (k * self.cfg.dim, self.cfg.dim):
       raise ValueError(f"fusion weights of shape {draft_params['fuse'].shape} do not fuse "
                        f"{k} layers of width {self.cfg.dim}")
 
   def fuse(self, dp: Params, features: jax.Array) -> jax.Array:
     """[..., F] raw target features -> [..., D] what a pair reads (identity without fusion)."""
+    if self.arch.target_norm_eps is not None:  # EAGLE-1 reads the post-final-norm hidden state
+      return rms_norm(features, dp["target_norm"], self.arch.target_norm_eps)
     if not self.feature_layers:
       return features
     k, d = len(self.feature_layers), self.cfg.dim
     parts = features.reshape(features.shape[:-1] + (k, d)).astype(dp["fuse"].dtype)
-    normed = rms_norm(parts, dp["fuse_norms"], self.cfg.norm_eps)
-    return dense(normed.reshape(features.shape[:-1] + (k * d,)), dp["fuse"])
+    if self.arch.fusion_norms:
+      parts = rms_norm(parts, dp["fuse_norms"], self.cfg.norm_eps)
+    return dense(parts.reshape(features.shape[:-1] + (k * d,)), dp["fuse"])
 
   @property
   def vocab_size(self) -> int:
@@ -130,17 +153,25 @@ class EagleDrafter(Drafter):
              cache: kvc.KVCache, num_valid: Optional[jax.Array] = None,
              mask: Optional[jax.Array] = None):
     """Pairs (features [B, T, D], tokens [B, T]) -> (ĥ [B, T, D], new cache)."""
-    eps = self.cfg.norm_eps
-    x = jnp.concatenate([rms_norm(dp["embed"][tokens], dp["embed_norm"], eps),
-                         rms_norm(features.astype(dp["fc"].dtype), dp["feature_norm"], eps)],
-                        axis=-1)
-    x = dense(x, dp["fc"]) + dp["fc_bias"]
+    eps, embed = self.cfg.norm_eps, dp["embed"][tokens]
+    if self.arch.input == "attention":  # g is the residual; the token joins layer 0's attention
+      h, _, cache = run_layers(dp, self.cfg, features.astype(embed.dtype), positions, cache, mask,
+                               num_valid=num_valid,
+                               attn_prefix=rms_norm(embed, dp["embed_norm"], eps))
+      return h, cache
+    features = features.astype(dp["fc"].dtype)
+    if self.arch.input == "normed_fc":
+      embed, features = (rms_norm(embed, dp["embed_norm"], eps),
+                         rms_norm(features, dp["feature_norm"], eps))
+    x = dense(jnp.concatenate([embed, features], axis=-1), dp["fc"])
+    if "fc_bias" in dp:
+      x = x + dp["fc_bias"]
     h, _, cache = run_layers(dp, self.cfg, x, positions, cache, mask, num_valid=num_valid)
     return h, cache
 
   def head_logits(self, dp: Params, h: jax.Array) -> jax.Array:
     """ĥ [..., D] -> float32 logits over the head's rows."""
-    x = rms_norm(h, dp["final_norm"], self.cfg.norm_eps)
+    x = rms_norm(h, dp["final_norm"], self.cfg.norm_eps) if self.arch.head_norm else h
     if isinstance(dp["head"], PackedWeight):  # [D, Vd] panels (``pack_eagle_params``)
       return dense(x.astype(jnp.float32), dp["head"])
     return einsum_f32("...d,vd->...v", x, dp["head"])
@@ -161,19 +192,22 @@ class EagleDrafter(Drafter):
     return True  # ``init`` gets the prompt's features, ``observe`` each accepted path's
 
   def init(self, draft_params, tokens, prompt_lens, features=None) -> EagleState:
-    """Feeds the prompt's pairs 0…P−2 in chunks (as the target's prefill: the cost follows
-    the longest prompt, not the buffer); pair P−1 is pending for the first ``propose``."""
+    """Feeds the prompt's pairs 0…P−2 (1…P−2 without pair zero) in chunks (as the target's
+    prefill: the cost follows the longest prompt, not the buffer); pair P−1 is pending for
+    the first ``propose``."""
     b, s = tokens.shape
+    first = self.arch.first_pair
 
-    def step(idx, valid, cache):
-      pos = jnp.clip(idx, 0, s - 1)
-      prev = jnp.take(features, jnp.clip(idx - 1, 0, s - 1), axis=1)  # f_{i−1}, f_{−1} = 0
-      fused = jnp.where((idx >= 1)[None, :, None], self.fuse(draft_params, prev), 0.0)
-      _, cache = self.hidden(draft_params, fused, jnp.take(tokens, pos, axis=1),
-                             jnp.broadcast_to(idx, (b, idx.shape[0])), cache, num_valid=valid)
+    def step(idx, valid, cache):  # idx: cache slots; pairs idx + first
+      p = idx + first
+      prev = jnp.take(features, jnp.clip(p - 1, 0, s - 1), axis=1)  # f_{p−1}, f_{−1} = 0
+      fused = jnp.where((p >= 1)[None, :, None], self.fuse(draft_params, prev), 0.0)
+      _, cache = self.hidden(draft_params, fused, jnp.take(tokens, jnp.clip(p, 0, s - 1), axis=1),
+                             jnp.broadcast_to(p, (b, p.shape[0])), cache, num_valid=valid)
       return cache
 
-    cache = over_chunks(step, kvc.init_cache(self.cfg, b, s, compute_dtype(draft_params)), prompt_lens - 1, s)
+    cache = over_chunks(step, kvc.init_cache(self.cfg, b, s, compute_dtype(draft_params)),
+                        prompt_lens - 1 - first, s)
     return EagleState(cache=cache, features=features)
 
   def observe(self, state: EagleState, hidden: jax.Array, start: jax.Array) -> EagleState:
@@ -201,7 +235,7 @@ class EagleDrafter(Drafter):
     drafts = jnp.concatenate([d1[:, None], rest.T.reshape(b, gamma - 1)], axis=1)
     q = jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     # Only pairs < seq_lens were built from true features; the rest is scratch.
-    return drafts, q, state.replace(cache=cache.with_lengths(seq_lens))
+    return drafts, q, state.replace(cache=cache.with_lengths(seq_lens - self.arch.first_pair))
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # a plain step's feature arrives by ``observe``; ``_catch_up`` feeds any backlog
@@ -222,13 +256,18 @@ class EagleDrafter(Drafter):
     plain decoding steps that skipped the drafter (an adaptive policy's γ = 0) the
     backlog before the last ``window`` goes first, ``window`` pairs per forward.
     """
+    first = self.arch.first_pair
     feed = lambda pos, valid, cache: self._pairs(dp, state, tokens, pos, valid, cache)[1]
-    cache = over_backlog(feed, state.cache, state.cache.lengths, seq_lens - window, window)
-    c = cache.lengths  # pairs c … seq_lens − 1 are pending (1 … window of them)
-    num_valid = seq_lens - c
-    h, cache = self._pairs(dp, state, tokens, c[:, None] + jnp.arange(window)[None, :],
-                           num_valid, cache)
-    last = jnp.clip(num_valid - 1, 0, window - 1)[:, None, None]
+    cache = over_backlog(feed, state.cache, state.cache.lengths + first, seq_lens - window,
+                         window)
+    c = cache.lengths + first  # pairs c … seq_lens − 1 are pending (at most window of them)
+    # Without pair zero, a row of committed length 1 has no pair yet (the published
+    # drafters start after the target's first token): its window starts at the pair
+    # (0, x_0), fed as scratch. Otherwise start = c.
+    start = jnp.minimum(c, seq_lens - 1)
+    h, cache = self._pairs(dp, state, tokens, start[:, None] + jnp.arange(window)[None, :],
+                           seq_lens - c, cache)
+    last = jnp.clip(seq_lens - 1 - start, 0, window - 1)[:, None, None]
     return jnp.take_along_axis(h, last, axis=1)[:, 0], cache
 
   def propose(self, draft_params, state: EagleState, tokens, seq_lens, key, sampler: Sampler,
@@ -256,7 +295,7 @@ class EagleDrafter(Drafter):
       proposal = grow(topology, sampler, key, self.head_logits(dp, h_root), h_root, expand,
                       to_target, lift_q, self.tree_draw)
     # Tree pairs were built from predicted features: only pairs < seq_lens stay.
-    return proposal, state.replace(cache=cache.with_lengths(seq_lens))
+    return proposal, state.replace(cache=cache.with_lengths(seq_lens - self.arch.first_pair))
 
   def rollback(self, state: EagleState, seq_lens, accepted: AcceptedPath) -> EagleState:
     return state  # the cache already stops at the last pair of true features
@@ -299,10 +338,10 @@ def pack_eagle_params(dp: Params, policy: MatmulPolicy) -> Params:
   layer = lambda l: {k: pack(unpacked(v), policy) if k in PROJECTIONS else v
                      for k, v in l.items()}
   out = dict(dp, layers=[layer(l) for l in dp["layers"]],
-             fc=pack(unpacked(dp["fc"]), policy),
              head=pack(jnp.transpose(unpacked_head(dp["head"])), policy))
-  if "fuse" in dp:
-    out["fuse"] = pack(unpacked(dp["fuse"]), policy)
+  for k in ("fc", "fuse"):
+    if k in dp:
+      out[k] = pack(unpacked(dp[k]), policy)
   return out
 
 
@@ -314,9 +353,10 @@ def unpacked_head(head) -> jax.Array:
 def unpack_eagle_params(dp: Params) -> Params:
   """Inverse of ``pack_eagle_params``: plain arrays everywhere."""
   out = dict(dp, layers=[{k: unpacked(v) for k, v in l.items()} for l in dp["layers"]],
-             fc=unpacked(dp["fc"]), head=unpacked_head(dp["head"]))
-  if "fuse" in dp:
-    out["fuse"] = unpacked(dp["fuse"])
+             head=unpacked_head(dp["head"]))
+  for k in ("fc", "fuse"):
+    if k in dp:
+      out[k] = unpacked(dp[k])
   return out
 
 
@@ -372,8 +412,7 @@ def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params
                  vocab_map: Optional[np.ndarray] = None) -> Params:
   """Draft params: trained ``weights`` + the target's embedding, final norm and LM-head rows
   (``vocab_map`` selects a reduced output vocabulary; None = all rows)."""
-  head = (target_params["embed"] if target_cfg.tie_embeddings
-          else jnp.transpose(unpacked(target_params["lm_head"])))
+  head = target_head(target_cfg, target_params)
   # The trained weights compute in the target's dtype (bfloat16 beside a bfloat16 target).
   dp = dict(cast_params(weights, compute_dtype(target_params)), embed=target_params["embed"],
             final_norm=target_params["final_norm"])
@@ -383,6 +422,13 @@ def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params
     vm = jnp.asarray(vocab_map, jnp.int32)
     dp["head"], dp["vocab_map"] = head[vm], vm
   return dp
+
+
+def target_head(target_cfg: ModelConfig, target_params: Params) -> jax.Array:
+  """The target's LM head as [V, D] rows (its embedding when tied; unpacked)."""
+  if target_cfg.tie_embeddings:
+    return target_params["embed"]
+  return jnp.transpose(unpacked(target_params["lm_head"]))
 
 
 def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Params,

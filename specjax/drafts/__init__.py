@@ -9,11 +9,14 @@
               ``default_eagle_drafter``) and ``drafter_from_path``, the one
               entry point for a draft given as a path, whatever its kind.
   ``export``  a token draft as a standard Hugging Face Llama directory.
+  ``eagle_published``  SafeAILab's EAGLE-1/2 and EAGLE-3 checkpoints, loaded unchanged
+              into an ``EagleDrafter`` with the published wiring.
 
 Every public name is handed on here: ``specjax.drafts.load_draft`` and
 ``from specjax.drafts import default_drafter`` are the way in.
 """
 
+from specjax.drafts.eagle_published import load_published_eagle, published_eagle_weights
 from specjax.drafts.export import expand_to_full_vocab, export_hf
 from specjax.drafts.format import (EAGLE_FORMAT, FORMAT, cut_eagle_head, load_draft, load_eagle,
                                    read_checked_metadata, read_draft_metadata, save_draft,
@@ -25,7 +28,7 @@ from specjax.drafts.zoo import (DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR, default_dr
 __all__ = [
     "DEFAULT_DRAFT_DIR", "DEFAULT_EAGLE_DIR", "EAGLE_FORMAT", "FORMAT", "cut_eagle_head",
     "default_drafter", "default_eagle_drafter", "drafter_from_path", "expand_to_full_vocab",
-    "export_hf", "load_default_draft", "load_draft", "load_eagle", "read_checked_metadata",
-    "read_draft_metadata", "reads_target_rows", "save_draft", "save_eagle",
-    "tokenizer_fingerprint",
+    "export_hf", "load_default_draft", "load_draft", "load_eagle", "load_published_eagle",
+    "published_eagle_weights", "read_checked_metadata", "read_draft_metadata",
+    "reads_target_rows", "save_draft", "save_eagle", "tokenizer_fingerprint",
 ]

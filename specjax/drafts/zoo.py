@@ -15,6 +15,8 @@ from typing import Optional
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.drafts.eagle_published import (load_published_eagle, published_eagle_weights,
+                                            published_kind)
 from specjax.drafts.format import (EAGLE_FORMAT, FORMAT, load_draft, load_eagle,
                                    read_draft_metadata, tokenizer_fingerprint)
 from specjax.loaders.hf import CheckpointError
@@ -93,12 +95,15 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
                       *, target_input: bool = True):
   """(drafter, draft_params, note) of a draft at ``path``, checked against the target.
 
-  ``path`` is a specjax draft directory (token or EAGLE), a Hugging Face model
-  directory or a ``.gguf`` file. Every kind goes through a fingerprint check
-  against ``tokenizer``, the target's: the stored fingerprint for specjax
-  drafts, the fingerprint of the model's own tokenizer otherwise. Only a
-  target without a tokenizer (``tokenizer=None``, e.g. a random test model)
-  skips the check.
+  ``path`` is a specjax draft directory (token or EAGLE), a published EAGLE-1/2 or
+  EAGLE-3 checkpoint (SafeAILab's ``config.json`` + ``model.safetensors`` or
+  ``pytorch_model.bin``, ``eagle_published``), a Hugging Face model directory or a
+  ``.gguf`` file. Every kind but the published EAGLE checkpoints goes through a
+  fingerprint check against ``tokenizer``, the target's: the stored fingerprint for
+  specjax drafts, the fingerprint of the model's own tokenizer otherwise. Only a
+  target without a tokenizer (``tokenizer=None``, e.g. a random test model) skips
+  the check. A published EAGLE checkpoint carries no tokenizer: it is checked against
+  the target's hidden size, vocabulary size and (EAGLE-3) depth, and its d2t map's range.
 
   A reduced-vocabulary specjax token draft of the target's width reads input
   ids outside its vocabulary through the target's rows (full-vocabulary input,
@@ -121,6 +126,10 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
         with_input_map=True)
     return (*_model_drafter(cfg, params, vocab_map, in_map, target_cfg.vocab_size,
                             target_params["embed"] if target_input else None), path)
+  if published_eagle_weights(path) is not None:
+    drafter, dp = load_published_eagle(path, target_cfg, target_params)
+    return drafter, dp, (f"published {published_kind(drafter)} drafter {path} (no tokenizer "
+                         "to fingerprint: width and vocabulary checked)")
   from specjax.loaders import load_model, load_model_tokenizer
   if sha is not None:
     try:
