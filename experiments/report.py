@@ -13,6 +13,7 @@ from experiments import checks, paper
 from experiments.machine import cpu_info, describe_cpu, matmul_path
 from experiments.measure import SpecRun, policy_of
 from experiments.prompts import ALL
+from specjax.attention import resolve_impl
 from specjax.model import compute_dtype
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
@@ -32,12 +33,14 @@ def git_revision() -> dict[str, Any]:
 
 
 def machine_info(target_params=None) -> dict[str, Any]:
-  """CPU, cores, versions and (given the target's parameters) the matmul path it runs."""
+  """CPU, cores, versions, the attention implementation and (given the target's parameters)
+  the matmul path and dtype it runs."""
   import jax
   cpu = cpu_info()
-  matmul = {} if target_params is None else {"matmul": matmul_path(target_params),
-                                              "dtype": str(compute_dtype(target_params))}
-  return {"cpu": describe_cpu(cpu), "cpu_model": cpu["model"], **matmul,
+  paths = {} if target_params is None else {"matmul": matmul_path(target_params),
+                                             "dtype": str(compute_dtype(target_params))}
+  paths["attention"] = resolve_impl("auto")  # SPECJAX_ATTENTION or the backend's default
+  return {"cpu": describe_cpu(cpu), "cpu_model": cpu["model"], **paths,
           **{f"cpu_{k}": v for k, v in cpu.items() if k != "model"},
           "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
           "python": platform.python_version(), "platform": platform.platform()}
@@ -184,6 +187,7 @@ def tables_markdown(results: dict) -> str:
       f"jax {results['machine']['jax']} ({results['machine']['backend']}); "
       f"matmul: {results['machine'].get('matmul', 'not recorded')}; "
       f"weights, activations and KV cache in {results['machine'].get('dtype', 'float32')}; "
+      f"attention: {results['machine'].get('attention', 'not recorded')}; "
       f"{_load_line(results)}; total {results['total_seconds'] / 60:.1f} min"
       f"{_resumed(results)}.  ",
       f"Target `{cfg['target']}`; draft `{draft['name']}` ({draft['note']}); "

@@ -28,12 +28,16 @@ Implementations, chosen by the static ``impl`` name:
                           GPU (the reference there too for window masks and
                           for more new tokens than the kernels' tree budget).
 
+``SPECJAX_ATTENTION=<name>`` in the environment replaces "auto" everywhere (e.g.
+"reference", XLA's attention, as the measured alternative to the Pallas kernels
+on a GPU: ``scripts/accelerator_tables.sh``); it is read when a program is traced.
 The choice is logged once per (name, backend).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +50,7 @@ from specjax.kernels.accumulate import einsum_f32
 IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_tpu", "pallas_gpu",
          "pallas_tpu_interpret", "pallas_gpu_interpret")
 
+ENV = "SPECJAX_ATTENTION"  # replaces "auto" (see the module docstring)
 _logged: set[tuple[str, str, str]] = set()
 
 
@@ -60,6 +65,11 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   """
   if impl not in IMPLS:
     raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLS}")
+  if impl == "auto" and os.environ.get(ENV):
+    impl = os.environ[ENV]
+    if impl not in IMPLS:
+      raise ValueError(f"{ENV}={impl!r} is not an attention implementation; expected one of "
+                       f"{IMPLS}")
   backend = backend or jax.default_backend()
   resolved = impl
   if impl == "auto":

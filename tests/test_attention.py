@@ -195,3 +195,13 @@ def test_decoder_rejects_an_unknown_attention_impl():
   cfg, _ = tiny_model(seed=0)
   with pytest.raises(ValueError, match="unknown attention implementation"):
     SpeculativeDecoder(cfg, ModelDrafter(cfg), attention_impl="flash")
+
+
+def test_the_environment_replaces_auto_and_is_checked(monkeypatch):
+  from specjax.attention import ENV, resolve_impl
+  monkeypatch.setenv(ENV, "reference")
+  assert resolve_impl("auto") == "reference"
+  assert resolve_impl("pallas_gpu_interpret") == "pallas_gpu_interpret"  # explicit names stay
+  monkeypatch.setenv(ENV, "xla")
+  with pytest.raises(ValueError, match="SPECJAX_ATTENTION='xla' is not an attention"):
+    resolve_impl("auto")

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The end-to-end tables on one GPU (or TPU): issue #36 item 5, ../shared/ACCELERATOR.md item 2-3.
+#
+#   scripts/accelerator_tables.sh OUT [PHASE ...]     # default: every phase, in this order
+#
+# Phases (each writes under OUT; rerun a phase to resume it, experiments.run keeps a
+# progress log and the XLA compilation cache lives in $SPECJAX_CACHE):
+#   device   nvidia-smi, jax and the devices                   -> OUT/device.txt
+#   default  python -m experiments.run (the default experiment; bf16 and the Pallas tree
+#            attention kernel by default on GPU/TPU)            -> OUT/default/
+#   xla      the γ sweep again with XLA's attention (SPECJAX_ATTENTION=reference), the
+#            measured alternative to the kernel                 -> OUT/default_xla_attention/
+#   trees    python -m experiments.run --experiment=tree_sweep  -> OUT/trees/
+#   batch    python -m benchmarks.batch_sweep (B = 1…32)        -> OUT/batch_sweep.md
+#   peer     python -m benchmarks.peer                          -> OUT/peer.md
+#   verify   python -m benchmarks.verify_curve: a Llama-3-8B-shaped target, random bf16
+#            weights, T = 1…64 × B = 1…32, and the speedup the calibrated theory predicts
+#            with α from OUT/default/results.json (a prediction) -> OUT/verify_curve.md
+#
+# The device tool runs at most ten minutes a command: give it one or two phases a
+# command (default and xla first). Budget on an H100 (not yet measured): ~20 minutes in
+# all. Every results file carries the device in its header. Extra arguments after
+# the phases are not accepted; set SPECJAX_ACCEL_ARGS to pass flags to experiments.run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: accelerator_tables.sh OUT [device|default|xla|trees|batch|peer|verify ...]}
+shift
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(device default xla trees batch peer verify)
+for p in "${phases[@]}"; do
+  case "$p" in device|default|xla|trees|batch|peer|verify) ;;
+    *) echo "unknown phase '$p': use device, default, xla, trees, batch, peer or verify" >&2
+       exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${SPECJAX_CACHE:-$HOME/.cache/specjax}/xla}
+read -r -a extra <<< "${SPECJAX_ACCEL_ARGS:-}"
+run() { echo "+ $*" >&2; "$@"; }
+for p in "${phases[@]}"; do
+  start=$(date +%s)
+  case "$p" in
+    device)
+      { date -u; git rev-parse HEAD; nvidia-smi 2>&1 || echo "nvidia-smi: not available";
+        python -c "import jax; print('jax', jax.__version__, jax.default_backend(), jax.devices())"
+      } > "$out/device.txt"; cat "$out/device.txt" ;;
+    default) run python -m experiments.run --out="$out/default" "${extra[@]}" ;;
+    xla) SPECJAX_ATTENTION=reference run python -m experiments.run --experiment=gamma_sweep \
+           --out="$out/default_xla_attention" "${extra[@]}" ;;
+    trees) run python -m experiments.run --experiment=tree_sweep --out="$out/trees" "${extra[@]}" ;;
+    batch) run python -m benchmarks.batch_sweep --out="$out/batch_sweep.md" ;;
+    peer) run python -m benchmarks.peer --out="$out/peer.md" ;;
+    verify) run python -m benchmarks.verify_curve --out="$out/verify_curve.md" \
+              --results="$out/default/results.json" ;;
+  esac
+  echo "phase $p: $(( $(date +%s) - start )) s" | tee -a "$out/phases.log"
+done

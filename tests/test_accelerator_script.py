@@ -1,0 +1,26 @@
+"""scripts/accelerator_tables.sh: its phases are checked before anything runs, and the
+device phase records where the tables were made. (Its experiment phases are the commands
+the experiments tests run; on CPU they run with SPECJAX_ACCEL_ARGS sizing them down.)"""
+
+import os
+import re
+import subprocess
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "accelerator_tables.sh")
+
+
+def test_unknown_phases_are_refused_before_any_runs(tmp_path):
+  out = subprocess.run([SCRIPT, str(tmp_path / "out"), "device", "tables"],
+                       capture_output=True, text=True)
+  assert out.returncode == 2
+  assert "unknown phase 'tables'" in out.stderr
+  assert not (tmp_path / "out").exists()
+
+
+def test_the_device_phase_records_the_commit_and_devices(tmp_path):
+  out = subprocess.run([SCRIPT, str(tmp_path), "device"], capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  text = (tmp_path / "device.txt").read_text()
+  assert re.search(r"^[0-9a-f]{40}$", text, re.M), text  # the commit
+  assert re.search(r"^jax \S+ cpu \[", text, re.M), text  # version, backend, devices
+  assert "phase device" in (tmp_path / "phases.log").read_text()
