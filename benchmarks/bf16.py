@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import specjax
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
+from experiments.measure import load_average
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
 from specjax import kv_cache as kvc
@@ -133,6 +134,7 @@ def speed(target, draft, prompts: list[list[int]], new: int, gammas: list[int]):
 
 def main(_):
   probe_output_dir(OUT.value.rsplit("/", 1)[0] or ".")
+  load_start = load_average()
   gammas = [int(g) for g in GAMMAS.value]
   t32, t16 = load_target("smollm2", "float32"), load_target("smollm2", "bfloat16")
   evals = default_prompts(PROMPTS.value)
@@ -159,6 +161,9 @@ def main(_):
           f"; parts at token {i} (top-2 gap {gap:.3f})" for i, gap in parted)
       lines.append(f"| {name} | {t1 * 1e3:.2f} | {g} | {tpc:.2f} | {cost:.2f} | **{sp:.2f}×** | "
                    f"{same} |")
+  lines.insert(3, f"Load average at the start {load_start}, at the end {load_average()} (the "
+               "speed columns are ratios within one dtype, each measured back to back).")
+  lines.insert(4, "")
   write_markdown(OUT.value, lines + [""])
 
 
