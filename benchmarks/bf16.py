@@ -163,7 +163,6 @@ def main(_):
                    f"{same} |")
   lines.insert(3, f"Load average at the start {load_start}, at the end {load_average()} (the "
                "speed columns are ratios within one dtype, each measured back to back).")
-  lines.insert(4, "")
   write_markdown(OUT.value, lines + [""])
 
 

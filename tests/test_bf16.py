@@ -25,7 +25,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2], [7, 8, 9]]
 CORPUS = [[1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8, 9, 7, 8]]
 # The near-tie rule: wherever float32's top-two logit gap is at least NEAR_TIE (natural-log
 # units: the favourite is e ≈ 2.7 times likelier), bfloat16 picks the same argmax. Below it
-# bfloat16's rounding (|Δ logit| up to ~0.9 on SmolLM2, benchmarks/results/bf16.md) may
+# bfloat16's rounding (|Δ logit| up to ~1.2 on SmolLM2, benchmarks/results/bf16.md) may
 # flip the choice, and greedy texts may part there.
 NEAR_TIE = 2.0
 
