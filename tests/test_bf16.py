@@ -192,3 +192,42 @@ def test_auto_is_float32_on_cpu_and_bfloat16_on_accelerators(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert validation.compute_dtype("auto") == BF16
   assert validation.compute_dtype("float32") == F32
+
+
+def test_a_bfloat16_hf_checkpoint_loads_in_either_dtype(tmp_path):
+  """A checkpoint transformers writes in bfloat16: read as float32 it is HF's model upcast
+  (the same numbers), read as bfloat16 every parameter stays bfloat16 and the logits agree
+  with HF's bfloat16 model away from near-ties."""
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM
+
+  from specjax.loaders import load_hf
+  torch.manual_seed(0)
+  hf = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, attn_implementation="eager"))
+  with torch.no_grad():  # float32 weights that bfloat16 holds exactly; peaked logits
+    for name, p in hf.named_parameters():
+      std = 1.0 if "lm_head" in name else 0.3
+      p.copy_((torch.randn(p.shape) * std + (1.0 if p.ndim == 1 else 0.0)).bfloat16().float())
+  tokens = np.random.default_rng(0).integers(0, 96, (2, 12))
+  with torch.no_grad():
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    hf32 = hf.eval()(input_ids=ids).logits.numpy()
+    hf = hf.to(torch.bfloat16)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf16 = hf(input_ids=ids).logits.float().numpy()
+
+  def ours(dtype):
+    cfg, params = load_hf(str(tmp_path), dtype)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(dtype)}
+    b, t = tokens.shape
+    return np.asarray(forward(params, cfg, jnp.asarray(tokens), jnp.broadcast_to(
+        jnp.arange(t), (b, t)), kvc.init_cache(cfg, b, t, compute_dtype(params))).logits)
+
+  np.testing.assert_allclose(ours(jnp.float32), hf32, atol=1e-4, rtol=0)
+  o16 = ours(jnp.bfloat16)
+  top2 = np.sort(hf16, axis=-1)[..., -2:]
+  clear = top2[..., 1] - top2[..., 0] >= NEAR_TIE
+  assert clear.sum() > 5
+  np.testing.assert_array_equal(o16.argmax(-1)[clear], hf16.argmax(-1)[clear])
