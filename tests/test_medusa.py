@@ -7,15 +7,22 @@ The heads' forward is re-implemented below in numpy from FasterDecoding's
 on the target's final-normed last hidden state), independently of specjax.
 """
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
+from specjax import drafts
 from specjax import kv_cache as kvc
+from specjax.drafts import medusa_published
 from specjax.drafters.medusa import (MedusaDrafter, medusa_drafter, medusa_params, medusa_tree,
                                      random_medusa_weights)
 from specjax.generate import generate
+from specjax.loaders import CheckpointError
 from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
@@ -263,3 +270,113 @@ def test_bad_params_are_refused(target, heads):
   assert set(medusa_params(cfg, params, {"res_w": jnp.zeros((1, 0, 32, 32)),
                                          "res_b": jnp.zeros((1, 0, 32))})) == {
       "final_norm", "res_w", "res_b", "head"}
+
+
+# --------------------------------------------------------------- FasterDecoding's checkpoints
+
+
+def _published(cfg, k=3, l=1, seed=0):
+  """(config.json, state dict) exactly as FasterDecoding writes them: the state dict of
+  ``MedusaModel.medusa_head`` in float16, torch [out, in] layout."""
+  rng = np.random.default_rng(seed)
+  d, v = cfg.dim, cfg.vocab_size
+  tensors = {}
+  for h in range(k):
+    for j in range(l):
+      tensors[f"{h}.{j}.linear.weight"] = (rng.standard_normal((d, d)) / np.sqrt(d)).astype(
+          np.float16)
+      tensors[f"{h}.{j}.linear.bias"] = (0.1 * rng.standard_normal(d)).astype(np.float16)
+    tensors[f"{h}.{l}.weight"] = (rng.standard_normal((v, d)) / np.sqrt(d)).astype(np.float16)
+  config = {"medusa_num_heads": k, "medusa_num_layers": l,
+            "base_model_name_or_path": "tiny/target", "hidden_size": d, "vocab_size": v}
+  return config, tensors
+
+
+def _write(path, config, tensors, fmt="safetensors"):
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  if fmt == "safetensors":
+    save_file(tensors, os.path.join(path, "medusa_lm_head.safetensors"))
+  else:
+    import torch
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()},
+               os.path.join(path, "medusa_lm_head.pt"))
+  return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_published_heads_load_and_decode_losslessly(tmp_path, target, fmt):
+  cfg, params = target
+  config, tensors = _published(cfg, k=3, l=2)
+  path = _write(tmp_path, config, tensors, fmt)
+  assert medusa_published.published_medusa_weights(path).endswith(
+      "safetensors" if fmt == "safetensors" else ".pt")
+  drafter, dp, note = drafts.drafter_from_path(path, cfg, params, None)
+  assert "published Medusa heads" in note
+  assert (drafter.num_heads, drafter.num_layers, drafter.shared_head) == (3, 2, False)
+  # The heads compute FasterDecoding's forward on the stored float16 weights.
+  res_w = np.stack([np.stack([tensors[f"{h}.{j}.linear.weight"] for j in range(2)])
+                    for h in range(3)]).astype(np.float32)
+  res_b = np.stack([np.stack([tensors[f"{h}.{j}.linear.bias"] for j in range(2)])
+                    for h in range(3)]).astype(np.float32)
+  head = np.stack([tensors[f"{h}.2.weight"] for h in range(3)]).astype(np.float32)
+  h = _features(cfg, params, PROMPTS[0])[-1]
+  np.testing.assert_allclose(
+      np.asarray(drafter.head_logits(dp, jnp.asarray(h)[None]))[0],
+      _np_heads(h, params["final_norm"], cfg.norm_eps, res_w, res_b, head), rtol=2e-4,
+      atol=2e-4)
+  dec = SpeculativeDecoder(cfg, drafter, tree=drafter.choices_tree(CHOICES))
+  out = dec.generate(params, dp, PROMPTS, 12)
+  ref = generate(params, cfg, PROMPTS, 12)
+  for i in range(len(PROMPTS)):
+    assert out.generated(i) == ref.generated(i)
+
+
+def _bad(cfg, change):
+  config, tensors = _published(cfg, k=2, l=1)
+  change(config, tensors)
+  return config, tensors
+
+
+BAD = {
+    "no_heads_field": (lambda c, t: c.pop("medusa_num_heads"), CheckpointError,
+                       "lacks the field 'medusa_num_heads'"),
+    "bad_layers_field": (lambda c, t: c.update(medusa_num_layers="1"), CheckpointError,
+                         "medusa_num_layers '1' is not an integer >= 0"),
+    "other_width_config": (lambda c, t: c.update(hidden_size=64), ValueError,
+                           "hidden_size is 64, this target's hidden size is 32"),
+    "other_vocab_shape": (lambda c, t: (c.pop("vocab_size"), t.update(
+        {"0.1.weight": np.zeros((80, 32), np.float16)})), ValueError,
+                          "head 0's rows is 80, this target's vocabulary is 64"),
+    "missing": (lambda c, t: t.pop("1.0.linear.bias"), CheckpointError,
+                r"1 tensor\(s\) missing, e.g. \['1.0.linear.bias'\]"),
+    "extra": (lambda c, t: t.update({"2.1.weight": np.zeros((64, 32), np.float16)}),
+              CheckpointError, r"Medusa heads do not have, e.g. \['2.1.weight'\]"),
+    "misshapen": (lambda c, t: t.update({"1.0.linear.weight": np.zeros((32, 16), np.float16)}),
+                  CheckpointError, r"'1.0.linear.weight' has shape \(32, 16\)"),
+    "int_dtype": (lambda c, t: t.update({"1.0.linear.bias": np.zeros(32, np.int32)}),
+                  CheckpointError, "has dtype int32, not a float"),
+    "nan": (lambda c, t: t["1.1.weight"].__setitem__((3, 4), np.nan), CheckpointError,
+            "'1.1.weight' holds non-finite values"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_published_heads_are_refused_by_name(tmp_path, target, case):
+  change, error, message = BAD[case]
+  path = _write(tmp_path, *_bad(target[0], change))
+  with pytest.raises(error, match=message):
+    medusa_published.load_published_medusa(path, *target)
+
+
+def test_bad_directories_are_refused(tmp_path, target):
+  with pytest.raises(CheckpointError, match="does not exist"):
+    medusa_published.load_published_medusa(str(tmp_path / "nowhere"), *target)
+  with pytest.raises(CheckpointError, match="has no config.json"):
+    medusa_published.load_published_medusa(str(tmp_path), *target)
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump({"medusa_num_heads": 2, "medusa_num_layers": 1}, f)
+  with pytest.raises(CheckpointError, match="holds no medusa_lm_head.safetensors"):
+    medusa_published.load_published_medusa(str(tmp_path), *target)
+  assert medusa_published.published_medusa_weights(str(tmp_path)) is None
