@@ -27,7 +27,9 @@ from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.typical_acceptance import TypicalAcceptance, accept_typical
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint,
                              new_compiles_across_batches, tiny_model)
 
@@ -380,3 +382,57 @@ def test_bad_directories_are_refused(tmp_path, target):
   with pytest.raises(CheckpointError, match="holds no medusa_lm_head.safetensors"):
     medusa_published.load_published_medusa(str(tmp_path), *target)
   assert medusa_published.published_medusa_weights(str(tmp_path)) is None
+
+
+# --------------------------------------------------------------- typical acceptance (lossy)
+
+
+def test_typical_acceptance_by_hand():
+  # Root -> {a: token 0, b: token 1}; a -> {c: token 2}. Root's p = (.5, .45, .05) has
+  # H ≈ 0.86, so τ = min(.09, .3 e^-H ≈ .13) = .09 and both children pass. a's p = (.6, .35,
+  # .05) has τ = .09 too and gives token 2 only .05: c fails, the path stops at depth 1, and
+  # of a and b the likelier (a, .5) wins; the next token comes from a's p without token 2.
+  tree = TreeTopology((-1, -1, 0))
+  p = jnp.asarray([[[0.5, 0.45, 0.05], [0.6, 0.35, 0.05], [0.2, 0.2, 0.6], [1 / 3] * 3]])
+  prop = Proposal(tokens=jnp.asarray([[0, 1, 2]]), draw="point_mass")
+  acc = accept_typical(jax.random.PRNGKey(0), prop, p, tree, TypicalAcceptance())
+  assert int(acc.num_accepted[0]) == 1 and acc.path.tolist() == [[0, 1, -1]]
+  draws = [int(accept_typical(jax.random.PRNGKey(i), prop, p, tree,
+                              TypicalAcceptance()).next_token[0]) for i in range(40)]
+  assert set(draws) <= {0, 1}
+  # With c's probability raised above τ the whole path is kept.
+  p2 = p.at[0, 1].set(jnp.asarray([0.3, 0.2, 0.5]))
+  acc = accept_typical(jax.random.PRNGKey(0), prop, p2, tree, TypicalAcceptance())
+  assert int(acc.num_accepted[0]) == 2 and acc.path.tolist() == [[0, 1, 3]]
+
+
+def test_typical_acceptance_is_opt_in_and_moves_the_law(small):
+  target, (drafter, dp) = small
+  sampler = Sampling(temperature=1.0)
+  tree = drafter.choices_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
+  assert SpeculativeDecoder(target[0], drafter, tree=tree).verification == "tokenwise"
+  dec = SpeculativeDecoder(target[0], drafter, sampler=sampler, eos_ids=(), tree=tree,
+                           verification="typical_lossy")
+  assert dec.verification == TypicalAcceptance() and dec.verification.lossy
+  counts = empirical_joint(dec, target, dp, PROMPT, N)
+  assert chi_square_pvalue(counts, exact_joint(*target, sampler, PROMPT)) < 1e-6
+
+
+def test_typical_acceptance_keeps_greedy_exact(target, heads):
+  cfg, params = target
+  drafter, dp = heads
+  dec = SpeculativeDecoder(cfg, drafter, tree=drafter.choices_tree(CHOICES),
+                           verification=TypicalAcceptance(threshold=0.2, alpha=0.5))
+  out = dec.generate(params, dp, PROMPTS, 10)
+  ref = generate(params, cfg, PROMPTS, 10)
+  for i in range(len(PROMPTS)):
+    assert out.generated(i) == ref.generated(i)
+
+
+def test_typical_acceptance_refusals(target, heads):
+  cfg, _ = target
+  drafter, _ = heads
+  with pytest.raises(ValueError, match=r"typical threshold must be a finite number in \[0, 1\]"):
+    TypicalAcceptance(threshold=2.0)
+  with pytest.raises(ValueError, match="'typical_lossy' / a TypicalAcceptance"):
+    SpeculativeDecoder(cfg, drafter, gamma=2, verification="typical")
