@@ -229,6 +229,14 @@ def test_medusa_tree_from_head_accuracies():
     medusa_tree([[1.5]], 1)
 
 
+@pytest.mark.parametrize("k,top_k", [(2, 1), (1, 2), (3, 10), (20, 10)])
+def test_default_tree_fits_the_heads(target, k, top_k):
+  drafter = MedusaDrafter(target[0], k, top_k=top_k)
+  tree = drafter.default_tree()
+  assert drafter.supports(tree)
+  assert tree.num_nodes == min(4 * k, 64, sum(top_k ** d for d in range(1, k + 1)))
+
+
 # --------------------------------------------------------------- refusals
 
 

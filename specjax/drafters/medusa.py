@@ -146,10 +146,12 @@ class MedusaDrafter(Drafter):
     return topology
 
   def default_tree(self) -> TreeTopology:
-    """The best tree of 4·K nodes (at most 64) under ``PRIOR_ACCURACY``, a prior, not a
-    measurement: give ``medusa_tree`` the heads' measured accuracies instead."""
+    """The best tree of 4·K nodes (at most 64, and at most what K heads of top_k ranks can
+    hold) under ``prior_accuracy``, a prior, not a measurement: give ``medusa_tree`` the
+    heads' measured accuracies instead."""
+    room = sum(self.top_k ** d for d in range(1, self.num_heads + 1))
     return medusa_tree(prior_accuracy(self.num_heads, self.top_k),
-                       min(4 * self.num_heads, 64), top_k=self.top_k)
+                       min(4 * self.num_heads, 64, room), top_k=self.top_k)
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # a plain step's feature arrives by ``observe``; nothing else is kept
