@@ -130,6 +130,34 @@ def test_greedy_equality_when_drafts_are_accepted(heads):
   assert out.metrics()["tokens_per_call"] > 2.0  # every step accepts its first draft
 
 
+@pytest.mark.parametrize("plain_steps", [False, True])
+def test_heads_read_the_feature_of_position_s_minus_2_at_every_step(plain_steps):
+  """Across real steps (accepting 0, 1 or 2 drafts, and plain steps under a policy), the
+  feature the heads read equals the target's h_{s−2} recomputed from the committed tokens."""
+  cfg, params = tiny_model(seed=0, vocab_size=8, scale=1.0)
+  drafter, dp = medusa_drafter(cfg, params, random_medusa_weights(cfg, 2, 1,
+                                                                  jax.random.PRNGKey(3)),
+                               top_k=8)
+  prompts = [[1, 2, 5], [4], [7, 0, 3, 3, 6]]
+  if plain_steps:
+    dec = SpeculativeDecoder(cfg, drafter, eos_ids=(), policy=AdaptiveGamma(
+        gammas=(0, 2), step_costs=(1.0, 1.9), prior_alpha=0.5, decay=0.5))
+  else:
+    dec = SpeculativeDecoder(cfg, drafter, eos_ids=(), tree=drafter.choices_tree(
+        [(r,) for r in range(8)] + [(0, q) for q in range(3)]))
+  accepted = set()
+  for state, _ in dec.stream(params, dp, prompts, 12):
+    got = np.asarray(drafter.feature(state.draft_state, state.seq_lens))
+    for b in range(len(prompts)):
+      s = int(state.seq_lens[b])
+      want = _features(cfg, params, np.asarray(state.tokens[b, :s]).tolist())[s - 2]
+      # Features of this model reach ~10³; a verify block and a full forward round apart.
+      np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    accepted.update(np.asarray(state.counters.accept_len_hist).nonzero()[1].tolist())
+  plain = int(np.asarray(state.counters.depth_hist)[:, 0].sum())
+  assert plain > 0 if plain_steps else accepted >= {1, 2}
+
+
 def test_shared_head_and_reduced_vocabulary_decode_losslessly(target):
   cfg, params = target
   weights = random_medusa_weights(cfg, 2, 1, jax.random.PRNGKey(4), own_head=False)
