@@ -40,7 +40,7 @@ from specjax.drafters.medusa import TOP_K, MedusaDrafter, medusa_drafter
 # The weight-file readers (safetensors headers; torch pickles only when torch is there).
 from specjax.drafts.eagle_published import _Checkpoint, _open_pickle, _open_safetensors
 from specjax.loaders.hf import CheckpointError, read_json_object
-from specjax.model import Params
+from specjax.model import Params, compute_dtype
 from specjax.validation import all_finite
 
 SAFETENSORS, PICKLE = "medusa_lm_head.safetensors", "medusa_lm_head.pt"
@@ -157,9 +157,10 @@ def load_published_medusa(path: str, target_cfg: ModelConfig, target_params: Par
                             "inf): the checkpoint is corrupt")
     return a
 
-  res_w = np.zeros((k, l, d, d), np.float32)
-  res_b = np.zeros((k, l, d), np.float32)
-  head = np.zeros((k, v, d), np.float32)
+  dtype = np.dtype(compute_dtype(target_params))  # held in it from the start: [K, V, D] is big
+  res_w = np.zeros((k, l, d, d), dtype)
+  res_b = np.zeros((k, l, d), dtype)
+  head = np.zeros((k, v, d), dtype)
   for h in range(k):
     for j in range(l):
       res_w[h, j] = w(f"{h}.{j}.linear.weight").T  # [out, in] -> [in, out]
