@@ -102,9 +102,8 @@ class MedusaDrafter(Drafter):
   shared_head: bool = False
 
   def __post_init__(self):
-    validation.as_int(self.num_heads, "num_heads", 1)
-    validation.as_int(self.num_layers, "num_layers", 0)
-    validation.as_int(self.top_k, "top_k", 1)
+    for name, minimum in (("num_heads", 1), ("num_layers", 0), ("top_k", 1)):
+      object.__setattr__(self, name, validation.as_int(getattr(self, name), name, minimum))
 
   @property
   def vocab_size(self) -> int:
