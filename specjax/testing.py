@@ -23,7 +23,7 @@ def tiny_model(seed: int = 0, scale: float = 0.5, **kw) -> tuple[ModelConfig, Pa
   return cfg, init_params(cfg, jax.random.PRNGKey(seed), scale=scale)
 
 
-DRAFTER_KINDS = ("prompt_lookup", "unigram", "bigram", "early_exit", "eagle")
+DRAFTER_KINDS = ("prompt_lookup", "unigram", "bigram", "early_exit", "eagle", "medusa")
 
 
 def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[Sequence[int]]):
@@ -43,6 +43,10 @@ def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[S
     weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(7))
     vocab_map = np.arange(0, cfg.vocab_size, 2)
     return drafters.eagle_drafter(cfg, params, weights, vocab_map)
+  if kind == "medusa":  # random heads, each its own rows, top-4 per head
+    from specjax.drafters.medusa import random_medusa_weights
+    weights = random_medusa_weights(cfg, 3, 1, jax.random.PRNGKey(7))
+    return drafters.medusa_drafter(cfg, params, weights, top_k=4)
   raise ValueError(f"unknown drafter kind {kind!r}")
 
 

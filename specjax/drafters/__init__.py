@@ -9,11 +9,12 @@ from specjax.drafters.eagle_arch import EagleArch
 from specjax.drafters.early_exit import early_exit_drafter
 from specjax.drafters.jacobi import JacobiDrafter
 from specjax.drafters.lookahead import LookaheadDrafter
+from specjax.drafters.medusa import MedusaDrafter, medusa_drafter, medusa_tree
 from specjax.drafters.model_drafter import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter, fit_ngram
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.speculative.drafter import Drafter
 
 __all__ = ["Drafter", "EagleArch", "EagleDrafter", "JacobiDrafter", "LookaheadDrafter",
-           "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "eagle_drafter",
-           "early_exit_drafter", "fit_ngram"]
+           "MedusaDrafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "eagle_drafter",
+           "early_exit_drafter", "fit_ngram", "medusa_drafter", "medusa_tree"]

@@ -11,12 +11,15 @@
   ``export``  a token draft as a standard Hugging Face Llama directory.
   ``eagle_published``  SafeAILab's EAGLE-1/2 and EAGLE-3 checkpoints, loaded unchanged
               into an ``EagleDrafter`` with the published wiring.
+  ``medusa_published``  FasterDecoding's Medusa-1 heads, loaded unchanged into a
+              ``MedusaDrafter``.
 
 Every public name is handed on here: ``specjax.drafts.load_draft`` and
 ``from specjax.drafts import default_drafter`` are the way in.
 """
 
 from specjax.drafts.eagle_published import load_published_eagle, published_eagle_weights
+from specjax.drafts.medusa_published import load_published_medusa, published_medusa_weights
 from specjax.drafts.export import expand_to_full_vocab, export_hf
 from specjax.drafts.format import (EAGLE_FORMAT, FORMAT, cut_eagle_head, load_draft, load_eagle,
                                    read_checked_metadata, read_draft_metadata, save_draft,
@@ -29,6 +32,6 @@ __all__ = [
     "DEFAULT_DRAFT_DIR", "DEFAULT_EAGLE_DIR", "EAGLE_FORMAT", "FORMAT", "cut_eagle_head",
     "default_drafter", "default_eagle_drafter", "drafter_from_path", "expand_to_full_vocab",
     "export_hf", "load_default_draft", "load_draft", "load_eagle", "load_published_eagle",
-    "published_eagle_weights", "read_checked_metadata", "read_draft_metadata",
+    "load_published_medusa", "published_eagle_weights", "published_medusa_weights", "read_checked_metadata", "read_draft_metadata",
     "reads_target_rows", "save_draft", "save_eagle", "tokenizer_fingerprint",
 ]

@@ -19,6 +19,7 @@ from specjax.drafts.eagle_published import (load_published_eagle, published_eagl
                                             published_kind)
 from specjax.drafts.format import (EAGLE_FORMAT, FORMAT, load_draft, load_eagle,
                                    read_draft_metadata, tokenizer_fingerprint)
+from specjax.drafts.medusa_published import load_published_medusa, published_medusa_weights
 from specjax.loaders.hf import CheckpointError
 from specjax.model import Params
 
@@ -97,13 +98,16 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
 
   ``path`` is a specjax draft directory (token or EAGLE), a published EAGLE-1/2 or
   EAGLE-3 checkpoint (SafeAILab's ``config.json`` + ``model.safetensors`` or
-  ``pytorch_model.bin``, ``eagle_published``), a Hugging Face model directory or a
-  ``.gguf`` file. Every kind but the published EAGLE checkpoints goes through a
+  ``pytorch_model.bin``, ``eagle_published``), published Medusa-1 heads
+  (FasterDecoding's ``config.json`` + ``medusa_lm_head.safetensors`` or ``.pt``,
+  ``medusa_published``), a Hugging Face model directory or a
+  ``.gguf`` file. Every kind but the published EAGLE and Medusa checkpoints goes through a
   fingerprint check against ``tokenizer``, the target's: the stored fingerprint for
   specjax drafts, the fingerprint of the model's own tokenizer otherwise. Only a
   target without a tokenizer (``tokenizer=None``, e.g. a random test model) skips
   the check. A published EAGLE checkpoint carries no tokenizer: it is checked against
-  the target's hidden size, vocabulary size and (EAGLE-3) depth, and its d2t map's range.
+  the target's hidden size, vocabulary size and (EAGLE-3) depth, and its d2t map's range;
+  Medusa heads against the hidden size and vocabulary.
 
   A reduced-vocabulary specjax token draft of the target's width reads input
   ids outside its vocabulary through the target's rows (full-vocabulary input,
@@ -126,6 +130,11 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
         with_input_map=True)
     return (*_model_drafter(cfg, params, vocab_map, in_map, target_cfg.vocab_size,
                             target_params["embed"] if target_input else None), path)
+  if published_medusa_weights(path) is not None:
+    drafter, dp = load_published_medusa(path, target_cfg, target_params)
+    return drafter, dp, (f"published Medusa heads {path} ({drafter.num_heads} heads of "
+                         f"{drafter.num_layers} blocks; no tokenizer to fingerprint: width and "
+                         "vocabulary checked)")
   if published_eagle_weights(path) is not None:
     drafter, dp = load_published_eagle(path, target_cfg, target_params)
     return drafter, dp, (f"published {published_kind(drafter)} drafter {path} (no tokenizer "

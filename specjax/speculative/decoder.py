@@ -49,6 +49,7 @@ from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
 from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.block_verification import VERIFICATIONS
+from specjax.speculative.typical_acceptance import TYPICAL_LOSSY, TypicalAcceptance, accept_typical
 from specjax.speculative.metrics import SpecResult, summarize
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.state import SpecCounters, SpecState
@@ -118,6 +119,9 @@ class SpeculativeDecoder:
       sampling, token by token) or "block" (``block_verification``: the chain judged
       jointly, never fewer tokens per step in expectation; chains only). Both are
       lossless; with a greedy sampler both keep the longest matching prefix.
+      "typical_lossy" or a ``TypicalAcceptance`` selects Medusa-2's typical acceptance
+      (``typical_acceptance``), which is NOT lossless: sampled output leaves the
+      target's law; under a greedy sampler the exact greedy rule still applies.
     policy: an ``AdaptiveGamma`` that picks each step's chain length from its static
       set inside the jitted loop (γ = 0 is a plain decoding step); give it instead of
       gamma and tree. The state's depth is then its largest γ.
@@ -136,7 +140,7 @@ class SpeculativeDecoder:
   eos_ids: Optional[tuple[int, ...]] = None
   tree: Optional[TreeTopology | DynamicTree] = None
   attention_impl: str = "auto"
-  verification: str = "tokenwise"
+  verification: str | TypicalAcceptance = "tokenwise"
   policy: Optional[AdaptiveGamma] = None
 
   def __post_init__(self):
@@ -156,9 +160,12 @@ class SpeculativeDecoder:
                        f"{self.tree.max_depth}; leave gamma unset with a tree")
     object.__setattr__(self, "gamma", self.tree.max_depth)
     check_sampler(self.sampler)
-    if self.verification not in VERIFICATIONS:
+    if self.verification == TYPICAL_LOSSY:
+      object.__setattr__(self, "verification", TypicalAcceptance())
+    if not isinstance(self.verification, TypicalAcceptance) and (
+        self.verification not in VERIFICATIONS):
       raise ValueError(f"unknown verification {self.verification!r}; expected one of "
-                       f"{VERIFICATIONS}")
+                       f"{VERIFICATIONS}, or {TYPICAL_LOSSY!r} / a TypicalAcceptance (lossy)")
     if self.verification == "block" and not self.tree.is_chain:
       raise ValueError(f"verification='block' is defined for chains (Sun et al. 2024 give no "
                        f"tree construction), not for {self.tree}; use 'tokenwise' with a tree")
@@ -227,6 +234,8 @@ class SpeculativeDecoder:
             block_mask_from_parents(proposal.parents, self.tree.max_depth))
 
   def accept(self, key: jax.Array, proposal: Proposal, scores: TargetScores) -> TreeAcceptance:
+    if isinstance(self.verification, TypicalAcceptance) and not isinstance(self.sampler, Greedy):
+      return accept_typical(key, proposal, scores.p, self.tree, self.verification)
     return accept_tree(key, proposal, scores.p, self.tree,
                        greedy=isinstance(self.sampler, Greedy),
                        block=self.verification == "block")

@@ -36,7 +36,7 @@ never probes attributes:
     cache, holding the committed length − 1, as ``state``; it may write only
     slots at or past that length (verification overwrites them) and keeps no
     state of its own.
-  * ``reads_target_features()`` (EAGLE): ``init`` receives ``features``
+  * ``reads_target_features()`` (EAGLE, Medusa): ``init`` receives ``features``
     [B, S, D] of the prompt's committed positions, and after every
     verification ``observe(state, hidden, start)`` receives the accepted
     path's [B, D + 1, F] features, of positions ``start[b] + t``. The
