@@ -49,7 +49,6 @@ from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
 from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.block_verification import VERIFICATIONS
-from specjax.speculative.typical_acceptance import TYPICAL_LOSSY, TypicalAcceptance, accept_typical
 from specjax.speculative.metrics import SpecResult, summarize
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.state import SpecCounters, SpecState
@@ -57,6 +56,8 @@ from specjax.speculative.tree import (DynamicTree, TreeTopology, block_mask_from
                                       depth_from_parents)
 from specjax.speculative.tree_acceptance import (AcceptedPath, TreeAcceptance, accept_tree,
                                                  accepted_tokens)
+from specjax.speculative.typical_acceptance import (TYPICAL_LOSSY, TypicalAcceptance,
+                                                    accept_typical)
 
 if TYPE_CHECKING:
   from specjax.speculative.drafter import Drafter
