@@ -143,7 +143,8 @@ def init_decode_state(params: Params, cfg: ModelConfig, tokens: jax.Array,
                       prompt_lens: jax.Array, max_new_tokens: jax.Array,
                       rng: jax.Array) -> DecodeState:
   b, s = tokens.shape
-  cache = prefill(params, cfg, tokens, prompt_lens - 1, kvc.init_cache(cfg, b, s, compute_dtype(params)))
+  cache = prefill(params, cfg, tokens, prompt_lens - 1,
+                  kvc.init_cache(cfg, b, s, compute_dtype(params)))
   max_lens = prompt_lens + max_new_tokens
   return DecodeState(tokens=tokens, seq_lens=prompt_lens, max_lens=max_lens,
                      done=prompt_lens >= max_lens, cache=cache, rng=rng,

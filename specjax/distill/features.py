@@ -30,7 +30,8 @@ from specjax.model import Params, compute_dtype, forward, target_features
 def _hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, layers=()) -> jax.Array:
   b, l = tokens.shape
   out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
-                kvc.init_cache(cfg, b, l, compute_dtype(params)), compute_logits=False, return_layers=layers)
+                kvc.init_cache(cfg, b, l, compute_dtype(params)), compute_logits=False,
+                return_layers=layers)
   return target_features(out, layers).astype(jnp.float16)
 
 

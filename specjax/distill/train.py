@@ -163,7 +163,8 @@ class Teacher:
     b, l = tokens.shape
     layers = self.feature_layers or ()
     out = forward(target_params, self.cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
-                  kvc.init_cache(self.cfg, b, l, compute_dtype(target_params)), compute_logits=False, return_layers=layers)
+                  kvc.init_cache(self.cfg, b, l, compute_dtype(target_params)),
+                  compute_logits=False, return_layers=layers)
     hidden = jnp.take_along_axis(out.hidden, batch["pred_pos"][:, :, None], axis=1)
     logp = jax.nn.log_softmax(lm_head(self.cfg, target_params, hidden), axis=-1)
     top_logp, top_ids = jax.lax.top_k(logp, self.k)

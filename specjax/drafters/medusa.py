@@ -309,7 +309,8 @@ def medusa_params(target_cfg: ModelConfig, target_params: Params, weights: Param
   """
   dtype = compute_dtype(target_params)
   dp = {"final_norm": target_params["final_norm"],
-        "res_w": jnp.asarray(weights["res_w"], dtype), "res_b": jnp.asarray(weights["res_b"], dtype)}
+        "res_w": jnp.asarray(weights["res_w"], dtype),
+        "res_b": jnp.asarray(weights["res_b"], dtype)}
   vm = None if vocab_map is None else jnp.asarray(np.asarray(vocab_map), jnp.int32)
   if "head" in weights:
     head = jnp.asarray(weights["head"], dtype)
