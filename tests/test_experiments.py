@@ -383,7 +383,7 @@ def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
   eos = int(first[3])
   cfg = dataclasses.replace(target.cfg, eos_token_ids=(eos,))
   monkeypatch.setattr(experiment, "load_target",
-                      lambda source: dataclasses.replace(target, cfg=cfg))
+                      lambda source, dtype: dataclasses.replace(target, cfg=cfg))
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=3, gammas=(2,),
                             temperatures=(0.0,), max_new_tokens=NEW, batch_size=1,
                             experiments=("gamma_sweep",), cost_steps=2, stop_at_eos=True,
