@@ -58,7 +58,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.eagle import EagleDrafter, pack_eagle_params, target_head
 from specjax.drafters import eagle_arch
 from specjax.kernels.packed import policy_of
-from specjax.loaders.hf import CheckpointError, read_json_object
+from specjax.loaders.hf import CheckpointError, read_config_json
 from specjax.model import Params, compute_dtype
 from specjax.validation import all_finite
 
@@ -321,12 +321,7 @@ def load_published_eagle(path: str, target_cfg: ModelConfig, target_params: Para
     CheckpointError (a ValueError): an unsupported architecture, missing, extra or
       misshapen tensors, wrong dtypes, non-finite weights, unreadable files.
   """
-  if not os.path.isdir(path):
-    raise CheckpointError(f"EAGLE checkpoint directory {path!r} does not exist")
-  cfg_file = os.path.join(path, "config.json")
-  if not os.path.isfile(cfg_file):
-    raise CheckpointError(f"{path!r} has no config.json")
-  c = read_json_object(cfg_file, f"config.json in {path!r}")
+  c = read_config_json(path, "EAGLE checkpoint directory")
   ckpt = _open(path)
   kind = _kind(c, set(ckpt.meta), path)
   cfg = _draft_config(c, kind, target_cfg, path)

@@ -39,7 +39,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.medusa import TOP_K, MedusaDrafter, medusa_drafter
 # The weight-file readers (safetensors headers; torch pickles only when torch is there).
 from specjax.drafts.eagle_published import _Checkpoint, _open_pickle, _open_safetensors
-from specjax.loaders.hf import CheckpointError, read_json_object
+from specjax.loaders.hf import CheckpointError, read_config_json, read_json_object
 from specjax.model import Params, compute_dtype
 from specjax.validation import all_finite
 
@@ -132,12 +132,7 @@ def load_published_medusa(path: str, target_cfg: ModelConfig, target_params: Par
     CheckpointError (a ValueError): missing files or fields, missing, extra or
       misshapen tensors, wrong dtypes, non-finite weights, unreadable files.
   """
-  if not os.path.isdir(path):
-    raise CheckpointError(f"Medusa head directory {path!r} does not exist")
-  cfg_file = os.path.join(path, "config.json")
-  if not os.path.isfile(cfg_file):
-    raise CheckpointError(f"{path!r} has no config.json")
-  c = read_json_object(cfg_file, f"config.json in {path!r}")
+  c = read_config_json(path, "Medusa head directory")
   k = _count(c, "medusa_num_heads", 1, path)
   l = _count(c, "medusa_num_layers", 0, path)
   if os.path.isfile(os.path.join(path, SAFETENSORS)):

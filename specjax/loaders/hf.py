@@ -149,13 +149,19 @@ def read_json_object(file: str, what: str) -> dict[str, Any]:
   return obj
 
 
-def load_hf_config(path: str) -> ModelConfig:
-  cfg_file = os.path.join(path, "config.json")
+def read_config_json(path: str, what: str = "model directory") -> dict[str, Any]:
+  """The ``config.json`` object of the checkpoint directory ``path`` (``what`` names the
+  kind of directory in the error), refusing a missing directory, file or corrupt JSON."""
   if not os.path.isdir(path):
-    raise CheckpointError(f"model directory {path!r} does not exist")
-  if not os.path.exists(cfg_file):
+    raise CheckpointError(f"{what} {path!r} does not exist")
+  cfg_file = os.path.join(path, "config.json")
+  if not os.path.isfile(cfg_file):
     raise CheckpointError(f"{path!r} has no config.json")
-  c = read_json_object(cfg_file, f"config.json in {path!r}")
+  return read_json_object(cfg_file, f"config.json in {path!r}")
+
+
+def load_hf_config(path: str) -> ModelConfig:
+  c = read_config_json(path)
   try:
     return config_from_hf_dict(c)
   except KeyError as e:
