@@ -18,8 +18,8 @@
 #            with α from OUT/default/results.json (a prediction) -> OUT/verify_curve.md
 #
 # The device tool runs at most ten minutes a command: give it one or two phases a
-# command (default and xla first). Budget on an H100 (not yet measured): ~20 minutes in
-# all. Every results file carries the device in its header. Extra arguments after
+# command (default and xla first). Target: <= 20 minutes on an H100 in all (issue #36;
+# not yet measured). Every results file carries the device in its header. Extra arguments after
 # the phases are not accepted; set SPECJAX_ACCEL_ARGS to pass flags to experiments.run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
