@@ -91,6 +91,10 @@ class EagleObjective:
       raise ValueError(f"EAGLE training covers specjax's own wiring only, not {self.drafter.arch} "
                        "(published EAGLE drafters load for inference)")
 
+  def min_position(self, step: int) -> int:
+    """Unrolled step k (from 0) has a committed prefix at trained positions >= k."""
+    return step
+
   def unroll(self, params, frozen, batch, key=None) -> jax.Array:
     """[K, B, L, D]: ĥ of every position at each of the K unrolled draft steps."""
     dp = dict(frozen, **params)

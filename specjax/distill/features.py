@@ -11,6 +11,7 @@ target it came from), so a stale or foreign file is refused, not misread.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -29,6 +30,9 @@ from specjax.model import Params, compute_dtype, forward, target_features
 @functools.partial(jax.jit, static_argnames=("cfg", "layers"))
 def _hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, layers=()) -> jax.Array:
   b, l = tokens.shape
+  if layers:  # the layers above the highest asked for change nothing it reads
+    m = max(layers) + 1
+    cfg, params = dataclasses.replace(cfg, num_layers=m), dict(params, layers=params["layers"][:m])
   out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
                 kvc.init_cache(cfg, b, l, compute_dtype(params)), compute_logits=False,
                 return_layers=layers)

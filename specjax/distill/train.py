@@ -196,9 +196,11 @@ class TokenObjective:
   """What a token draft is trained on: its log-probs at the trained positions.
 
   An objective maps (trainable params, frozen arrays, input map, batch, key)
-  to ([B, R, Vd] log-probs at ``batch["pred_pos"]``, auxiliary loss); the
-  divergence to the target is added by ``loss_fn``. Feature drafters have
-  their own (``specjax.distill.eagle.EagleObjective``).
+  to ([B, R, Vd] log-probs at ``batch["pred_pos"]``, or [K, B, R, Vd] for K
+  draft steps or heads, auxiliary loss) and says from which trained position
+  each step has an input (``min_position``); the divergence to the target is
+  added by ``loss_fn``. Feature drafters have their own
+  (``specjax.distill.eagle.EagleObjective``, ``specjax.distill.heads.HeadObjective``).
 
   Attributes:
     cfg: the draft's config.
@@ -213,6 +215,11 @@ class TokenObjective:
 
   cfg: ModelConfig
   full_input: bool = False
+
+  def min_position(self, step: int) -> int:
+    """The first trained position step ``step`` has an input for (one step: every one)."""
+    del step
+    return 0
 
   def logp_and_aux(self, params, frozen, in_map, batch, key):
     del key
@@ -249,9 +256,15 @@ def loss_fn(params, objective, kind, vocab_map, in_map, frozen, batch, key=None)
   for k in range(steps.shape[0]):
     p, q, _, _ = _coarsened(steps[k], batch["topk_ids"], batch["topk_logp"], vocab_map, in_map)
     d = losses.divergence(kind, p, q).reshape(batch["weight"].shape)
-    w = batch["weight"] * (batch["pred_pos"] >= k)
+    w = step_weight(objective, batch, k)
     total += jnp.sum(d * w) / jnp.maximum(jnp.sum(w), 1.0)
   return total / steps.shape[0] + aux
+
+
+def step_weight(objective, batch: dict, step: int) -> jax.Array:
+  """[B, R] the weight of step ``step``'s log-probs: the batch's, zero at trained positions
+  before ``objective.min_position(step)`` (ones the step has no input for)."""
+  return batch["weight"] * (batch["pred_pos"] >= objective.min_position(step))
 
 
 @functools.partial(jax.jit, static_argnames=("objective",))
@@ -263,9 +276,9 @@ def alpha_stats(params, objective, vocab_map, in_map, frozen, batch) -> dict[str
   (lower bound) and β ≤ that + min(p_rest, q_rest) (upper bound).
   """
   logp, _ = objective.logp_and_aux(params, frozen, in_map, batch, None)
-  if logp.ndim == 4:  # unrolled steps: α is the first draft step's (teacher-forced) agreement
+  if logp.ndim == 4:  # several steps: α is the first draft step's (teacher-forced) agreement
     logp = logp[0]
-  w = batch["weight"]
+  w = step_weight(objective, batch, 0)
   draft_top = vocab_map[jnp.argmax(logp, axis=-1)]
   beta0 = (draft_top == batch["topk_ids"][..., 0]).astype(jnp.float32)
   p, q, _, _ = _coarsened(logp, batch["topk_ids"], batch["topk_logp"], vocab_map, in_map)
@@ -291,7 +304,7 @@ def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len
     tot = dict(n=0.0, beta0=0.0, beta1_lo=0.0, beta1_hi=0.0)
     for i in range(0, len(recs), batch_size):
       s = alpha_stats(params, objective, vm, im, frozen or {},
-                      _batch(recs[i:i + batch_size], seq_len, k, teacher))
+                      device_batch(recs[i:i + batch_size], seq_len, k, teacher))
       for name in tot:
         tot[name] += float(s[name])
     n = max(tot["n"], 1.0)
@@ -304,7 +317,9 @@ def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len
   return out
 
 
-def _batch(records, seq_len: int, k: int, teacher: Optional[tuple[Teacher, Params]]) -> dict:
+def device_batch(records, seq_len: int, k: int,
+                 teacher: Optional[tuple[Teacher, Params]]) -> dict:
+  """``make_batch`` as device arrays, filled in by ``teacher`` (when given) for id-only records."""
   batch = {key: jnp.asarray(v) for key, v in make_batch(records, seq_len, k).items()}
   return batch if teacher is None else teacher[0].fill(teacher[1], batch)
 
@@ -467,7 +482,7 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
       idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed)
       recs = [train_records[i] for i in idx]
     state, loss = train_step(state, objective, tc, vm, im, frozen,
-                             _batch(recs, tc.seq_len, k, teacher))
+                             device_batch(recs, tc.seq_len, k, teacher))
     losses_acc.append(float(loss))
     bar.set_postfix(loss=f"{losses_acc[-1]:.4f}")
     s = step + 1

@@ -54,8 +54,8 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.drafters.eagle import target_head
-from specjax.kernels.accumulate import einsum_f32
-from specjax.model import Params, compute_dtype, rms_norm
+from specjax.drafters.residual_head import head_logits, zero_blocks
+from specjax.model import Params, compute_dtype
 from specjax.sampling import Sampler
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.proposal import Proposal
@@ -93,6 +93,8 @@ class MedusaDrafter(Drafter):
     top_k: the most children a node may have (sibling ranks < top_k).
     shared_head: all heads share one [Vd, D] head (e.g. the target's LM head)
       instead of each having its own.
+    accuracy: the heads' measured a_k^(r) ([K][R] nested tuples, e.g. from the trained
+      heads' model card), which ``default_tree`` builds from; None: ``prior_accuracy``.
   """
 
   cfg: ModelConfig
@@ -100,10 +102,18 @@ class MedusaDrafter(Drafter):
   num_layers: int = 1
   top_k: int = TOP_K
   shared_head: bool = False
+  accuracy: Optional[tuple[tuple[float, ...], ...]] = None
 
   def __post_init__(self):
     for name, minimum in (("num_heads", 1), ("num_layers", 0), ("top_k", 1)):
       object.__setattr__(self, name, validation.as_int(getattr(self, name), name, minimum))
+    if self.accuracy is not None:
+      acc = np.asarray(self.accuracy, np.float64)
+      if (acc.ndim != 2 or acc.shape[0] != self.num_heads or not np.all(np.isfinite(acc))
+          or acc.min() < 0 or acc.max() > 1):
+        raise ValueError(f"accuracy must be a [{self.num_heads} heads, ranks] table of "
+                         f"probabilities, got shape {acc.shape}")
+      object.__setattr__(self, "accuracy", tuple(tuple(float(a) for a in row) for row in acc))
 
   @property
   def vocab_size(self) -> int:
@@ -146,11 +156,18 @@ class MedusaDrafter(Drafter):
 
   def default_tree(self) -> TreeTopology:
     """The best tree of 4·K nodes (at most 64, and at most what K heads of top_k ranks can
-    hold) under ``prior_accuracy``, a prior, not a measurement: give ``medusa_tree`` the
-    heads' measured accuracies instead."""
+    hold) under the heads' measured ``accuracy``, or under ``prior_accuracy`` (a prior, not
+    a measurement) when they have none."""
+    return self.tree(min(4 * self.num_heads, 64))
+
+  def tree(self, num_nodes: int) -> TreeTopology:
+    """The best static tree of ``num_nodes`` nodes (fewer when the heads' top_k ranks hold
+    fewer) under the measured ``accuracy`` or, without one, ``prior_accuracy``."""
     room = sum(self.top_k ** d for d in range(1, self.num_heads + 1))
-    return medusa_tree(prior_accuracy(self.num_heads, self.top_k),
-                       min(4 * self.num_heads, 64, room), top_k=self.top_k)
+    acc = (prior_accuracy(self.num_heads, self.top_k) if self.accuracy is None
+           else np.asarray(self.accuracy)[:, :self.top_k])
+    return medusa_tree(acc, min(validation.as_int(num_nodes, "num_nodes", 1), room),
+                       top_k=self.top_k)
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # a plain step's feature arrives by ``observe``; nothing else is kept
@@ -191,14 +208,14 @@ class MedusaDrafter(Drafter):
 
   def head_logits(self, dp: Params, features: jax.Array) -> jax.Array:
     """[B, D] the target's raw (pre-final-norm) features -> [B, K, Vd] float32 logits."""
-    x = rms_norm(features, dp["final_norm"], self.cfg.norm_eps)
-    y = jnp.broadcast_to(x[:, None], (x.shape[0], self.num_heads, x.shape[-1]))
-    y = y.astype(dp["res_w"].dtype)
-    for j in range(self.num_layers):
-      z = einsum_f32("bkd,kde->bke", y, dp["res_w"][:, j]) + dp["res_b"][:, j]
-      y = y + jax.nn.silu(z).astype(y.dtype)
-    spec = "bkd,vd->bkv" if self.shared_head else "bkd,kvd->bkv"
-    return einsum_f32(spec, y, dp["head"])
+    b, d = features.shape
+    return self.each_head_logits(dp, jnp.broadcast_to(features[:, None], (b, self.num_heads, d)))
+
+  def each_head_logits(self, dp: Params, features: jax.Array) -> jax.Array:
+    """[N, K, D] raw features, one per head (head k reads ``features[:, k]``) -> [N, K, Vd]
+    float32 logits. Decoding gives every head the same feature; training gives head k the
+    feature k + 1 positions before the token it is scored on."""
+    return head_logits(dp, features, self.cfg.norm_eps)
 
   # --- the step ----------------------------------------------------------------
 
@@ -299,6 +316,13 @@ def random_medusa_weights(cfg: ModelConfig, num_heads: int, num_layers: int, key
   return w
 
 
+def init_medusa_weights(cfg: ModelConfig, num_heads: int, num_layers: int = 1) -> Params:
+  """Untrained heads: every residual block zero (SiLU(0) = 0), so each head starts as the
+  target's own next-token prediction, as FasterDecoding's zero-initialised ``ResBlock``
+  (its bias is zeroed too here: the start is exact, not approximate)."""
+  return zero_blocks(num_heads, num_layers, cfg.dim)
+
+
 def medusa_params(target_cfg: ModelConfig, target_params: Params, weights: Params,
                   vocab_map: Optional[np.ndarray] = None) -> Params:
   """Draft params from trained ``weights`` (``res_w``, ``res_b``, optionally ``head``).
@@ -326,14 +350,16 @@ def medusa_params(target_cfg: ModelConfig, target_params: Params, weights: Param
 
 
 def medusa_drafter(target_cfg: ModelConfig, target_params: Params, weights: Params,
-                   vocab_map: Optional[np.ndarray] = None,
-                   top_k: int = TOP_K) -> tuple[MedusaDrafter, Params]:
-  """(MedusaDrafter, draft_params) for trained heads ``weights`` on this target (checked)."""
+                   vocab_map: Optional[np.ndarray] = None, top_k: int = TOP_K,
+                   accuracy=None) -> tuple[MedusaDrafter, Params]:
+  """(MedusaDrafter, draft_params) for trained heads ``weights`` on this target (checked);
+  ``accuracy``: their measured [K, R] a_k^(r), which the default tree is built from."""
   num_heads, num_layers, d = np.shape(weights["res_w"])[:3]
   if d != target_cfg.dim:
     raise ValueError(f"Medusa heads of width {d} do not fit a target of width {target_cfg.dim}")
   drafter = MedusaDrafter(target_cfg, int(num_heads), int(num_layers), top_k=top_k,
-                          shared_head="head" not in weights)
+                          shared_head="head" not in weights,
+                          accuracy=None if accuracy is None else tuple(map(tuple, accuracy)))
   dp = medusa_params(target_cfg, target_params, weights, vocab_map)
   drafter.check_params(dp)
   return drafter, dp
