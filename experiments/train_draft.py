@@ -5,16 +5,24 @@ Stages (``--stage``):
          chat; see specjax.distill.data); responses and the target's top-k
          log-probs are cached under ``$SPECJAX_CACHE/distill/<key>/``.
   train  token-level distillation (forward KL, reverse KL or TV) of a small
-         Llama draft with a reduced vocabulary (``--draft_kind=token``), or of
+         Llama draft with a reduced vocabulary (``--draft_kind=token``), of
          an EAGLE feature drafter that reads the target's hidden states
          (``--draft_kind=eagle``; the target's features over the corpus are
-         computed once and cached beside it); resumable orbax checkpoints;
-         logs loss and held-out α at T=0 and T=1.
+         computed once and cached beside it), or of Medusa-1 heads on the
+         target's last hidden state (``--draft_kind=medusa``; their per-head,
+         per-rank held-out accuracy is measured at the end and stored with
+         them), or of a trained early exit (``--draft_kind=exit``: an exit
+         head on the output of the target's first ``--exit_layer`` layers,
+         whose features are cached like EAGLE's); resumable orbax
+         checkpoints; logs loss and held-out α at T=0 and T=1 (for Medusa:
+         head 0's).
   all    data, then train.
 
 Examples (the drafts shipped in specjax/assets/; see their model cards):
   python -m experiments.train_draft --stage=all --workdir=/tmp/draft_run
   python -m experiments.train_draft --stage=train --draft_kind=eagle --workdir=/tmp/eagle_run
+  python -m experiments.train_draft --stage=train --draft_kind=medusa --teacher=online \
+      --workdir=/tmp/medusa_run
 """
 
 from __future__ import annotations
@@ -74,8 +82,16 @@ flags.DEFINE_bool("target_input", True, "Token draft with --draft_vocab: read id
                   "inference does (ModelDrafter.make_params(input_embed=...)); off: through "
                   "the nearest kept row.")
 flags.DEFINE_float("max_minutes", 1e9, "Stop (checkpointed, resumable) after this long.")
-flags.DEFINE_enum("draft_kind", "token", ["token", "eagle"], "A token draft model, or an EAGLE "
-                  "feature drafter over the target's last hidden state.")
+flags.DEFINE_enum("draft_kind", "token", ["token", "eagle", "medusa", "exit"], "A token draft "
+                  "model, an EAGLE feature drafter over the target's last hidden state, Medusa-1 "
+                  "heads on it, or a trained early exit (an exit head on the output of the "
+                  "target's first --exit_layer layers).")
+flags.DEFINE_integer("exit_layer", 10, "Trained exit: k, the target layers the draft runs.",
+                     lower_bound=1)
+flags.DEFINE_integer("exit_blocks", 1, "Trained exit: residual blocks of its head.",
+                     lower_bound=0)
+flags.DEFINE_integer("medusa_heads", 4, "Medusa: heads (the deepest draft).", lower_bound=1)
+flags.DEFINE_integer("medusa_layers", 1, "Medusa: residual blocks per head.", lower_bound=0)
 flags.DEFINE_integer("eagle_layers", 1, "EAGLE: decoder layers (initialised from the target's last).")
 flags.DEFINE_float("feature_weight", 0.1, "EAGLE: weight of the feature regression loss.")
 flags.DEFINE_float("feature_noise", 0.05, "EAGLE: uniform noise on input features (× their RMS).")
@@ -217,7 +233,12 @@ def run_train_stage(directory: str, workdir: str) -> None:
   setup = dict(corpus=directory, draft_vocab=FLAGS.draft_vocab, draft_layers=list(layers),
                train_responses=len(train_recs), train_tokens=n_tok)
   eagle_run = FLAGS.draft_kind == "eagle"
-  feature_layers = ()
+  medusa_run = FLAGS.draft_kind == "medusa"
+  exit_run = FLAGS.draft_kind == "exit"
+  if exit_run and not FLAGS.exit_layer < cfg.num_layers:
+    raise ValueError(f"--exit_layer must be below the target's {cfg.num_layers} layers, got "
+                     f"{FLAGS.exit_layer}")
+  feature_layers = (FLAGS.exit_layer - 1,) if exit_run else ()
   if eagle_run:
     from specjax.drafters.eagle import default_feature_layers
     feature_layers = (default_feature_layers(cfg) if FLAGS.eagle_feature_layers == ["default"]
@@ -229,9 +250,15 @@ def run_train_stage(directory: str, workdir: str) -> None:
       setup.update(ttt_steps=FLAGS.eagle_ttt_steps)
     if feature_layers:
       setup.update(feature_layers=list(feature_layers))
+  if medusa_run:
+    setup.update(draft_kind="medusa", draft_layers=FLAGS.medusa_layers,
+                 medusa_heads=FLAGS.medusa_heads)
+  if exit_run:
+    setup.update(draft_kind="exit", draft_layers=FLAGS.exit_blocks, exit_layer=FLAGS.exit_layer)
   if online:
     setup.update(teacher="online", teacher_topk=k)
-  target_input = FLAGS.target_input and bool(FLAGS.draft_vocab) and not eagle_run
+  token_run = not (eagle_run or medusa_run or exit_run)
+  target_input = FLAGS.target_input and bool(FLAGS.draft_vocab) and token_run
   if target_input:
     setup.update(target_input=True)  # (absent when off, so earlier runs still resume)
   if os.path.exists(setup_file):  # resuming: the corpus and the draft must be the same
@@ -248,29 +275,44 @@ def run_train_stage(directory: str, workdir: str) -> None:
     # Rank by use in responses (expected counts) and, for a token draft, in
     # prompts: it reads the prompt too, and a prompt token outside its
     # vocabulary loses meaning. (EAGLE reads every id through the target's
-    # own embedding; only its output side is reduced.)
+    # own embedding and Medusa reads features; only their output side is reduced.)
     counts = vocab.token_counts(train_recs, cfg.vocab_size)
-    if not eagle_run:
+    if token_run:
       for r in train_recs:
         np.add.at(counts, r["prompt"], 1.0)
     specials = [i for i in tok.all_special_ids if i < cfg.vocab_size][:8]
     vocab_map = vocab.select_vocab(counts, FLAGS.draft_vocab, always=specials)
-    if not eagle_run:
+    if token_run:
       in_map = vocab.nearest_input_map(vocab_map, np.asarray(params["embed"]))
   objective = frozen = None
+  if not token_run and not online:
+    from specjax.distill import features
+    for split, recs in (("train", train_recs), ("heldout", held)):
+      features.corpus_features(directory, split, recs, params, cfg, FLAGS.feature_batch,
+                               layers=feature_layers)
   if eagle_run:
-    from specjax.distill import eagle, features
+    from specjax.distill import eagle
     from specjax.drafters.eagle import EagleDrafter, eagle_config, init_eagle_weights
-    if not online:
-      for split, recs in (("train", train_recs), ("heldout", held)):
-        features.corpus_features(directory, split, recs, params, cfg, FLAGS.feature_batch,
-                                 layers=feature_layers)
     drafter = EagleDrafter(eagle_config(cfg, FLAGS.eagle_layers), feature_layers=feature_layers)
     dparams = init_eagle_weights(cfg, params, FLAGS.eagle_layers, feature_layers=feature_layers)
     objective = eagle.EagleObjective(drafter, FLAGS.feature_weight, FLAGS.feature_noise,
                                      ttt_steps=FLAGS.eagle_ttt_steps)
     frozen = eagle.frozen_arrays(cfg, params, vocab_map)
     dcfg = dataclasses.replace(drafter.cfg, vocab_size=FLAGS.draft_vocab or cfg.vocab_size)
+  elif medusa_run:
+    from specjax.distill import heads
+    from specjax.drafters.medusa import init_medusa_weights
+    objective = heads.medusa_objective(cfg, FLAGS.medusa_heads)
+    dparams = init_medusa_weights(cfg, FLAGS.medusa_heads, FLAGS.medusa_layers)
+    frozen = heads.frozen_arrays(cfg, params, vocab_map)
+    dcfg = dataclasses.replace(cfg, vocab_size=FLAGS.draft_vocab or cfg.vocab_size)
+  elif exit_run:
+    from specjax.distill import heads
+    from specjax.drafters.residual_head import zero_blocks
+    objective = heads.exit_objective(cfg)
+    dparams = zero_blocks(1, FLAGS.exit_blocks, cfg.dim)
+    frozen = heads.frozen_arrays(cfg, params, vocab_map)
+    dcfg = dataclasses.replace(cfg, vocab_size=FLAGS.draft_vocab or cfg.vocab_size)
   else:
     spec = vocab.DraftSpec(vocab_size=FLAGS.draft_vocab or None, layers=layers)
     dcfg, dparams = vocab.init_from_target(cfg, params, spec, vocab_map)
@@ -288,7 +330,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
   start = time.time()
   online_teacher = None
   if online:
-    online_teacher = (train.Teacher(cfg, k, feature_layers if eagle_run else None), params)
+    online_teacher = (train.Teacher(cfg, k, feature_layers if not token_run else None), params)
   trained, _ = train.train(draft, dparams, train_recs, held, tc, workdir, k=k,
                            target=(cfg, params) if tc.on_policy_every else None,
                            deadline=start + 60 * FLAGS.max_minutes,
@@ -308,6 +350,19 @@ def run_train_stage(directory: str, workdir: str) -> None:
     drafts.save_eagle(out, cfg, trained, vocab_map,
                       tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info,
                       feature_layers=feature_layers)
+  elif medusa_run:
+    acc, n = heads.head_accuracy(trained, objective, draft.maps()[0], frozen, held,
+                                  tc.seq_len, k, teacher=online_teacher)
+    info.update(heldout_positions=int(n.min()), head_top1=[round(float(a), 4) for a in acc[:, 0]],
+                head_top5=[round(float(a), 4) for a in acc[:, :5].sum(1)])
+    logging.info("held-out head accuracy (rows: heads, columns: ranks):\n%s",
+                 np.array2string(acc, precision=3))
+    drafts.save_medusa(out, cfg, trained, vocab_map,
+                       tokenizer_sha256=drafts.tokenizer_fingerprint(tok), head_accuracy=acc,
+                       info=info)
+  elif exit_run:
+    drafts.save_exit(out, cfg, trained, vocab_map, exit_layer=FLAGS.exit_layer,
+                     tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info)
   else:
     drafts.save_draft(out, dcfg, trained, vocab_map, input_map=in_map,
                       target_vocab_size=cfg.vocab_size,

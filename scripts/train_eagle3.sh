@@ -4,6 +4,7 @@
 #   scripts/train_eagle3.sh data  WORKDIR   # the corpus: token ids of the target's answers
 #   scripts/train_eagle3.sh train WORKDIR   # train (resumable: rerun to continue)
 #   scripts/train_eagle3.sh token WORKDIR2  # a token draft on the same corpus (its own workdir)
+#   scripts/train_eagle3.sh medusa WORKDIR3 # Medusa-1 heads on the same corpus (its own workdir)
 #
 # data: the extended prompt set plus chat prompts the target writes itself; the
 # target answers each train prompt in several passes (greedy, then T=1), batched
@@ -15,11 +16,15 @@
 # corpus: one layer from the target's layer 0, an 11,008-id vocabulary (the shipped
 # draft's size, under 20 MB in float16), full-vocabulary input (--target_input,
 # train_draft's default), forward KL to the online teacher's top-64; not run yet at
-# this scale. The defaults are the accelerator run; every knob is an
-# environment variable, so the same command runs small on a CPU.
+# this scale. medusa: 4 Medusa-1 heads of one residual block over the target's frozen
+# LM head (8,192 rows), forward KL to the corpus' stored top-k with the target's
+# features computed once and cached (--teacher=stored: cheap epochs on a CPU; the
+# shipped heads, specjax/assets/smollm2_medusa/README.md, give the exact command).
+# The defaults are the accelerator run; every knob is an environment variable, so
+# the same command runs small on a CPU.
 set -euo pipefail
-stage=${1:?usage: train_eagle3.sh data|train|token WORKDIR [extra train_draft flags]}
-workdir=${2:?usage: train_eagle3.sh data|train|token WORKDIR [extra train_draft flags]}
+stage=${1:?usage: train_eagle3.sh data|train|token|medusa WORKDIR [extra train_draft flags]}
+workdir=${2:?usage: train_eagle3.sh data|train|token|medusa WORKDIR [extra train_draft flags]}
 shift 2
 DATA=(--prompt_set=extended --self_instruct_per_topic="${SELF_INSTRUCT:-4}"
       --gen_batch="${GEN_BATCH:-512}" --max_new_tokens="${MAX_NEW:-256}" --topk=1
@@ -46,5 +51,13 @@ case "$stage" in
       --warmup_steps="${WARMUP:-100}" --eval_every="${EVAL_EVERY:-250}" \
       --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
       --eval_records="${EVAL_RECORDS:-384}" "$@" ;;
-  *) echo "unknown stage $stage (data, train or token)" >&2; exit 2 ;;
+  medusa)
+    python -m experiments.train_draft --stage=train "${DATA[@]}" --workdir="$workdir" \
+      --draft_kind=medusa --medusa_heads="${HEADS:-4}" --medusa_layers=1 \
+      --teacher="${TEACHER:-stored}" --draft_vocab="${VOCAB:-8192}" --loss=fkl \
+      --steps="${STEPS:-2000}" --batch_size="${BATCH:-64}" --seq_len=416 --lr="${LR:-1e-3}" \
+      --warmup_steps="${WARMUP:-100}" --eval_every="${EVAL_EVERY:-250}" \
+      --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
+      --eval_records="${EVAL_RECORDS:-384}" "$@" ;;
+  *) echo "unknown stage $stage (data, train, token or medusa)" >&2; exit 2 ;;
 esac

@@ -23,7 +23,8 @@ def tiny_model(seed: int = 0, scale: float = 0.5, **kw) -> tuple[ModelConfig, Pa
   return cfg, init_params(cfg, jax.random.PRNGKey(seed), scale=scale)
 
 
-DRAFTER_KINDS = ("prompt_lookup", "unigram", "bigram", "early_exit", "eagle", "medusa")
+DRAFTER_KINDS = ("prompt_lookup", "unigram", "bigram", "early_exit", "trained_exit", "eagle",
+                 "medusa")
 
 
 def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[Sequence[int]]):
@@ -38,6 +39,11 @@ def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[S
         corpus, cfg.vocab_size, top_k=4)
   if kind == "early_exit":
     return drafters.early_exit_drafter(cfg, params, 1)
+  if kind == "trained_exit":  # random exit head, half the target vocabulary (q = 0 elsewhere)
+    from specjax.drafters.medusa import random_medusa_weights
+    weights = random_medusa_weights(cfg, 1, 1, jax.random.PRNGKey(7), own_head=False)
+    return drafters.trained_exit_drafter(cfg, params, 1, weights,
+                                         np.arange(0, cfg.vocab_size, 2))
   if kind == "eagle":  # random weights, half the target vocabulary (q = 0 elsewhere)
     from specjax.drafters.eagle import random_eagle_weights
     weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(7))

@@ -459,6 +459,38 @@ def test_draft_free_methods_are_timed_on_their_own_shapes(tmp_path):
   assert "draft_free" in open(tmp_path / "tables.md").read()
 
 
+def test_medusa_heads_get_table3_rows_on_their_own_tree(tmp_path):
+  """--alpha_drafts=medusa measures the heads on their own tree (random heads on the tiny
+  target), with their per-depth acceptance in tables.md; a heads directory resolves too."""
+  import jax
+  from experiments import experiment
+  from experiments.models import load_draft, load_target
+  from experiments.report import depth_acceptance
+  from specjax import drafts
+  from specjax.drafters import MedusaDrafter
+  from specjax.drafters.medusa import random_medusa_weights
+  config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=2, gammas=(2,),
+                            temperatures=(0.0, 1.0), max_new_tokens=6, batch_size=1,
+                            experiments=("drafts_alpha",), alpha_gamma=2, cost_steps=2,
+                            alpha_drafts=("medusa",), out=str(tmp_path))
+  target = load_target("tiny")
+  medusa = load_draft("medusa", target, lambda: [])
+  tree = medusa.drafter.default_tree()
+  rows = [r for r in experiment.run(config, command="medusa test")["rows"]
+          if r["experiment"] == "drafts_alpha" and r["category"] == "all"
+          and r["draft"] == "medusa"]
+  assert {r["temperature"] for r in rows} == {0.0, 1.0}
+  assert all(r["tree"] == list(tree.parents) and r["shape"] == "own tree" for r in rows)
+  assert "Per-depth acceptance on a draft's own tree" in open(tmp_path / "tables.md").read()
+  assert depth_acceptance([2, 1, 1]) == [0.5, 0.5]
+  weights = random_medusa_weights(target.cfg, 2, 1, jax.random.PRNGKey(0), own_head=False)
+  drafts.save_medusa(str(tmp_path / "m"), target.cfg, weights, None, tokenizer_sha256="-")
+  d = load_draft(str(tmp_path / "m"), target, lambda: [])
+  assert isinstance(d.drafter, MedusaDrafter) and d.name == "m"
+  with pytest.raises(ValueError, match="--draft=medusa verifies its own tree"):
+    ExperimentConfig(target="tiny", draft="medusa")
+
+
 def test_eagle_drafts_resolve_by_name_and_by_directory(tmp_path):
   import jax
   from specjax import drafts

@@ -1,12 +1,13 @@
 """Draft models on disk: the directory formats, the shipped SmolLM2 drafts, HF export.
 
-  ``format``  the token and EAGLE draft directories (``draft.json`` +
+  ``format``  the token, EAGLE, Medusa and trained-exit draft directories (``draft.json`` +
               ``weights.safetensors``), their writers and loaders, and the one
               check both loaders share (``read_checked_metadata``): a draft is
               never paired with a target whose vocabulary or tokenizer
               fingerprint differs from the one it was made for.
   ``zoo``     the drafts shipped in ``specjax/assets/`` (``default_drafter``,
-              ``default_eagle_drafter``) and ``drafter_from_path``, the one
+              ``default_eagle_drafter``, ``default_medusa_drafter``, ``default_exit_drafter``)
+              and ``drafter_from_path``, the one
               entry point for a draft given as a path, whatever its kind.
   ``export``  a token draft as a standard Hugging Face Llama directory.
   ``eagle_published``  SafeAILab's EAGLE-1/2 and EAGLE-3 checkpoints, loaded unchanged
@@ -21,17 +22,22 @@ Every public name is handed on here: ``specjax.drafts.load_draft`` and
 from specjax.drafts.eagle_published import load_published_eagle, published_eagle_weights
 from specjax.drafts.medusa_published import load_published_medusa, published_medusa_weights
 from specjax.drafts.export import expand_to_full_vocab, export_hf
-from specjax.drafts.format import (EAGLE_FORMAT, FORMAT, cut_eagle_head, load_draft, load_eagle,
+from specjax.drafts.format import (EAGLE_FORMAT, EXIT_FORMAT, FORMAT, MEDUSA_FORMAT,
+                                   cut_eagle_head, load_draft, load_eagle, load_exit, load_medusa,
                                    read_checked_metadata, read_draft_metadata, save_draft,
-                                   save_eagle, tokenizer_fingerprint)
-from specjax.drafts.zoo import (DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR, default_drafter,
-                                default_eagle_drafter, drafter_from_path, load_default_draft,
-                                reads_target_rows)
+                                   save_eagle, save_exit, save_medusa, tokenizer_fingerprint)
+from specjax.drafts.zoo import (DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR, DEFAULT_EXIT_DIR,
+                                DEFAULT_MEDUSA_DIR, default_drafter, default_eagle_drafter,
+                                default_exit_drafter, default_medusa_drafter, drafter_from_path,
+                                load_default_draft, reads_target_rows)
 
 __all__ = [
-    "DEFAULT_DRAFT_DIR", "DEFAULT_EAGLE_DIR", "EAGLE_FORMAT", "FORMAT", "cut_eagle_head",
-    "default_drafter", "default_eagle_drafter", "drafter_from_path", "expand_to_full_vocab",
-    "export_hf", "load_default_draft", "load_draft", "load_eagle", "load_published_eagle",
-    "load_published_medusa", "published_eagle_weights", "published_medusa_weights", "read_checked_metadata", "read_draft_metadata",
-    "reads_target_rows", "save_draft", "save_eagle", "tokenizer_fingerprint",
+    "DEFAULT_DRAFT_DIR", "DEFAULT_EAGLE_DIR", "DEFAULT_EXIT_DIR", "DEFAULT_MEDUSA_DIR",
+    "EAGLE_FORMAT", "EXIT_FORMAT", "FORMAT", "MEDUSA_FORMAT", "cut_eagle_head",
+    "default_drafter", "default_eagle_drafter", "default_exit_drafter", "default_medusa_drafter",
+    "drafter_from_path", "expand_to_full_vocab", "export_hf", "load_default_draft",
+    "load_draft", "load_eagle", "load_exit", "load_medusa", "load_published_eagle",
+    "load_published_medusa", "published_eagle_weights", "published_medusa_weights",
+    "read_checked_metadata", "read_draft_metadata", "reads_target_rows", "save_draft",
+    "save_eagle", "save_exit", "save_medusa", "tokenizer_fingerprint",
 ]

@@ -15,6 +15,12 @@ reduced vocabulary (``specjax.drafters.reduced_vocab`` has the convention).
                 the trained weights (``drafters.eagle.TRAINED_KEYS``, layers
                 as ``layers.{i}.{key}``): embedding, final norm and head
                 rows are the target's, taken at load time.
+  Medusa heads  draft.json: ``target_config``, ``num_heads``, ``num_layers``,
+                optionally ``head_accuracy`` ([K][R], the measured a_k^(r) the
+                default tree is built from), ``info``; tensors: ``res_w``,
+                ``res_b`` and, for heads with their own rows, ``head``.
+  trained exit  as Medusa heads, with one head and ``exit_layer`` (k: the head
+                reads the output of the target's first k layers).
 
 Both loaders open a directory through ``read_checked_metadata``, which refuses
 a draft made for another target (vocabulary size or tokenizer fingerprint), so
@@ -43,6 +49,8 @@ from specjax.validation import all_finite
 
 FORMAT = "specjax-draft-v1"
 EAGLE_FORMAT = "specjax-eagle-v1"
+MEDUSA_FORMAT = "specjax-medusa-v1"
+EXIT_FORMAT = "specjax-exit-v1"
 _LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
 
@@ -91,7 +99,8 @@ def read_checked_metadata(path: str, formats: tuple[str, ...], *,
     CheckpointError (a ValueError): no draft.json, or a format not in ``formats``.
   """
   meta = read_draft_metadata(path, formats)
-  what = "EAGLE draft" if meta["format"] == EAGLE_FORMAT else "draft"
+  what = {EAGLE_FORMAT: "EAGLE draft", MEDUSA_FORMAT: "Medusa heads",
+          EXIT_FORMAT: "trained exit"}.get(meta["format"], "draft")
   if target_vocab_size is not None and meta["target_vocab_size"] != target_vocab_size:
     raise ValueError(f"{what} {path!r} was made for a target vocabulary of "
                      f"{meta['target_vocab_size']} tokens, but the target has {target_vocab_size}")
@@ -199,22 +208,13 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
     ValueError: another tokenizer, vocabulary or model width.
     CheckpointError (a ValueError): missing or corrupt files.
   """
-  from safetensors import safe_open
   from specjax.drafters.eagle import eagle_drafter
 
   meta = read_checked_metadata(path, (EAGLE_FORMAT,), target_vocab_size=target_cfg.vocab_size,
                                tokenizer_sha256=tokenizer_sha256)
-  want = config_from_hf_dict(meta["target_config"])
-  if (want.dim, want.num_heads, want.num_kv_heads, want.ffn_dim) != (
-      target_cfg.dim, target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.ffn_dim):
-    raise ValueError(f"EAGLE draft {path!r} was made for a target of width {want.dim} "
-                     f"({want.num_heads}/{want.num_kv_heads} heads), not {target_cfg.dim}")
+  _check_width(path, meta, target_cfg, "EAGLE draft")
+  t = _read_weights(path, "EAGLE")
   weights_file = os.path.join(path, "weights.safetensors")
-  try:
-    with safe_open(weights_file, framework="numpy") as f:
-      t = {k: f.get_tensor(k) for k in f.keys()}
-  except Exception as e:  # safetensors raises its own error types (missing file included)
-    raise CheckpointError(f"missing or corrupt EAGLE weights {weights_file}: {e}") from None
   f32 = lambda name: jnp.asarray(t[name], jnp.float32)
   try:
     layers = [{k: f32(f"layers.{i}.{k}") for k in _LAYER_KEYS if f"layers.{i}.{k}" in t}
@@ -224,12 +224,133 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
                     if k != "layers" and (fused or k not in FUSION_KEYS)}, layers=layers)
   except KeyError as e:
     raise CheckpointError(f"{weights_file} lacks tensor {e.args[0]}") from None
+  return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"),
+                       tuple(meta.get("feature_layers", ())))
+
+
+def _read_weights(path: str, what: str) -> dict[str, np.ndarray]:
+  """The tensors of ``path``/weights.safetensors, refusing a missing, corrupt or non-finite file."""
+  from safetensors import safe_open
+
+  weights_file = os.path.join(path, "weights.safetensors")
+  try:
+    with safe_open(weights_file, framework="numpy") as f:
+      t = {k: f.get_tensor(k) for k in f.keys()}
+  except Exception as e:  # safetensors raises its own error types (missing file included)
+    raise CheckpointError(f"missing or corrupt {what} weights {weights_file}: {e}") from None
   for name, w in t.items():
     if np.issubdtype(w.dtype, np.floating) and not all_finite(w):
       raise CheckpointError(f"{weights_file}: tensor {name!r} holds non-finite values (NaN or "
                             "inf): the draft is corrupt")
-  return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"),
-                       tuple(meta.get("feature_layers", ())))
+  return t
+
+
+def _check_width(path: str, meta: dict, target_cfg: ModelConfig, what: str) -> None:
+  want = config_from_hf_dict(meta["target_config"])
+  if (want.dim, want.num_heads, want.num_kv_heads, want.ffn_dim) != (
+      target_cfg.dim, target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.ffn_dim):
+    raise ValueError(f"{what} {path!r} was made for a target of width {want.dim} "
+                     f"({want.num_heads}/{want.num_kv_heads} heads), not {target_cfg.dim}")
+
+
+# ------------------------------------------------------------------ residual heads
+
+
+def _save_heads(path: str, fmt: str, target_cfg: ModelConfig, weights: Params,
+                vocab_map: Optional[np.ndarray], tokenizer_sha256: str, info: Optional[dict],
+                dtype, **extra) -> None:
+  """A residual-heads directory (Medusa heads or a trained exit): ``res_w``, ``res_b`` (and an
+  own ``head`` when the heads have one) + ``vocab_map``; a shared head is the target's, taken
+  at load time. ``extra`` goes into draft.json."""
+  tensors = {k: np.asarray(weights[k], dtype) for k in ("res_w", "res_b", "head") if k in weights}
+  num_heads, num_layers = tensors["res_w"].shape[:2]
+  if vocab_map is not None:
+    tensors["vocab_map"] = np.asarray(vocab_map, np.int32)
+  meta = dict(format=fmt, target_config=config_to_hf_dict(target_cfg), num_heads=int(num_heads),
+              num_layers=int(num_layers), target_vocab_size=target_cfg.vocab_size,
+              tokenizer_sha256=tokenizer_sha256, **extra, info=info or {})
+  _write_draft_dir(path, tensors, meta)
+
+
+def _load_heads(path: str, fmt: str, what: str, target_cfg: ModelConfig,
+                tokenizer_sha256: Optional[str]) -> tuple[dict, Params, Optional[np.ndarray]]:
+  """(draft.json, weights as float32, vocab_map) of a residual-heads directory, checked
+  against the target (tokenizer, vocabulary, width) and its own declaration."""
+  meta = read_checked_metadata(path, (fmt,), target_vocab_size=target_cfg.vocab_size,
+                               tokenizer_sha256=tokenizer_sha256)
+  _check_width(path, meta, target_cfg, what)
+  t = _read_weights(path, what)
+  for name in ("res_w", "res_b"):
+    if name not in t:
+      raise CheckpointError(f"{path}/weights.safetensors lacks tensor {name!r}")
+  weights = {k: jnp.asarray(t[k], jnp.float32) for k in ("res_w", "res_b", "head") if k in t}
+  if weights["res_w"].shape[:2] != (meta["num_heads"], meta["num_layers"]):
+    raise CheckpointError(f"{path}: res_w of shape {weights['res_w'].shape} does not hold the "
+                          f"{meta['num_heads']} heads of {meta['num_layers']} blocks draft.json "
+                          "declares")
+  return meta, weights, t.get("vocab_map")
+
+
+def save_medusa(path: str, target_cfg: ModelConfig, weights: Params,
+                vocab_map: Optional[np.ndarray], *, tokenizer_sha256: str,
+                head_accuracy: Optional[np.ndarray] = None, info: Optional[dict] = None,
+                dtype=np.float16) -> None:
+  """Writes a Medusa heads directory. ``head_accuracy`` ([K, R], the measured a_k^(r)) is
+  recorded so the loaded drafter's default tree is built from it
+  (``drafters.medusa.medusa_tree``)."""
+  extra = {}
+  if head_accuracy is not None:
+    acc = np.asarray(head_accuracy, np.float64)
+    k = np.shape(weights["res_w"])[0]
+    if acc.ndim != 2 or acc.shape[0] != k:
+      raise ValueError(f"head_accuracy must be [{k} heads, ranks], got {acc.shape}")
+    extra["head_accuracy"] = [[round(float(a), 6) for a in row] for row in acc]
+  _save_heads(path, MEDUSA_FORMAT, target_cfg, weights, vocab_map, tokenizer_sha256, info, dtype,
+              **extra)
+
+
+def load_medusa(path: str, target_cfg: ModelConfig, target_params: Params, *,
+                tokenizer_sha256: Optional[str] = None):
+  """(MedusaDrafter, draft_params) for ``target``, refusing heads made for another target;
+  the drafter's default tree comes from the stored ``head_accuracy`` when there is one.
+
+  Raises:
+    ValueError: another tokenizer, vocabulary or model width.
+    CheckpointError (a ValueError): missing or corrupt files.
+  """
+  from specjax.drafters.medusa import medusa_drafter
+
+  meta, weights, vocab_map = _load_heads(path, MEDUSA_FORMAT, "Medusa heads", target_cfg,
+                                         tokenizer_sha256)
+  return medusa_drafter(target_cfg, target_params, weights, vocab_map,
+                        accuracy=meta.get("head_accuracy"))
+
+
+def save_exit(path: str, target_cfg: ModelConfig, weights: Params,
+              vocab_map: Optional[np.ndarray], *, exit_layer: int, tokenizer_sha256: str,
+              info: Optional[dict] = None, dtype=np.float16) -> None:
+  """Writes a trained early-exit head: one residual head on the output of the target's first
+  ``exit_layer`` layers (``drafters.early_exit.trained_exit_drafter``)."""
+  if np.shape(weights["res_w"])[0] != 1:
+    raise ValueError(f"a trained exit has one head, got res_w of shape {np.shape(weights['res_w'])}")
+  if not 1 <= exit_layer < target_cfg.num_layers:
+    raise ValueError(f"exit_layer must be in [1, {target_cfg.num_layers - 1}], got {exit_layer}")
+  _save_heads(path, EXIT_FORMAT, target_cfg, weights, vocab_map, tokenizer_sha256, info, dtype,
+              exit_layer=int(exit_layer))
+
+
+def load_exit(path: str, target_cfg: ModelConfig, target_params: Params, *,
+              tokenizer_sha256: Optional[str] = None):
+  """(EarlyExitDrafter, draft_params) of a trained exit for ``target`` (checked like
+  ``load_medusa``; also refuses an exit layer the target does not have)."""
+  from specjax.drafters.early_exit import trained_exit_drafter
+
+  meta, weights, vocab_map = _load_heads(path, EXIT_FORMAT, "trained exit", target_cfg,
+                                         tokenizer_sha256)
+  if not 1 <= meta["exit_layer"] < target_cfg.num_layers:
+    raise ValueError(f"trained exit {path!r} exits after layer {meta['exit_layer']}, but the "
+                     f"target has {target_cfg.num_layers} layers")
+  return trained_exit_drafter(target_cfg, target_params, meta["exit_layer"], weights, vocab_map)
 
 
 def cut_eagle_head(src: str, dst: str, rows: int) -> None:

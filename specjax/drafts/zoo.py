@@ -1,7 +1,8 @@
 """The drafts zoo: the shipped SmolLM2 drafts, and any draft given as a path, served.
 
-``default_drafter`` and ``default_eagle_drafter`` are the drafts in
-``specjax/assets/`` (token draft and EAGLE-3 head for SmolLM2-135M-Instruct),
+``default_drafter``, ``default_eagle_drafter``, ``default_medusa_drafter`` and
+``default_exit_drafter`` are the drafts in ``specjax/assets/`` (token draft, EAGLE-3 head,
+Medusa-1 heads and a trained early exit for SmolLM2-135M-Instruct),
 ready for ``SpeculativeDecoder``; ``drafter_from_path`` is the one entry point
 for a draft given as a path, whatever its kind. Every one of them checks the
 draft against the target's tokenizer fingerprint.
@@ -17,8 +18,9 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.drafts.eagle_published import (load_published_eagle, published_eagle_weights,
                                             published_kind)
-from specjax.drafts.format import (EAGLE_FORMAT, FORMAT, load_draft, load_eagle,
-                                   read_draft_metadata, tokenizer_fingerprint)
+from specjax.drafts.format import (EAGLE_FORMAT, EXIT_FORMAT, FORMAT, MEDUSA_FORMAT, load_draft,
+                                   load_eagle, load_exit, load_medusa, read_draft_metadata,
+                                   tokenizer_fingerprint)
 from specjax.drafts.medusa_published import load_published_medusa, published_medusa_weights
 from specjax.loaders.hf import CheckpointError
 from specjax.model import Params
@@ -26,6 +28,8 @@ from specjax.model import Params
 _ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
 DEFAULT_DRAFT_DIR = os.path.join(_ASSETS, "smollm2_draft")
 DEFAULT_EAGLE_DIR = os.path.join(_ASSETS, "smollm2_eagle3")
+DEFAULT_MEDUSA_DIR = os.path.join(_ASSETS, "smollm2_medusa")
+DEFAULT_EXIT_DIR = os.path.join(_ASSETS, "smollm2_exit")
 
 
 def load_default_draft(tokenizer=None, target_vocab_size: Optional[int] = None,
@@ -59,11 +63,30 @@ def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None,
 
 def default_eagle_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):
   """The shipped EAGLE draft for SmolLM2-135M-Instruct: (EagleDrafter, draft_params)."""
+  return load_eagle(DEFAULT_EAGLE_DIR, target_cfg, target_params,
+                    tokenizer_sha256=_fingerprint(tokenizer))
+
+
+def default_medusa_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):
+  """The shipped Medusa-1 heads for SmolLM2-135M-Instruct: (MedusaDrafter, draft_params),
+  whose default tree is built from the heads' measured accuracies."""
+  return load_medusa(DEFAULT_MEDUSA_DIR, target_cfg, target_params,
+                     tokenizer_sha256=_fingerprint(tokenizer))
+
+
+def default_exit_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):
+  """The shipped trained early exit for SmolLM2-135M-Instruct: (EarlyExitDrafter,
+  draft_params)."""
+  return load_exit(DEFAULT_EXIT_DIR, target_cfg, target_params,
+                   tokenizer_sha256=_fingerprint(tokenizer))
+
+
+def _fingerprint(tokenizer=None) -> str:
+  """The fingerprint of ``tokenizer`` (default: the embedded target's)."""
   if tokenizer is None:
     from specjax.loaders import load_model_tokenizer
     tokenizer = load_model_tokenizer()
-  return load_eagle(DEFAULT_EAGLE_DIR, target_cfg, target_params,
-                    tokenizer_sha256=tokenizer_fingerprint(tokenizer))
+  return tokenizer_fingerprint(tokenizer)
 
 
 def reads_target_rows(cfg: ModelConfig, vocab_map: Optional[np.ndarray], target_dim: int) -> bool:
@@ -96,7 +119,8 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
                       *, target_input: bool = True):
   """(drafter, draft_params, note) of a draft at ``path``, checked against the target.
 
-  ``path`` is a specjax draft directory (token or EAGLE), a published EAGLE-1/2 or
+  ``path`` is a specjax draft directory (token, EAGLE, Medusa heads or a trained exit), a
+  published EAGLE-1/2 or
   EAGLE-3 checkpoint (SafeAILab's ``config.json`` + ``model.safetensors`` or
   ``pytorch_model.bin``, ``eagle_published``), published Medusa-1 heads
   (FasterDecoding's ``config.json`` + ``medusa_lm_head.safetensors`` or ``.pt``,
@@ -122,9 +146,17 @@ def drafter_from_path(path: str, target_cfg: ModelConfig, target_params: Params,
   """
   sha = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
   if os.path.exists(os.path.join(path, "draft.json")):
-    if read_draft_metadata(path, (FORMAT, EAGLE_FORMAT))["format"] == EAGLE_FORMAT:
+    kind = read_draft_metadata(path, (FORMAT, EAGLE_FORMAT, MEDUSA_FORMAT, EXIT_FORMAT))["format"]
+    if kind == EAGLE_FORMAT:
       drafter, dp = load_eagle(path, target_cfg, target_params, tokenizer_sha256=sha)
       return drafter, dp, f"EAGLE drafter {path}"
+    if kind == MEDUSA_FORMAT:
+      drafter, dp = load_medusa(path, target_cfg, target_params, tokenizer_sha256=sha)
+      return drafter, dp, (f"Medusa heads {path} ({drafter.num_heads} heads of "
+                           f"{drafter.num_layers} blocks)")
+    if kind == EXIT_FORMAT:
+      drafter, dp = load_exit(path, target_cfg, target_params, tokenizer_sha256=sha)
+      return drafter, dp, f"trained exit {path} (after layer {drafter.cfg.num_layers})"
     cfg, params, vocab_map, in_map = load_draft(
         path, target_vocab_size=target_cfg.vocab_size, tokenizer_sha256=sha,
         with_input_map=True)

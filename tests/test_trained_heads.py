@@ -1,0 +1,320 @@
+"""Heads trained by self-distillation on the frozen target, Medusa-1's and the trained early
+exit's: what each head reads, that training teaches them, their held-out accuracy table, the
+directories they ship in, and that the trained exit decodes losslessly without recompiling."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import drafts
+from specjax.distill import features, heads, train, vocab
+from specjax.drafters.eagle import target_head
+from specjax.drafters import early_exit_drafter, trained_exit_drafter
+from specjax.drafters.medusa import MedusaDrafter, init_medusa_weights, medusa_drafter
+from specjax.drafters.residual_head import zero_blocks
+from specjax.generate import generate
+from specjax.kv_cache import init_cache
+from specjax.loaders import CheckpointError
+from specjax.model import forward, rms_norm
+from specjax.sampling import Greedy, Sampling
+from specjax.speculative import SpeculativeDecoder
+from specjax.testing import new_compiles_across_batches, tiny_model
+
+K_TOP = 8
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def toy(toy_corpus):
+  """The toy target and corpus with the target's features attached to every record."""
+  cfg, params, train_recs, held = toy_corpus
+
+  def with_features(recs):
+    feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs])
+    return [dict(r, features=f) for r, f in zip(recs, feats)]
+
+  return cfg, params, with_features(train_recs), with_features(held)
+
+
+def _objective(cfg, num_heads=3):
+  return heads.medusa_objective(cfg, num_heads)
+
+
+def _batch(recs):
+  return {k: jnp.asarray(v) for k, v in train.make_batch(recs, SEQ, K_TOP).items()}
+
+
+def test_head_k_reads_the_feature_k_plus_one_back(toy):
+  """For trained position p (the target's distribution of token p + 1), head k's log-probs
+  are the drafter's head k on the feature at p − k − 1, as at decoding (h_{s−2} drafts
+  depth k + 1 = token s + k). Random heads, so every head differs."""
+  cfg, params, recs, _ = toy
+  objective = _objective(cfg)
+  w = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(1), x.shape),
+                   init_medusa_weights(cfg, 3, 1))
+  frozen = heads.frozen_arrays(cfg, params)
+  batch = _batch(recs[:4])
+  logp, aux = objective.logp_and_aux(w, frozen, None, batch, None)
+  assert logp.shape == (3,) + batch["pred_pos"].shape + (cfg.vocab_size,) and aux == 0.0
+  dp = dict(frozen, **w)
+  for b in range(2):
+    for r in (2, 3, 7):  # (p >= 4: prompts have 3 tokens or more)
+      p = int(batch["pred_pos"][b, r])
+      want = jax.nn.log_softmax(MedusaDrafter(cfg, 3).head_logits(
+          dp, batch["features"][b, None, p - 3:p][:, ::-1].reshape(3, -1)), axis=-1)
+      for k in range(3):  # row j of ``want`` is head j on feature p - 1 - j
+        np.testing.assert_allclose(logp[k, b, r], want[k, k], atol=1e-5)
+
+
+def test_untrained_heads_are_the_targets_own_next_token_prediction(toy):
+  """Zero blocks: every head on h_i gives the target's distribution of token i + 1."""
+  cfg, params, recs, _ = toy
+  seq = features.record_sequence(recs[0])
+  out = forward(params, cfg, jnp.asarray(seq)[None], jnp.arange(len(seq))[None],
+                init_cache(cfg, 1, len(seq)))
+  dp = dict(heads.frozen_arrays(cfg, params), **init_medusa_weights(cfg, 2, 1))
+  logits = MedusaDrafter(cfg, 2, 1, shared_head=True).head_logits(dp, out.hidden[0])
+  for k in range(2):
+    np.testing.assert_allclose(logits[:, k], out.logits[0], atol=1e-4)
+
+
+def test_heads_without_an_input_are_not_scored(toy):
+  cfg, _, recs, _ = toy
+  batch = _batch(recs[:4])
+  objective = _objective(cfg)
+  for k in range(3):
+    w = train.step_weight(objective, batch, k)
+    np.testing.assert_array_equal(w, batch["weight"] * (batch["pred_pos"] >= k + 1))
+  assert objective.min_position(0) == 1 and heads.exit_objective(cfg).min_position(0) == 0
+  with pytest.raises(ValueError, match="lag >= 0"):
+    heads.HeadObjective(cfg, 2, lag=-1)
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_tiny_medusa_training_lowers_loss_and_raises_head_accuracy(toy, tmp_path, online):
+  """Trained on the toy corpus (stored features, or an id-only corpus through the online
+  teacher), the heads' loss falls, every head's top-1 accuracy rises, the accuracy table
+  matches a count by hand, and the heads decode losslessly and accept more drafts."""
+  cfg, params, recs, held = toy
+  vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
+  teacher = None
+  if online:
+    teacher = (train.Teacher(cfg, K_TOP, ()), params)
+    recs = [dict(prompt=r["prompt"], response=r["response"], mode=r["mode"]) for r in recs]
+    held = [dict(prompt=r["prompt"], response=r["response"], mode=r["mode"]) for r in held]
+  objective = _objective(cfg)
+  frozen = heads.frozen_arrays(cfg, params, vm)
+  draft = train.Draft(cfg=dataclasses.replace(cfg, vocab_size=len(vm)),
+                      target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  tc = train.TrainConfig(steps=80, batch_size=8, seq_len=SEQ, lr=2e-2, warmup_steps=2,
+                         eval_every=80, checkpoint_every=80)
+  weights = init_medusa_weights(cfg, 3, 1)
+  batch = _batch(recs[:8])
+  if teacher:
+    batch = teacher[0].fill(params, batch)
+  v, i = draft.maps()
+  loss = lambda w: float(train.loss_fn(w, objective, "fkl", v, i, frozen, batch))
+  before = loss(weights)
+  trained, hist = train.train(draft, weights, recs, held, tc, str(tmp_path), k=K_TOP,
+                              log=lambda m: 0, progress=False, objective=objective,
+                              frozen=frozen, teacher=teacher)
+  assert loss(trained) < 0.8 * before
+  acc0, _ = heads.head_accuracy(weights, objective, vm, frozen, held, SEQ, K_TOP, ranks=4,
+                                 teacher=teacher)
+  acc1, n = heads.head_accuracy(trained, objective, vm, frozen, held, SEQ, K_TOP, ranks=4,
+                                 teacher=teacher)
+  print(acc0, acc1)
+  assert np.all(acc1[:, 0] > acc0[:, 0] + 0.1)
+  assert hist[-1]["alpha_T0"] == pytest.approx(acc1[0, 0], abs=1e-6)  # α is head 0's top-1
+  assert np.all(acc1.sum(1) <= 1 + 1e-9) and np.all(n > 0)
+  # the table by hand: head k's rank-r token against the argmax after position p
+  greedy = [r for r in held if r["mode"] == "greedy"]
+  dp = dict(frozen, **trained)
+  hits, count = np.zeros((3, 4)), np.zeros(3)
+  for rec in greedy:
+    seq = features.record_sequence(rec)
+    out = forward(params, cfg, jnp.asarray(seq)[None], jnp.arange(len(seq))[None],
+                  init_cache(cfg, 1, len(seq)))
+    argmax = np.asarray(jnp.argmax(out.logits[0], -1))
+    top = np.asarray(vm)[np.argsort(-np.asarray(MedusaDrafter(cfg, 3).head_logits(
+        dp, out.hidden[0])), axis=-1, kind="stable")[..., :4]]  # [L, K, 4]
+    for p in range(len(rec["prompt"]) - 1, len(seq) - 1):
+      for k in range(3):
+        if p - k - 1 >= 0:
+          hits[k] += top[p - k - 1, k] == argmax[p]
+          count[k] += 1
+  np.testing.assert_allclose(acc1, hits / count[:, None], atol=0.02)
+  # lossless, and the trained heads' own tree accepts more than the untrained heads'
+  prompts = [r["prompt"] for r in held[:8]]
+  plain = generate(params, cfg, prompts, 12, Greedy(), eos_ids=())
+  per_call = []
+  for w, acc in ((weights, acc0), (trained, acc1)):
+    d, dp = medusa_drafter(cfg, params, w, vm, top_k=4, accuracy=acc)
+    dec = SpeculativeDecoder(cfg, d, tree=d.tree(8), eos_ids=())
+    out = dec.generate(params, dp, prompts, 12)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    per_call.append(out.metrics()["tokens_per_call"])
+  assert per_call[1] > per_call[0]
+
+
+def test_heads_directory_round_trip_and_refusals(toy, tmp_path):
+  cfg, params, _, _ = toy
+  w = jax.tree.map(lambda x: x + 0.2 * jax.random.normal(jax.random.PRNGKey(2), x.shape),
+                   init_medusa_weights(cfg, 2, 1))
+  vm = np.arange(0, 64, 2)
+  acc = np.array([[0.5, 0.2, 0.1], [0.3, 0.1, 0.05]])
+  path = str(tmp_path / "heads")
+  drafts.save_medusa(path, cfg, w, vm, tokenizer_sha256="abc", head_accuracy=acc,
+                     info=dict(steps=3))
+  d, dp = drafts.load_medusa(path, cfg, params, tokenizer_sha256="abc")
+  assert (d.num_heads, d.num_layers, d.shared_head) == (2, 1, True)
+  assert np.allclose(d.accuracy, acc) and d.default_tree() == d.tree(8)
+  want_d, want_dp = medusa_drafter(cfg, params, jax.tree.map(
+      lambda x: np.asarray(x, np.float16).astype(np.float32), w), vm)
+  f = jax.random.normal(jax.random.PRNGKey(3), (2, cfg.dim))
+  np.testing.assert_allclose(d.head_logits(dp, f), want_d.head_logits(want_dp, f), atol=1e-5)
+  np.testing.assert_array_equal(dp["vocab_map"], vm)
+  np.testing.assert_array_equal(dp["head"], target_head(cfg, params)[vm])
+  # drafter_from_path knows the format
+  d2, _, note = drafts.drafter_from_path(path, cfg, params, None)
+  assert isinstance(d2, MedusaDrafter) and "Medusa heads" in note
+  # refusals: another tokenizer, vocabulary, width; corrupt or missing tensors
+  with pytest.raises(ValueError, match="another tokenizer"):
+    drafts.load_medusa(path, cfg, params, tokenizer_sha256="xyz")
+  with pytest.raises(ValueError, match="vocabulary"):
+    drafts.load_medusa(path, dataclasses.replace(cfg, vocab_size=80), params)
+  with pytest.raises(ValueError, match="width"):
+    drafts.load_medusa(path, dataclasses.replace(cfg, dim=48), params)
+  with pytest.raises(ValueError, match=r"\[2 heads, ranks\]"):
+    drafts.save_medusa(str(tmp_path / "bad"), cfg, w, vm, tokenizer_sha256="abc",
+                       head_accuracy=acc[:1])
+  bad = dict(w, res_b=np.full((2, 1, cfg.dim), np.nan))
+  drafts.save_medusa(str(tmp_path / "nan"), cfg, bad, vm, tokenizer_sha256="abc")
+  with pytest.raises(CheckpointError, match="non-finite"):
+    drafts.load_medusa(str(tmp_path / "nan"), cfg, params)
+  os.remove(os.path.join(path, "weights.safetensors"))
+  with pytest.raises(CheckpointError, match="missing or corrupt Medusa heads weights"):
+    drafts.load_medusa(path, cfg, params)
+  meta = json.load(open(os.path.join(path, "draft.json")))
+  assert meta["format"] == drafts.MEDUSA_FORMAT and meta["info"] == dict(steps=3)
+
+
+def test_accuracy_tables_that_are_not_probabilities_are_refused(toy):
+  cfg = toy[0]
+  for bad in ([[0.5, 0.2]], [[1.5, 0.1], [0.2, 0.1]], [[np.nan, 0.1], [0.2, 0.1]]):
+    with pytest.raises(ValueError, match="accuracy must be"):
+      MedusaDrafter(cfg, 2, accuracy=bad)
+
+
+# ------------------------------------------------------------------ the trained exit
+
+
+@pytest.fixture(scope="module")
+def deep():
+  """A 3-layer toy target whose top layers matter (so exiting after layer 1 loses something)
+  and its greedy / T = 1 corpus with features of layer 0 (the exit after 1 layer)."""
+  from specjax.distill import teacher
+  cfg, params = tiny_model(seed=5, vocab_size=64, num_layers=3)
+  params = dict(params, layers=jax.tree.map(lambda w: w * 0.5, params["layers"]))
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, 64, int(rng.integers(3, 10))).tolist() for _ in range(48)]
+  recs = []
+  for j, sampler in enumerate((Greedy(), Sampling(1.0))):
+    out = teacher.generate_with_topk(params, cfg, prompts, 16, sampler, k=K_TOP, seed=j,
+                                     eos_ids=())
+    recs += [dict(r, mode="greedy" if j == 0 else "T=1") for r in out]
+  feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
+                                     layers=(0,))
+  recs = [dict(r, features=f) for r, f in zip(recs, feats)]
+  return cfg, params, [r for i, r in enumerate(recs) if i % 6], recs[::6]
+
+
+def test_truncated_features_are_the_full_forwards_layer_output(deep):
+  cfg, params, recs, _ = deep
+  seq = features.record_sequence(recs[0])
+  out = forward(params, cfg, jnp.asarray(seq)[None], jnp.arange(len(seq))[None],
+                init_cache(cfg, 1, len(seq)), return_layers=(0,))
+  np.testing.assert_allclose(recs[0]["features"], out.intermediates[0][0], rtol=2e-3, atol=2e-3)
+
+
+def test_zero_exit_head_is_the_training_free_exit(deep):
+  """Zero blocks over all V rows: the same drafts and the same q as the training-free exit."""
+  cfg, params, _, _ = deep
+  free, free_dp = early_exit_drafter(cfg, params, 1)
+  trained, dp = trained_exit_drafter(cfg, params, 1, zero_blocks(1, 2, cfg.dim))
+  assert trained.trained and not free.trained
+  tokens = jnp.asarray([[5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0]] * 2)
+  seq_lens = jnp.asarray([4, 4])
+  cache = forward(params, cfg, tokens[:, :3], jnp.arange(3)[None].repeat(2, 0),
+                  init_cache(cfg, 2, 12)).cache
+  key = jax.random.PRNGKey(0)
+  for sampler in (Greedy(), Sampling(1.0)):
+    a = free.propose_chain(free_dp, cache, tokens, seq_lens, key, sampler, 3)
+    b = trained.propose_chain(dp, cache, tokens, seq_lens, key, sampler, 3)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_allclose(a[1], b[1], atol=1e-5)
+
+
+def test_tiny_exit_training_raises_alpha_and_decodes_losslessly(deep, tmp_path):
+  """The exit after 1 of 3 layers, trained on stored layer-0 features: held-out α at T = 0
+  rises from the training-free exit's, as does the acceptance of real decoding, which stays
+  greedy-exact; no recompilation across batches."""
+  cfg, params, recs, held = deep
+  vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
+  objective = heads.exit_objective(cfg)
+  frozen = heads.frozen_arrays(cfg, params, vm)
+  draft = train.Draft(cfg=dataclasses.replace(cfg, vocab_size=len(vm)),
+                      target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  tc = train.TrainConfig(steps=200, batch_size=8, seq_len=SEQ, lr=2e-2, warmup_steps=2,
+                         eval_every=200, checkpoint_every=200)
+  weights = zero_blocks(1, 2, cfg.dim)
+  trained, hist = train.train(draft, weights, recs, held, tc, str(tmp_path), k=K_TOP,
+                              log=lambda m: 0, progress=False, objective=objective,
+                              frozen=frozen)
+  print(hist[0], hist[-1])
+  assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"] + 0.1
+  acc, _ = heads.head_accuracy(trained, objective, vm, frozen, held, SEQ, K_TOP, ranks=1)
+  assert acc[0, 0] == pytest.approx(hist[-1]["alpha_T0"], abs=1e-6)
+  prompts = [r["prompt"] for r in held[:8]]
+  plain = generate(params, cfg, prompts, 12, Greedy(), eos_ids=())
+  rates = []
+  for w in (weights, trained):
+    d, dp = trained_exit_drafter(cfg, params, 1, w, vm)
+    dec = SpeculativeDecoder(cfg, d, gamma=3, eos_ids=())
+    out = dec.generate(params, dp, prompts, 12)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    rates.append(out.metrics()["acceptance_rate"])
+  assert rates[1] > rates[0]
+  assert new_compiles_across_batches(dec, params, dp) == 0
+  # shipped as a directory, read back by its own loader and by drafter_from_path
+  path = str(tmp_path / "exit")
+  drafts.save_exit(path, cfg, trained, vm, exit_layer=1, tokenizer_sha256="abc")
+  d2, dp2 = drafts.load_exit(path, cfg, params, tokenizer_sha256="abc")
+  assert d2.trained and d2.cfg.num_layers == 1
+  np.testing.assert_array_equal(dec.generate(params, dp2, prompts, 12).tokens, plain.tokens)
+  d3, _, note = drafts.drafter_from_path(path, cfg, params, None)
+  assert d3 == d2 and "trained exit" in note
+
+
+def test_bad_exits_are_refused(deep, tmp_path):
+  cfg, params, _, _ = deep
+  w = zero_blocks(1, 1, cfg.dim)
+  with pytest.raises(ValueError, match=r"exit_layer must be in \[1, 2\]"):
+    drafts.save_exit(str(tmp_path / "e"), cfg, w, None, exit_layer=3, tokenizer_sha256="-")
+  with pytest.raises(ValueError, match="one head"):
+    drafts.save_exit(str(tmp_path / "e"), cfg, zero_blocks(2, 1, cfg.dim), None, exit_layer=1,
+                     tokenizer_sha256="-")
+  drafts.save_exit(str(tmp_path / "e"), cfg, w, None, exit_layer=2, tokenizer_sha256="-")
+  shallow = dataclasses.replace(cfg, num_layers=2)
+  with pytest.raises(ValueError, match="exits after layer 2, but the target has 2 layers"):
+    drafts.load_exit(str(tmp_path / "e"), shallow, params)
+  with pytest.raises(ValueError, match="does not fit width"):
+    trained_exit_drafter(cfg, params, 1, zero_blocks(1, 1, cfg.dim + 1))
+  d, dp = trained_exit_drafter(cfg, params, 1, w)
+  with pytest.raises(ValueError, match="draft_params\\['exit'\\]"):
+    d.check_params({k: v for k, v in dp.items() if k != "exit"})
