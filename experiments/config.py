@@ -17,12 +17,12 @@ EXPERIMENTS = ("gamma_sweep", "adaptive", "temperature_sweep", "drafts_alpha", "
 # draft-free methods are opt-in (--experiment=tree_sweep, draft_free or all): they do not fit
 # the default run's time budget (experiments/README.md, Sizing).
 DEFAULT_EXPERIMENTS = EXPERIMENTS[:4]
-DRAFT_NAMES = ("default", "eagle", "bigram", "unigram", "prompt_lookup", "jacobi",
+DRAFT_NAMES = ("default", "eagle", "medusa", "bigram", "unigram", "prompt_lookup", "jacobi",
                "jacobi_random", "lookahead", "tiny")
 # The methods that need no draft model, which the draft_free experiment times.
 DRAFT_FREE = ("prompt_lookup", "jacobi", "jacobi_random", "lookahead")
 # Drafts whose drafter brings its own tree (``Drafter.default_tree``): no γ to sweep.
-OWN_TREE_DRAFTS = ("lookahead",)
+OWN_TREE_DRAFTS = ("lookahead", "medusa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +36,9 @@ class ExperimentConfig:
     draft: "eagle" (the shipped EAGLE-3 feature drafter, the default) |
       "default" (the shipped distilled token draft) | "early_exit:K" | "bigram" | "unigram" |
       "prompt_lookup" | "jacobi" | "jacobi_random" (Jacobi decoding, no draft model) |
-      "lookahead" (lookahead decoding, its own tree) | "tiny" | path of a specjax draft
-      directory (token or EAGLE), a .gguf file or HF dir.
+      "lookahead" (lookahead decoding, its own tree) | "medusa" (the shipped Medusa-1
+      heads, their own tree) | "tiny" | path of a specjax draft directory (token, EAGLE or
+      Medusa), a .gguf file or HF dir.
     prompts: a .jsonl prompt file (ours or Spec-Bench's question.jsonl, first turns), or
       None for the built-in held-out set.
     num_prompts: prompts taken from the built-in set (default 10: 2 per category; with
@@ -58,7 +59,7 @@ class ExperimentConfig:
     alpha_drafts: the other drafts whose α is measured beside --draft
       ("early_exit" means early_exit:K with K = early_exit_layers); the draft_free
       experiment times those of them in DRAFT_FREE. A drafter with its own tree
-      (lookahead) is measured on that tree, not on a chain of alpha_gamma.
+      (lookahead, Medusa) is measured on that tree, not on a chain of alpha_gamma.
     cost_steps: speculative steps timed phase by phase (after one warm step)
       to measure the draft cost ratio c and the verify cost.
     repeats: interleaved timing rounds per setting; each round times plain then
@@ -98,8 +99,8 @@ class ExperimentConfig:
   temperature_gamma: int = 0
   alpha_gamma: int = 4
   early_exit_layers: int = 0
-  alpha_drafts: tuple[str, ...] = ("default", "unigram", "bigram", "early_exit", "prompt_lookup",
-                                   "jacobi", "lookahead")
+  alpha_drafts: tuple[str, ...] = ("default", "medusa", "unigram", "bigram", "early_exit",
+                                   "prompt_lookup", "jacobi", "lookahead")
   cost_steps: int = 8
   repeats: int = 2
   extra_rounds: int = 1

@@ -89,6 +89,8 @@ def _resolve_draft(spec: str, target: Target,
     return _default_draft(target)
   if spec == "eagle":
     return _default_eagle(target)
+  if spec == "medusa":
+    return _default_medusa(target)
   if spec.startswith("early_exit"):
     k = int(spec.split(":", 1)[1]) if ":" in spec else default_early_exit_layers(cfg)
     drafter, params = drafters.early_exit_drafter(cfg, target.params, k)
@@ -115,9 +117,9 @@ def _resolve_draft(spec: str, target: Target,
     return _random_tiny_draft(cfg)
   if os.path.exists(spec):
     return _draft_from_path(spec, target)
-  raise ValueError(f"unknown --draft {spec!r}: use default, eagle, early_exit:K, bigram, "
-                   "unigram, prompt_lookup, jacobi, jacobi_random, lookahead, tiny, or the path of "
-                   "a draft directory (token or EAGLE), .gguf file or HF dir")
+  raise ValueError(f"unknown --draft {spec!r}: use default, eagle, medusa, early_exit:K, "
+                   "bigram, unigram, prompt_lookup, jacobi, jacobi_random, lookahead, tiny, or the "
+                   "path of a draft directory (token, EAGLE or Medusa), .gguf file or HF dir")
 
 
 def _model_draft(name: str, dcfg: ModelConfig, dparams: Params, vocab_map: Optional[np.ndarray],
@@ -169,6 +171,21 @@ def _default_eagle(target: Target) -> Draft:
   drafter, dp = default_eagle_drafter(target.cfg, target.params, target.tokenizer)
   return Draft("eagle", drafter, dp, f"EAGLE feature drafter ({drafter.cfg.num_layers} layer, "
                                      f"{head_rows(dp)}-row head)")
+
+
+def _default_medusa(target: Target) -> Draft:
+  """The shipped Medusa-1 heads on their own tree (random heads for the tiny target)."""
+  if target.name == TINY:
+    import jax
+    from specjax.drafters.medusa import random_medusa_weights
+    weights = random_medusa_weights(target.cfg, 3, 1, jax.random.PRNGKey(1), own_head=False)
+    drafter, dp = drafters.medusa_drafter(target.cfg, target.params, weights)
+    return Draft("medusa", drafter, dp, "random Medusa heads")
+  from specjax.drafts import default_medusa_drafter
+  drafter, dp = default_medusa_drafter(target.cfg, target.params, target.tokenizer)
+  return Draft("medusa", drafter, dp,
+               f"Medusa-1 heads ({drafter.num_heads} heads, {head_rows(dp)}-row shared head), "
+               f"their {drafter.default_tree().num_nodes}-node tree from held-out accuracies")
 
 
 def _draft_from_path(path: str, target: Target) -> Draft:

@@ -9,6 +9,8 @@ import platform
 import subprocess
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from experiments import checks, paper
 from experiments.machine import cpu_info, describe_cpu, matmul_path
 from experiments.measure import SpecRun, policy_of
@@ -254,6 +256,7 @@ def tables_markdown(results: dict) -> str:
                    f"{_f(get(0.0, 'tokens_per_call'))} | {_f(get(1.0, 'tokens_per_call'))} | "
                    f"{notes.get(name, '')} |")
     lines.append("")
+    lines += _depth_acceptance(alpha)
   lines += _tree_section(results)
   lines += _draft_free_section(results)
   lines += ["## The paper's numbers, for reference", "", paper.SETUP, "",
@@ -265,6 +268,30 @@ def tables_markdown(results: dict) -> str:
             "| task | draft | c | expected | empirical |", "|---|---|---|---|---|"]
   lines += [f"| {a} | {b} | {c} | {e}× | {m}× |" for a, b, c, e, m in paper.TABLE4]
   return "\n".join(lines) + "\n"
+
+
+def depth_acceptance(accept_len_hist: Sequence[int]) -> list[Optional[float]]:
+  """P(a node at depth d is accepted | one at depth d − 1 was), d = 1 … D, from a run's
+  histogram of accepted lengths: for Medusa's tree, head d − 1's acceptance in real
+  decoding (Table 3 of the Medusa paper). Example: [2, 1, 1] → [0.5, 0.5]."""
+  h = np.asarray(accept_len_hist, dtype=np.float64)
+  at_least = h[::-1].cumsum()[::-1]  # steps that accepted >= d drafts
+  return [None if at_least[d - 1] == 0 else float(at_least[d] / at_least[d - 1])
+          for d in range(1, len(h))]
+
+
+def _depth_acceptance(alpha: Sequence[dict]) -> list[str]:
+  """Per-depth acceptance of the Table-3 drafts measured on their own trees."""
+  own = [r for r in alpha if r["shape"] == "own tree" and len(r["accept_len_hist"]) > 2]
+  if not own:
+    return []
+  lines = ["Per-depth acceptance on a draft's own tree: P(depth d accepted | depth d − 1 "
+           "accepted); for Medusa, head d − 1's acceptance in real decoding (the Medusa "
+           "paper's Table 3).", "", "| draft | T | nodes | depth 1, 2, … |", "|---|---|---|---|"]
+  for r in own:
+    lines.append(f"| {r['draft']} | {r['temperature']:g} | {r['num_nodes']} | "
+                 + ", ".join(_f(a) for a in depth_acceptance(r["accept_len_hist"])) + " |")
+  return lines + [""]
 
 
 def _adaptive_section(rows: Sequence[dict]) -> list[str]:

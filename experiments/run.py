@@ -28,9 +28,10 @@ flags.DEFINE_string("experiment", "default", "gamma_sweep, temperature_sweep, dr
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
                     "(the shipped distilled token draft) | early_exit:K | bigram | unigram | "
-                    "prompt_lookup | lookahead (its own tree: drafts_alpha and draft_free only) "
+                    "prompt_lookup | lookahead | medusa (the shipped Medusa-1 heads; these two "
+                    "bring their own tree: drafts_alpha and draft_free only) "
                     "| jacobi | jacobi_random (Jacobi decoding, prompt-lookup or random fill) | "
-                    "tiny | path of a draft directory (token or EAGLE), .gguf or HF dir.")
+                    "tiny | path of a draft directory (token, EAGLE or Medusa), .gguf or HF dir.")
 flags.DEFINE_string("prompts", None, 'JSONL file: one {"prompt": ..., "category": ...} per '
                     "line, or Spec-Bench's question.jsonl ({\"category\": ..., \"turns\": [...]}; "
                     "each question is measured on its first turn only) (default: built-in "
