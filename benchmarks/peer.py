@@ -11,7 +11,9 @@ Batch 1, SmolLM2-135M-Instruct in f32, every output forced to ``new_tokens``
   HF prompt lookup (greedy, γ tokens); specjax autoregressive greedy and
   sampled; specjax speculative with the shipped draft (greedy and T = 1), with
   the shipped EAGLE-3 drafter (greedy and T = 1; HF has no counterpart) and
-  with prompt lookup (greedy); the draft-free methods, Jacobi decoding (window
+  with prompt lookup (greedy); the shipped Medusa-1 heads on the tree their
+  held-out accuracies give and the shipped trained early exit (greedy and T = 1;
+  HF has neither); the draft-free methods, Jacobi decoding (window
   γ) and lookahead decoding (its default W, N, G tree), greedy and T = 1 (HF
   has neither); and the same drafters with token trees of
   ``--tree_nodes`` nodes (HF has none): an EAGLE-2 dynamic tree of depth γ
@@ -99,10 +101,14 @@ def main(argv):
   prompts = [chat_prompt(tok, t) for t in TEXTS[:NUM_PROMPTS.value]]
   drafter, dp = drafts.default_drafter(tok, cfg.vocab_size, target_embed=params["embed"])
   eagle, eagle_dp = drafts.default_eagle_drafter(cfg, params, tok)
+  medusa, medusa_dp = drafts.default_medusa_drafter(cfg, params, tok)
+  exit_, exit_dp = drafts.default_exit_drafter(cfg, params, tok)
   dyn, lookup = dynamic_tree(nodes, g), lookup_tree(LOOKUP_BRANCHES.value, g)
   la = LookaheadDrafter(cfg.vocab_size)
+  heads_tree = medusa.default_tree()
   cache = max(len(p) for p in prompts) + n + max(g, dyn.cache_headroom, lookup.cache_headroom,
-                                                la.default_tree().cache_headroom) + 8
+                                                la.default_tree().cache_headroom,
+                                                heads_tree.cache_headroom) + 8
   calls = {}  # speculative rows: target calls per generated token
 
   def sj_ar(sampler):
@@ -141,6 +147,14 @@ def main(argv):
           JacobiDrafter(cfg.vocab_size), (), Greedy(), None),
       f"specjax Jacobi decoding, T=1 (window {g})": (
           JacobiDrafter(cfg.vocab_size), (), Sampling(1.0), None),
+      f"specjax speculative, Medusa-1 heads, their {heads_tree.num_nodes}-node tree, greedy": (
+          medusa, medusa_dp, Greedy(), heads_tree),
+      f"specjax speculative, Medusa-1 heads, their {heads_tree.num_nodes}-node tree, T=1": (
+          medusa, medusa_dp, Sampling(1.0), heads_tree),
+      f"specjax speculative, trained exit after layer {exit_.cfg.num_layers}, greedy (γ={g})": (
+          exit_, exit_dp, Greedy(), None),
+      f"specjax speculative, trained exit after layer {exit_.cfg.num_layers}, T=1 (γ={g})": (
+          exit_, exit_dp, Sampling(1.0), None),
       la_greedy: (la, (), Greedy(), la.default_tree()),
       f"specjax lookahead decoding, T=1 ({la_name})": (la, (), Sampling(1.0), la.default_tree()),
   }

@@ -12,7 +12,8 @@ Per temperature:
   2. ``tree_builders.best_static_tree`` builds the best static tree for each
      node budget N from that table;
   3. every method (chains of each γ, the best trees, dynamic trees when the
-     drafter supports them) decodes the held-out prompts one at a time,
+     drafter supports them; for Medusa heads also the trees their stored held-out
+     accuracies give) decodes the held-out prompts one at a time,
      interleaved with plain decoding of the same prompt in every round;
      speedup = Σ plain seconds / Σ method seconds over the prompts, per round
      (median and range reported); at T = 0 every output is checked against
@@ -31,6 +32,7 @@ from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts, training_prompts
+from specjax.drafters import MedusaDrafter
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.tree import DynamicTree, TreeTopology
@@ -65,8 +67,9 @@ def calibrate(target, draft, sampler, prompts, branching):
 
 
 def methods_for(draft, table):
-  """Chains, the best static tree per budget, and an EAGLE-2 dynamic tree of the same N
-  and depth (frontier k = min(4, N)) where the drafter builds them."""
+  """Chains, the best static tree per budget, an EAGLE-2 dynamic tree of the same N and
+  depth (frontier k = min(4, N)) where the drafter builds them, and for Medusa heads the
+  tree their own held-out accuracies give at each budget (``MedusaDrafter.tree``)."""
   out = [(f"chain γ={g}", TreeTopology.chain(int(g))) for g in GAMMAS.value]
   for n in map(int, BUDGETS.value):
     tree = best_static_tree(table, n)
@@ -75,6 +78,8 @@ def methods_for(draft, table):
     k, d = min(4, n), max(tree.max_depth, 2)
     if d <= n <= k + (d - 1) * k * k:
       out.append((f"dynamic k={k} N={n}", DynamicTree(k, d, n)))
+    if isinstance(draft.drafter, MedusaDrafter) and draft.drafter.accuracy is not None:
+      out.append((f"heads' tree N={n}", draft.drafter.tree(n)))
   return [(name, t) for name, t in out if draft.drafter.supports(t)]
 
 

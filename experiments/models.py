@@ -91,6 +91,8 @@ def _resolve_draft(spec: str, target: Target,
     return _default_eagle(target)
   if spec == "medusa":
     return _default_medusa(target)
+  if spec == "trained_exit":
+    return _default_exit(target)
   if spec.startswith("early_exit"):
     k = int(spec.split(":", 1)[1]) if ":" in spec else default_early_exit_layers(cfg)
     drafter, params = drafters.early_exit_drafter(cfg, target.params, k)
@@ -118,8 +120,9 @@ def _resolve_draft(spec: str, target: Target,
   if os.path.exists(spec):
     return _draft_from_path(spec, target)
   raise ValueError(f"unknown --draft {spec!r}: use default, eagle, medusa, early_exit:K, "
-                   "bigram, unigram, prompt_lookup, jacobi, jacobi_random, lookahead, tiny, or the "
-                   "path of a draft directory (token, EAGLE or Medusa), .gguf file or HF dir")
+                   "trained_exit, bigram, unigram, prompt_lookup, jacobi, jacobi_random, "
+                   "lookahead, tiny, or the path of a draft directory (token, EAGLE, Medusa or "
+                   "trained exit), .gguf file or HF dir")
 
 
 def _model_draft(name: str, dcfg: ModelConfig, dparams: Params, vocab_map: Optional[np.ndarray],
@@ -186,6 +189,22 @@ def _default_medusa(target: Target) -> Draft:
   return Draft("medusa", drafter, dp,
                f"Medusa-1 heads ({drafter.num_heads} heads, {head_rows(dp)}-row shared head), "
                f"their {drafter.default_tree().num_nodes}-node tree from held-out accuracies")
+
+
+def _default_exit(target: Target) -> Draft:
+  """The shipped trained early exit (a random exit head after layer 1 for the tiny target)."""
+  if target.name == TINY:
+    import jax
+    from specjax.drafters.medusa import random_medusa_weights
+    weights = random_medusa_weights(target.cfg, 1, 1, jax.random.PRNGKey(2), own_head=False)
+    drafter, dp = drafters.trained_exit_drafter(target.cfg, target.params, 1, weights)
+    return Draft("trained_exit", drafter, dp, "random exit head after layer 1")
+  from specjax.drafts import default_exit_drafter
+  drafter, dp = default_exit_drafter(target.cfg, target.params, target.tokenizer)
+  rows = dp["exit"]["head"].shape[0]
+  return Draft("trained_exit", drafter, dp,
+               f"first {drafter.cfg.num_layers} of {target.cfg.num_layers} layers + a trained "
+               f"exit head ({rows} rows)")
 
 
 def _draft_from_path(path: str, target: Target) -> Draft:

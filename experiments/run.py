@@ -27,7 +27,8 @@ flags.DEFINE_string("experiment", "default", "gamma_sweep, temperature_sweep, dr
                     "(or a comma-separated list).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
-                    "(the shipped distilled token draft) | early_exit:K | bigram | unigram | "
+                    "(the shipped distilled token draft) | early_exit:K | trained_exit (the "
+                    "shipped trained early exit) | bigram | unigram | "
                     "prompt_lookup | lookahead | medusa (the shipped Medusa-1 heads; these two "
                     "bring their own tree: drafts_alpha and draft_free only) "
                     "| jacobi | jacobi_random (Jacobi decoding, prompt-lookup or random fill) | "

@@ -5,6 +5,7 @@
 #   scripts/train_eagle3.sh train WORKDIR   # train (resumable: rerun to continue)
 #   scripts/train_eagle3.sh token WORKDIR2  # a token draft on the same corpus (its own workdir)
 #   scripts/train_eagle3.sh medusa WORKDIR3 # Medusa-1 heads on the same corpus (its own workdir)
+#   scripts/train_eagle3.sh exit WORKDIR4   # a trained early exit on the same corpus
 #
 # data: the extended prompt set plus chat prompts the target writes itself; the
 # target answers each train prompt in several passes (greedy, then T=1), batched
@@ -20,11 +21,13 @@
 # LM head (8,192 rows), forward KL to the corpus' stored top-k with the target's
 # features computed once and cached (--teacher=stored: cheap epochs on a CPU; the
 # shipped heads, specjax/assets/smollm2_medusa/README.md, give the exact command).
+# exit: one such head (two blocks) on the output of the target's first $EXIT_LAYER
+# layers over the same 8,192 rows, the layer's features cached like Medusa's.
 # The defaults are the accelerator run; every knob is an environment variable, so
 # the same command runs small on a CPU.
 set -euo pipefail
-stage=${1:?usage: train_eagle3.sh data|train|token|medusa WORKDIR [extra train_draft flags]}
-workdir=${2:?usage: train_eagle3.sh data|train|token|medusa WORKDIR [extra train_draft flags]}
+stage=${1:?usage: train_eagle3.sh data|train|token|medusa|exit WORKDIR [extra train_draft flags]}
+workdir=${2:?usage: train_eagle3.sh data|train|token|medusa|exit WORKDIR [extra train_draft flags]}
 shift 2
 DATA=(--prompt_set=extended --self_instruct_per_topic="${SELF_INSTRUCT:-4}"
       --gen_batch="${GEN_BATCH:-512}" --max_new_tokens="${MAX_NEW:-256}" --topk=1
@@ -59,5 +62,13 @@ case "$stage" in
       --warmup_steps="${WARMUP:-100}" --eval_every="${EVAL_EVERY:-250}" \
       --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
       --eval_records="${EVAL_RECORDS:-384}" "$@" ;;
-  *) echo "unknown stage $stage (data, train, token or medusa)" >&2; exit 2 ;;
+  exit)
+    python -m experiments.train_draft --stage=train "${DATA[@]}" --workdir="$workdir" \
+      --draft_kind=exit --exit_layer="${EXIT_LAYER:-10}" --exit_blocks="${BLOCKS:-2}" \
+      --teacher="${TEACHER:-stored}" --draft_vocab="${VOCAB:-8192}" --loss=fkl \
+      --steps="${STEPS:-2000}" --batch_size="${BATCH:-64}" --seq_len=416 --lr="${LR:-1e-3}" \
+      --warmup_steps="${WARMUP:-100}" --eval_every="${EVAL_EVERY:-250}" \
+      --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
+      --eval_records="${EVAL_RECORDS:-384}" "$@" ;;
+  *) echo "unknown stage $stage (data, train, token, medusa or exit)" >&2; exit 2 ;;
 esac

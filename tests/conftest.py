@@ -35,33 +35,62 @@ def draft():
   return tiny_model(seed=1, num_layers=1, dim=16, num_heads=2, num_kv_heads=1, ffn_dim=32)
 
 
-@pytest.fixture(scope="session")
-def toy_corpus():
-  """A tiny target and its self-distillation corpus: (cfg, params, train records, held-out).
-
-  The target's layer is shrunk so the next token depends mostly on the current
-  one, a function a one-layer draft can learn from a few hundred positions.
-  Records hold greedy and T=1 responses with the target's top-TOY_TOPK; every
-  sixth is held out. Tests that add fields copy the records first.
-  """
-  import jax
+def toy_records(cfg, params, layers=None):
+  """(train, held-out) self-distillation records of a toy target: 48 random prompts answered
+  greedily and at T=1 (16 tokens, the target's top-TOY_TOPK), every sixth held out; with
+  ``layers`` (() for the last hidden state) each record also gets the target's features."""
   import numpy as np
-  from specjax.distill import teacher
+  from specjax.distill import features, teacher
   from specjax.sampling import Greedy, Sampling
-  from specjax.testing import tiny_model
 
-  cfg, params = tiny_model(seed=3, vocab_size=64, num_layers=1)
-  params = dict(params, layers=jax.tree.map(lambda w: w * 0.2, params["layers"]))
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, 64, int(rng.integers(3, 10))).tolist() for _ in range(48)]
+  prompts = [rng.integers(1, cfg.vocab_size, int(rng.integers(3, 10))).tolist()
+             for _ in range(48)]
   recs = []
   for j, sampler in enumerate((Greedy(), Sampling(1.0))):
     out = teacher.generate_with_topk(params, cfg, prompts, 16, sampler, k=TOY_TOPK, seed=j,
                                      eos_ids=())
     recs += [dict(r, mode="greedy" if j == 0 else "T=1") for r in out]
-  held = [r for i, r in enumerate(recs) if i % 6 == 0]
-  train_recs = [r for i, r in enumerate(recs) if i % 6 != 0]
-  return cfg, params, train_recs, held
+  if layers is not None:
+    feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
+                                       layers=layers)
+    recs = [dict(r, features=f) for r, f in zip(recs, feats)]
+  return [r for i, r in enumerate(recs) if i % 6 != 0], recs[::6]
+
+
+@pytest.fixture(scope="session")
+def make_toy_records():
+  """``toy_records``, for tests with a toy target of their own."""
+  return toy_records
+
+
+@pytest.fixture(scope="session")
+def toy_corpus():
+  """A tiny target and its self-distillation corpus: (cfg, params, train records, held-out).
+
+  The target's layer is shrunk so the next token depends mostly on the current
+  one, a function a one-layer draft can learn from a few hundred positions
+  (``toy_records``). Tests that add fields copy the records first.
+  """
+  import jax
+  from specjax.testing import tiny_model
+
+  cfg, params = tiny_model(seed=3, vocab_size=64, num_layers=1)
+  params = dict(params, layers=jax.tree.map(lambda w: w * 0.2, params["layers"]))
+  return (cfg, params, *toy_records(cfg, params))
+
+
+@pytest.fixture(scope="session")
+def toy_corpus_features(toy_corpus):
+  """``toy_corpus`` with each record's features (the target's last hidden state)."""
+  from specjax.distill import features
+  cfg, params, train_recs, held = toy_corpus
+
+  def with_features(recs):
+    feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs])
+    return [dict(r, features=f) for r, f in zip(recs, feats)]
+
+  return cfg, params, with_features(train_recs), with_features(held)
 
 
 @pytest.fixture(scope="session")

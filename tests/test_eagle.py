@@ -174,15 +174,9 @@ def test_weights_of_another_width_are_refused():
 
 
 @pytest.fixture(scope="module")
-def toy(toy_corpus):
+def toy(toy_corpus_features):
   """The shared toy target and corpus (conftest), each record with the target's features."""
-  cfg, params, train_recs, held = toy_corpus
-
-  def with_features(recs):
-    feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs])
-    return [dict(r, features=f) for r, f in zip(recs, feats)]
-
-  return cfg, params, with_features(train_recs), with_features(held)
+  return toy_corpus_features
 
 
 @pytest.mark.parametrize("ttt_steps,layers,online", [  # default run: TTT + fusion + online

@@ -491,6 +491,19 @@ def test_medusa_heads_get_table3_rows_on_their_own_tree(tmp_path):
     ExperimentConfig(target="tiny", draft="medusa")
 
 
+def test_trained_exits_resolve_by_name_and_by_directory(tmp_path):
+  from experiments.models import load_draft, load_target
+  from specjax import drafts
+  from specjax.drafters.residual_head import zero_blocks
+  target = load_target("tiny")
+  d = load_draft("trained_exit", target, lambda: [])
+  assert d.drafter.trained and d.name == "trained_exit"
+  drafts.save_exit(str(tmp_path / "x"), target.cfg, zero_blocks(1, 1, target.cfg.dim), None,
+                   exit_layer=1, tokenizer_sha256="-")
+  d = load_draft(str(tmp_path / "x"), target, lambda: [])
+  assert d.drafter.trained and d.drafter.cfg.num_layers == 1 and d.name == "x"
+
+
 def test_eagle_drafts_resolve_by_name_and_by_directory(tmp_path):
   import jax
   from specjax import drafts

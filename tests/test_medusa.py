@@ -423,6 +423,14 @@ def test_bad_directories_are_refused(tmp_path, target):
 # --------------------------------------------------------------- typical acceptance (lossy)
 
 
+def test_first_token_tv_of_the_typical_acceptance_benchmark():
+  """benchmarks/typical_acceptance.py's per-step TV: its docstring example."""
+  from benchmarks.typical_acceptance import first_token_tv
+  p0 = np.array([[0.5, 0.3, 0.2]] * 2)
+  tv = first_token_tv(p0, np.array([1, 0]), np.array([1, 1]), np.array([0.25, 0.25]))
+  np.testing.assert_allclose(tv, [0.7, 0.2])
+
+
 def test_typical_acceptance_by_hand():
   # Root -> {a: token 0, b: token 1}; a -> {c: token 2}. Root's p = (.5, .45, .05) has
   # H ≈ 0.86, so τ = min(.09, .3 e^-H ≈ .13) = .09 and both children pass. a's p = (.6, .35,

@@ -30,15 +30,9 @@ SEQ = 32
 
 
 @pytest.fixture(scope="module")
-def toy(toy_corpus):
+def toy(toy_corpus_features):
   """The toy target and corpus with the target's features attached to every record."""
-  cfg, params, train_recs, held = toy_corpus
-
-  def with_features(recs):
-    feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs])
-    return [dict(r, features=f) for r, f in zip(recs, feats)]
-
-  return cfg, params, with_features(train_recs), with_features(held)
+  return toy_corpus_features
 
 
 def _objective(cfg, num_heads=3):
@@ -215,23 +209,12 @@ def test_accuracy_tables_that_are_not_probabilities_are_refused(toy):
 
 
 @pytest.fixture(scope="module")
-def deep():
+def deep(make_toy_records):
   """A 3-layer toy target whose top layers matter (so exiting after layer 1 loses something)
   and its greedy / T = 1 corpus with features of layer 0 (the exit after 1 layer)."""
-  from specjax.distill import teacher
   cfg, params = tiny_model(seed=5, vocab_size=64, num_layers=3)
   params = dict(params, layers=jax.tree.map(lambda w: w * 0.5, params["layers"]))
-  rng = np.random.default_rng(1)
-  prompts = [rng.integers(1, 64, int(rng.integers(3, 10))).tolist() for _ in range(48)]
-  recs = []
-  for j, sampler in enumerate((Greedy(), Sampling(1.0))):
-    out = teacher.generate_with_topk(params, cfg, prompts, 16, sampler, k=K_TOP, seed=j,
-                                     eos_ids=())
-    recs += [dict(r, mode="greedy" if j == 0 else "T=1") for r in out]
-  feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
-                                     layers=(0,))
-  recs = [dict(r, features=f) for r, f in zip(recs, feats)]
-  return cfg, params, [r for i, r in enumerate(recs) if i % 6], recs[::6]
+  return (cfg, params, *make_toy_records(cfg, params, layers=(0,)))
 
 
 def test_truncated_features_are_the_full_forwards_layer_output(deep):

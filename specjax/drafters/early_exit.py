@@ -30,6 +30,7 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
+from specjax.drafters.eagle import target_head
 from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.residual_head import head_logits
 from specjax.generate import last_tokens
@@ -134,7 +135,6 @@ def trained_exit_drafter(cfg: ModelConfig, params: Params, num_layers: int, weig
     vocab_map: [Vd] target ids of the head's rows (the target's LM head rows there);
       None: all V rows.
   """
-  from specjax.drafters.eagle import target_head
   drafter, dp = early_exit_drafter(cfg, params, num_layers)
   drafter = dataclasses.replace(drafter, trained=True)
   dtype = compute_dtype(params)
