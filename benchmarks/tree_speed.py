@@ -104,8 +104,12 @@ def main(argv):
   plain_ref = {}
   for temp in [float(t) for t in TEMPS.value]:
     sampler = make_sampler(temp)
-    table, _ = calibrate(target, draft, sampler, cal, branching)
-    methods = methods_for(draft, table)
+    if draft.drafter.supports(full_tree(branching)):
+      table, _ = calibrate(target, draft, sampler, cal, branching)
+      methods = methods_for(draft, table)
+    else:  # a chain-only drafter (early exit, n-grams): its chains against plain decoding
+      table = None
+      methods = [(f"chain γ={g}", TreeTopology.chain(int(g))) for g in GAMMAS.value]
     decs = {name: SpeculativeDecoder(target.cfg, draft.drafter, tree=tree, sampler=sampler,
                                      eos_ids=()) for name, tree in methods}
     plain = lambda p, s: specjax.generate(target.params, target.cfg, [p], NEW.value, sampler,
@@ -136,10 +140,11 @@ def main(argv):
       print(f"T={temp:g} round {r + 1}/{REPEATS.value} done "
             f"({time.perf_counter() - start:.0f} s)", flush=True)
     best_chain = max((toks[n] / calls[n] for n, t in methods if t.is_chain), default=np.nan)
-    lines += [f"## T = {temp:g}", "",
-              "Calibrated acceptance P(rank r accepted | parent accepted), rows = depth 1…:", "",
-              "```", np.array2string(table, precision=3, suppress_small=True), "```", "",
-              "| method | N | D | tokens / call | × best chain | model tokens / call | "
+    lines += [f"## T = {temp:g}", ""]
+    if table is not None:
+      lines += ["Calibrated acceptance P(rank r accepted | parent accepted), rows = depth 1…:",
+                "", "```", np.array2string(table, precision=3, suppress_small=True), "```", ""]
+    lines += ["| method | N | D | tokens / call | × best chain | model tokens / call | "
               "speedup vs plain (median [min, max]) |" + (" = plain greedy |" if temp == 0 else ""),
               "|---|---|---|---|---|---|---|" + ("---|" if temp == 0 else "")]
     plain_s = secs["plain"]
@@ -147,7 +152,7 @@ def main(argv):
       tpc = toks[name] / calls[name]
       ratios = plain_s / secs[name]
       model = (f"{expected_tokens_per_step(tree, table):.2f}"
-               if isinstance(tree, TreeTopology) else "–")
+               if isinstance(tree, TreeTopology) and table is not None else "–")
       row = (f"| {name} | {tree.num_nodes} | {tree.max_depth} | {tpc:.2f} | "
              f"{tpc / best_chain:.2f} | {model} | "
              f"{np.median(ratios):.2f} [{ratios.min():.2f}, {ratios.max():.2f}] |")

@@ -62,7 +62,9 @@ flags.DEFINE_integer("self_instruct_per_topic", 0, "Chat prompts per topic writt
                      "itself (T=0.7, top-p 0.9) before generation; 0 = none.", lower_bound=0)
 
 # train
-flags.DEFINE_enum("loss", "fkl", ["fkl", "rkl", "tv"], "Distillation divergence (DistillSpec).")
+flags.DEFINE_enum("loss", "fkl", ["fkl", "rkl", "tv", "top1"], "Distillation divergence "
+                  "(DistillSpec), or top1: cross-entropy to the target's argmax (hard labels; "
+                  "what greedy acceptance rewards).")
 flags.DEFINE_integer("steps", 600, "Optimizer steps.")
 flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
 flags.DEFINE_integer("seq_len", 288, "Prompt + response tokens per sequence.")

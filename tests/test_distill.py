@@ -26,10 +26,12 @@ def _np_divergence(kind, p, q):
     return np.sum(np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0), -1)
   if kind == "rkl":
     return np.sum(np.where(q > 0, q * (np.log(q) - np.log(p)), 0.0), -1)
+  if kind == "top1":
+    return -np.log(np.take_along_axis(q, np.argmax(p, -1)[..., None], -1)[..., 0])
   return 0.5 * np.sum(np.abs(p - q), -1)
 
 
-@pytest.mark.parametrize("kind", losses.LOSSES)
+@pytest.mark.parametrize("kind", losses.DIVERGENCES)
 def test_divergence_matches_numpy_and_is_zero_iff_equal(kind):
   rng = np.random.default_rng(0)
   p = rng.dirichlet(np.ones(7), size=5)
@@ -51,6 +53,22 @@ def test_divergence_handles_zero_probabilities(kind):
     np.testing.assert_allclose(got, _np_divergence(kind, p, q), rtol=1e-6)
   grad = jax.grad(lambda lq: losses.divergence("fkl", jnp.log(p), lq))(jnp.log(q))
   assert np.all(np.isfinite(grad))
+
+
+def test_top1_loss_is_the_cross_entropy_to_the_targets_argmax():
+  """'top1' matches numpy, is minimal (0) only when q puts all its mass on argmax p, and a
+  coarsened target whose top token is outside the draft's vocabulary scores the best kept
+  outcome, finitely."""
+  rng = np.random.default_rng(0)
+  p, q = rng.dirichlet(np.ones(7), size=5), rng.dirichlet(np.ones(7), size=5)
+  got = np.asarray(losses.divergence("top1", jnp.log(p), jnp.log(q)))
+  np.testing.assert_allclose(got, _np_divergence("top1", p, q), rtol=1e-5)
+  assert np.all(np.asarray(losses.divergence("top1", jnp.log(p), jnp.log(p))) > 0)
+  one_hot = np.log(np.eye(7)[np.argmax(p, -1)] * (1 - 1e-9) + 1e-10)
+  assert np.all(np.asarray(losses.divergence("top1", jnp.log(p), one_hot)) < 1e-6)
+  pc, qc = losses.coarsen(np.array([[0, 2]]), jnp.log(np.array([[0.6, 0.3]])),
+                          np.array([[False, True]]), jnp.log(np.array([[0.2, 0.3, 0.5]])))
+  np.testing.assert_allclose(losses.divergence("top1", pc, qc), -np.log(0.5), rtol=1e-5)
 
 
 def test_coarsen_with_all_tokens_kept_is_the_dense_divergence():

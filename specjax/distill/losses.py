@@ -13,7 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LOSSES = ("fkl", "rkl", "tv")
+DIVERGENCES = ("fkl", "rkl", "tv")
+LOSSES = DIVERGENCES + ("top1",)
 _LOG_FLOOR = -69.0  # log(1e-30)
 
 
@@ -29,7 +30,12 @@ def divergence(kind: str, p_logp: jax.Array, q_logp: jax.Array) -> jax.Array:
 
   Args:
     kind: 'fkl' = KL(p || q) (mass-covering), 'rkl' = KL(q || p) (mode-seeking),
-      'tv' = ½ Σ |p - q| (the quantity 1 - β that speculative decoding loses).
+      'tv' = ½ Σ |p - q| (the quantity 1 - β that speculative decoding loses), or
+      'top1' = −log q(argmax p): hard-label distillation, the cross-entropy to the
+      target's most probable outcome (Medusa-1's and LayerSkip's loss with the target's
+      own argmax as the label). 'top1' is not a divergence (it is > 0 when p = q) but
+      rewards exactly what greedy acceptance checks, and unlike a divergence between
+      coarsened top-1 distributions it makes the draft rank that token first.
     p_logp, q_logp: [..., V] log-probabilities (-inf for impossible outcomes).
   """
   if kind == "fkl":
@@ -38,6 +44,9 @@ def divergence(kind: str, p_logp: jax.Array, q_logp: jax.Array) -> jax.Array:
     return _xlogy_diff(q_logp, p_logp)
   if kind == "tv":
     return 0.5 * jnp.sum(jnp.abs(jnp.exp(p_logp) - jnp.exp(q_logp)), axis=-1)
+  if kind == "top1":
+    top = jnp.argmax(p_logp, axis=-1)[..., None]
+    return -jnp.take_along_axis(q_logp, top, axis=-1)[..., 0]
   raise ValueError(f"unknown distillation loss {kind!r}; choose one of {LOSSES}")
 
 
