@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.distill.train import device_batch, step_weight
 from specjax.drafters.eagle import target_head
 from specjax.drafters.residual_head import head_logits
 from specjax.model import Params
@@ -114,8 +115,7 @@ def _rank_hits(params, objective: HeadObjective, vocab_map, frozen, batch, ranks
   logp = logp if logp.ndim == 4 else logp[None]  # [K, B, R, Vd]
   top = vocab_map[jax.lax.top_k(logp, ranks)[1]]  # [K, B, R, ranks] target ids
   hits = (top == batch["topk_ids"][None, :, :, :1]).astype(jnp.float32)
-  w = jnp.stack([batch["weight"] * (batch["pred_pos"] >= objective.min_position(k))
-                 for k in range(logp.shape[0])])  # [K, B, R]
+  w = jnp.stack([step_weight(objective, batch, k) for k in range(logp.shape[0])])  # [K, B, R]
   return jnp.einsum("kbrn,kbr->kn", hits, w), jnp.sum(w, axis=(1, 2))
 
 
@@ -140,7 +140,6 @@ def head_accuracy(params: Params, objective: HeadObjective, vocab_map, frozen: d
   Returns:
     ([K, ranks] accuracy per head and rank, [K] positions scored per head).
   """
-  from specjax.distill.train import device_batch
   recs = [r for r in records if r.get("mode", "greedy") == "greedy"] or list(records)
   hits, n = 0.0, 0.0
   vm = jnp.asarray(vocab_map, jnp.int32)
