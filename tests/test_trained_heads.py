@@ -13,14 +13,13 @@ import pytest
 
 from specjax import drafts
 from specjax.distill import features, heads, train, vocab
-from specjax.drafters.eagle import target_head
 from specjax.drafters import early_exit_drafter, trained_exit_drafter
 from specjax.drafters.medusa import MedusaDrafter, init_medusa_weights, medusa_drafter
-from specjax.drafters.residual_head import zero_blocks
+from specjax.drafters.residual_head import target_head, zero_blocks
 from specjax.generate import generate
 from specjax.kv_cache import init_cache
 from specjax.loaders import CheckpointError
-from specjax.model import forward, rms_norm
+from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.testing import new_compiles_across_batches, tiny_model

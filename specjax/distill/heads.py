@@ -43,8 +43,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.distill.train import device_batch, step_weight
-from specjax.drafters.eagle import target_head
-from specjax.drafters.residual_head import head_logits
+from specjax.drafters.residual_head import head_logits, target_head
 from specjax.model import Params
 
 @dataclasses.dataclass(frozen=True)

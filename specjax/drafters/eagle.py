@@ -55,6 +55,7 @@ from specjax import validation
 from specjax.config import ModelConfig
 from specjax.drafters.eagle_arch import SPECJAX, EagleArch
 from specjax.drafters.reduced_vocab import lift_logits
+from specjax.drafters.residual_head import target_head
 from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, over_chunks
 from specjax.kernels.accumulate import einsum_f32
@@ -422,13 +423,6 @@ def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params
     vm = jnp.asarray(vocab_map, jnp.int32)
     dp["head"], dp["vocab_map"] = head[vm], vm
   return dp
-
-
-def target_head(target_cfg: ModelConfig, target_params: Params) -> jax.Array:
-  """The target's LM head as [V, D] rows (its embedding when tied; unpacked)."""
-  if target_cfg.tie_embeddings:
-    return target_params["embed"]
-  return jnp.transpose(unpacked(target_params["lm_head"]))
 
 
 def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Params,

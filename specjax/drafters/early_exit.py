@@ -30,9 +30,8 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.drafters.eagle import target_head
 from specjax.drafters.reduced_vocab import lift_logits
-from specjax.drafters.residual_head import head_logits
+from specjax.drafters.residual_head import head_logits, target_head
 from specjax.generate import last_tokens
 from specjax.model import Params, compute_dtype, forward
 from specjax.sampling import Sampler

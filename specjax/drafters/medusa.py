@@ -53,8 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.drafters.eagle import target_head
-from specjax.drafters.residual_head import head_logits, zero_blocks
+from specjax.drafters.residual_head import head_logits, target_head, zero_blocks
 from specjax.model import Params, compute_dtype
 from specjax.sampling import Sampler
 from specjax.speculative.drafter import Drafter

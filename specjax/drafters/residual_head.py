@@ -12,8 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.config import ModelConfig
 from specjax.kernels.accumulate import einsum_f32
-from specjax.model import rms_norm
+from specjax.kernels.packed import unpacked
+from specjax.model import Params, rms_norm
 
 
 def residual_blocks(y: jax.Array, res_w: jax.Array, res_b: jax.Array) -> jax.Array:
@@ -40,3 +42,10 @@ def head_logits(dp, features: jax.Array, norm_eps: float) -> jax.Array:
   y = residual_blocks(rms_norm(features, dp["final_norm"], norm_eps), dp["res_w"], dp["res_b"])
   spec = "...kd,vd->...kv" if dp["head"].ndim == 2 else "...kd,kvd->...kv"
   return einsum_f32(spec, y, dp["head"])
+
+
+def target_head(target_cfg: ModelConfig, target_params: Params) -> jax.Array:
+  """The target's LM head as [V, D] rows (its embedding when tied; unpacked)."""
+  if target_cfg.tie_embeddings:
+    return target_params["embed"]
+  return jnp.transpose(unpacked(target_params["lm_head"]))

@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.drafters.eagle import EagleDrafter, pack_eagle_params, target_head
+from specjax.drafters.eagle import EagleDrafter, pack_eagle_params
+from specjax.drafters.residual_head import target_head
 from specjax.drafters import eagle_arch
 from specjax.kernels.packed import policy_of
 from specjax.loaders.hf import CheckpointError, read_config_json
