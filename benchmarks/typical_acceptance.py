@@ -21,6 +21,7 @@ the same prompts and tree (the drafter's own), so the speed bought is beside the
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -56,10 +57,17 @@ def first_token_tv(p0: np.ndarray, num_accepted: np.ndarray, first: np.ndarray,
   return np.where(num_accepted >= 1, accepted, truncated)
 
 
+@functools.lru_cache(maxsize=8)
+def _steps(dec: SpeculativeDecoder):
+  """``dec``'s step phases, jitted once per decoder (not once per prompt)."""
+  return jax.jit(dec.propose), jax.jit(dec.verify), jax.jit(dec.accept), jax.jit(dec.finish)
+
+
 def measure(dec: SpeculativeDecoder, target, draft, prompt, seed: int) -> tuple[list, int, int]:
-  """(per-step TVs, tokens, target calls) of one prompt decoded by ``dec``, step by step."""
-  propose, verify, accept, finish = (jax.jit(dec.propose), jax.jit(dec.verify),
-                                     jax.jit(dec.accept), jax.jit(dec.finish))
+  """(per-step TVs, tokens, target calls) of one prompt decoded by ``dec``, step by step.
+  ``finish`` draws the acceptance again with the same key, so it commits exactly the
+  outcome whose TV was recorded."""
+  propose, verify, accept, finish = _steps(dec)
   rule = dec.verification
   state, _ = dec.prepare(target.params, draft.params, [prompt], NEW.value, seed=seed)
   start = int(state.seq_lens[0])

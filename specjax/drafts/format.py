@@ -298,13 +298,13 @@ def save_medusa(path: str, target_cfg: ModelConfig, weights: Params,
   """Writes a Medusa heads directory. ``head_accuracy`` ([K, R], the measured a_k^(r)) is
   recorded so the loaded drafter's default tree is built from it
   (``drafters.medusa.medusa_tree``)."""
+  from specjax.drafters.medusa import MedusaDrafter
+
   extra = {}
-  if head_accuracy is not None:
-    acc = np.asarray(head_accuracy, np.float64)
-    k = np.shape(weights["res_w"])[0]
-    if acc.ndim != 2 or acc.shape[0] != k:
-      raise ValueError(f"head_accuracy must be [{k} heads, ranks], got {acc.shape}")
-    extra["head_accuracy"] = [[round(float(a), 6) for a in row] for row in acc]
+  if head_accuracy is not None:  # checked by the drafter that will read it
+    k, l = np.shape(weights["res_w"])[:2]
+    acc = MedusaDrafter(target_cfg, k, l, accuracy=head_accuracy).accuracy
+    extra["head_accuracy"] = [[round(a, 6) for a in row] for row in acc]
   _save_heads(path, MEDUSA_FORMAT, target_cfg, weights, vocab_map, tokenizer_sha256, info, dtype,
               **extra)
 
