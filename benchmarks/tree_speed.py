@@ -100,7 +100,7 @@ def main(argv):
            f"{len(cal)} training-side prompts with full tree {branching}.", "",
            "Command: `python -m benchmarks.tree_speed " + " ".join(
                f"--{f.name}={','.join(f.value) if isinstance(f.value, list) else f.value}"
-               for f in (PROMPTS, CAL_PROMPTS, NEW, TEMPS, BUDGETS, GAMMAS, REPEATS)) + "`", ""]
+               for f in (DRAFT, PROMPTS, CAL_PROMPTS, NEW, TEMPS, BUDGETS, GAMMAS, REPEATS, OUT)) + "`", ""]
   plain_ref = {}
   for temp in [float(t) for t in TEMPS.value]:
     sampler = make_sampler(temp)
