@@ -4,12 +4,15 @@ Parameters are a plain pytree (dicts and a list of per-layer dicts), so they
 can carry shardings. Q/K/V and gate/up projections are stored fused, which
 turns seven skinny matmuls per layer into four.
 
-Params layout (D model width, N/K query/kv heads, H head dim, F ffn width):
+Params layout (D model width, N/K query/kv heads, G = N/K, H head dim, F ffn width):
   embed       [V, D]
-  layers[l]   attn_norm [D], wqkv [D, (N+2K)H], bqkv [(N+2K)H] (Qwen2 only),
+  layers[l]   attn_norm [D], wqkv [D, K(G+2)H], bqkv [K(G+2)H] (Qwen2 only),
               wo [NH, D], mlp_norm [D], w_gate_up [D, 2F], w_down [F, D]
   final_norm  [D]
   lm_head     [D, V] (absent when embeddings are tied)
+
+The fused columns are grouped per kv head (q heads, key, value) and per feature
+(gate, up), so they split cleanly for tensor parallelism (``param_layout``).
 
 A layer without ``attn_norm`` attends over its input un-normalised (the first
 layer of a published EAGLE-1 drafter; a target always has it,
@@ -97,24 +100,25 @@ def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
   # slots that starts at ``start`` (W = T except while drafting a tree).
   write_start = start + (mask.shape[-1] - x.shape[1])
   b, t, _ = x.shape
-  n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  n, kh, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
   y = rms_norm(x, p["attn_norm"], cfg.norm_eps) if "attn_norm" in p else x
   if attn_prefix is not None:  # [B, T, P] read by the attention beside y, not by the residual
     y = jnp.concatenate([attn_prefix, y], axis=-1)
   qkv = dense(y, p["wqkv"])
   if "bqkv" in p:
     qkv = qkv + p["bqkv"]
-  q, k, v = jnp.split(qkv, [n * h, (n + kh) * h], axis=-1)
-  q = apply_rope(q.reshape(b, t, n, h), positions, inv_freq)
-  k = apply_rope(k.reshape(b, t, kh, h), positions, inv_freq)
-  v = v.reshape(b, t, kh, h)
+  qkv = qkv.reshape(b, t, kh, (g + 2) * h)  # per kv head: G queries, key, value
+  q = apply_rope(qkv[..., :g * h].reshape(b, t, n, h), positions, inv_freq)
+  k = apply_rope(qkv[..., g * h:(g + 1) * h], positions, inv_freq)
+  v = qkv[..., (g + 1) * h:]
   k_cache = kvc.write_layer(k_cache, k, write_start)
   v_cache = kvc.write_layer(v_cache, v, write_start)
   attn = attn_lib.attention(q, k_cache, v_cache, start, mask,
                             impl=attention_impl).reshape(b, t, n * h)
   x = x + dense(attn, p["wo"])
   y = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  gate, up = jnp.split(dense(y, p["w_gate_up"]), 2, axis=-1)
+  gate_up = dense(y, p["w_gate_up"]).reshape(b, t, -1, 2)  # per feature: gate, up
+  gate, up = gate_up[..., 0], gate_up[..., 1]
   x = x + dense(jax.nn.silu(gate) * up, p["w_down"])
   return x, k_cache, v_cache
 
@@ -238,7 +242,8 @@ def target_features(out: ForwardOutput, layers: tuple[int, ...] = ()) -> jax.Arr
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
-  """Random parameters (tests, toy models, drafts trained from scratch)."""
+  """Random parameters (tests, toy models, drafts trained from scratch), in the fused
+  layout of ``param_layout`` (the order of random columns is immaterial)."""
   n, kh, h, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim, cfg.ffn_dim
   keys = iter(jax.random.split(key, 6 * cfg.num_layers + 2))
   normal = lambda shape: (scale * jax.random.normal(next(keys), shape)).astype(dtype)

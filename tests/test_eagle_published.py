@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 from specjax import drafts
 from specjax.drafters import EagleArch, eagle_arch
 from specjax.drafters.eagle import EagleDrafter, eagle_config, eagle_drafter, random_eagle_weights
+from specjax.param_layout import split_gate_up, split_qkv
 from specjax.drafts import eagle_published
 from specjax.generate import generate
 from specjax.loaders import CheckpointError, save_hf
@@ -172,10 +173,10 @@ def target_hidden_states(cfg, params, tokens):
   x = p["embed"][np.asarray(tokens)]
   states = [x]
   for lp in p["layers"]:
-    q, kk, v = np.split(lp["wqkv"], [n * h, (n + k) * h], axis=1)
+    q, kk, v = split_qkv(lp["wqkv"], n, k, h)
     x = x + _attention(_rms(x, lp["attn_norm"], cfg.norm_eps), q.T, kk.T, v.T, lp["wo"].T, n, k,
                        cfg.rope_theta)
-    gate, up = np.split(lp["w_gate_up"], 2, axis=1)
+    gate, up = split_gate_up(lp["w_gate_up"])
     x = x + _mlp(_rms(x, lp["mlp_norm"], cfg.norm_eps), gate.T, up.T, lp["w_down"].T)
     states.append(x)
   return states[:-1] + [_rms(x, p["final_norm"], cfg.norm_eps)], x
@@ -306,7 +307,7 @@ def test_every_proposal_across_real_steps_equals_the_reference(published, target
   kind, c, t, drafter, dp, _ = published[name]
   cfg, params = target
   sampler = Sampling(1.0)
-  policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.3))
+  policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.5))
   run = SpeculativeDecoder(cfg, drafter, policy=policy, sampler=sampler, eos_ids=())
   propose = jax.jit(SpeculativeDecoder(cfg, drafter, gamma=2, sampler=sampler,
                                        eos_ids=()).propose)

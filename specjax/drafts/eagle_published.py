@@ -61,6 +61,7 @@ from specjax.drafters import eagle_arch
 from specjax.kernels.packed import policy_of
 from specjax.loaders.hf import CheckpointError, read_config_json
 from specjax.model import Params, compute_dtype
+from specjax.param_layout import fuse_gate_up, fuse_qkv
 from specjax.validation import all_finite
 
 EAGLE1, EAGLE3 = "EAGLE-1/2", "EAGLE-3"  # the two published kinds
@@ -343,14 +344,15 @@ def load_published_eagle(path: str, target_cfg: ModelConfig, target_params: Para
 
   def layer(pre: str, attn_norm: Optional[str]) -> Params:
     t = lambda name: jnp.transpose(w(f"{pre}.{name}.weight"))  # [out, in] -> [in, out]
-    p = {"wqkv": jnp.concatenate([t(f"self_attn.{x}_proj") for x in "qkv"], axis=1),
+    p = {"wqkv": fuse_qkv(*[t(f"self_attn.{x}_proj") for x in "qkv"], cfg.num_kv_heads),
          "wo": t("self_attn.o_proj"), "mlp_norm": w(f"{pre}.post_attention_layernorm.weight"),
-         "w_gate_up": jnp.concatenate([t("mlp.gate_proj"), t("mlp.up_proj")], axis=1),
+         "w_gate_up": fuse_gate_up(t("mlp.gate_proj"), t("mlp.up_proj")),
          "w_down": t("mlp.down_proj")}
     if attn_norm is not None:
       p["attn_norm"] = w(attn_norm)
     if f"{pre}.self_attn.q_proj.bias" in ckpt.meta:
-      p["bqkv"] = jnp.concatenate([w(f"{pre}.self_attn.{x}_proj.bias") for x in "qkv"])
+      p["bqkv"] = fuse_qkv(*[w(f"{pre}.self_attn.{x}_proj.bias") for x in "qkv"],
+                           cfg.num_kv_heads)
     return p
 
   embed = (w("embed_tokens.weight") if "embed_tokens.weight" in ckpt.meta

@@ -11,10 +11,12 @@ reduced vocabulary (``specjax.drafters.reduced_vocab`` has the convention).
                 tensors: HF names of a whole Llama model, optionally
                 ``input_map`` [V] (int16 when Vd < 32768).
   EAGLE draft   draft.json: ``target_config``, ``num_layers``, optionally
-                ``feature_layers`` (EAGLE-3 fusion), ``info``; tensors: only
-                the trained weights (``drafters.eagle.TRAINED_KEYS``, layers
-                as ``layers.{i}.{key}``): embedding, final norm and head
-                rows are the target's, taken at load time.
+                ``feature_layers`` (EAGLE-3 fusion), ``param_layout``, ``info``;
+                tensors: only the trained weights (``drafters.eagle.TRAINED_KEYS``,
+                layers as ``layers.{i}.{key}``, fused projections in the order
+                ``param_layout`` names; absent: the older q|k|v, gate|up
+                concatenation, reordered on load): embedding, final norm and
+                head rows are the target's, taken at load time.
   Medusa heads  draft.json: ``target_config``, ``num_heads``, ``num_layers``,
                 optionally ``head_accuracy`` ([K][R], the measured a_k^(r) the
                 default tree is built from), ``info``; tensors: ``res_w``,
@@ -44,6 +46,7 @@ from specjax.drafters.eagle import FUSION_KEYS, TRAINED_KEYS
 from specjax.loaders.hf import (CheckpointError, config_from_hf_dict, config_to_hf_dict,
                                 read_json_object)
 from specjax.loaders.hf_layout import params_from_hf, params_to_hf
+from specjax import param_layout
 from specjax.model import Params
 from specjax.validation import all_finite
 
@@ -194,7 +197,7 @@ def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
     tensors["vocab_map"] = np.asarray(vocab_map, np.int32)
   meta = dict(format=EAGLE_FORMAT, target_config=config_to_hf_dict(target_cfg),
               num_layers=len(weights["layers"]), target_vocab_size=target_cfg.vocab_size,
-              tokenizer_sha256=tokenizer_sha256, info=info or {})
+              tokenizer_sha256=tokenizer_sha256, param_layout=param_layout.LAYOUT, info=info or {})
   if feature_layers:
     meta["feature_layers"] = [int(l) for l in feature_layers]
   _write_draft_dir(path, tensors, meta)
@@ -216,9 +219,16 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
   t = _read_weights(path, "EAGLE")
   weights_file = os.path.join(path, "weights.safetensors")
   f32 = lambda name: jnp.asarray(t[name], jnp.float32)
+  layout = meta.get("param_layout")
+  if layout not in (None, param_layout.LAYOUT):
+    raise CheckpointError(f"EAGLE draft {path!r} stores its projections in layout {layout!r}; "
+                          f"this version reads {param_layout.LAYOUT!r} (or none: the older order)")
   try:
     layers = [{k: f32(f"layers.{i}.{k}") for k in _LAYER_KEYS if f"layers.{i}.{k}" in t}
               for i in range(meta["num_layers"])]
+    if layout is None:  # written before param_layout: q|k|v and gate|up concatenated
+      layers = [param_layout.from_concatenated(l, target_cfg.num_heads, target_cfg.num_kv_heads,
+                                               target_cfg.head_dim) for l in layers]
     fused = bool(meta.get("feature_layers"))
     weights = dict({k: f32(k) for k in TRAINED_KEYS
                     if k != "layers" and (fused or k not in FUSION_KEYS)}, layers=layers)

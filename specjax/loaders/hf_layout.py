@@ -15,6 +15,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.kernels.packed import unpack_params
 from specjax.model import Params
+from specjax.param_layout import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from specjax.validation import CheckpointError, all_finite, float_dtype
 
 # Tensors a checkpoint may hold that specjax recomputes from the config.
@@ -90,19 +91,20 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray],
   cast = lambda a: jnp.asarray(a, dtype)
   layers = []
   for i in range(cfg.num_layers):
-    qkv = np.concatenate([linear(_ATTN.format(i, f"{x}_proj.weight")) for x in "qkv"], axis=1)
+    qkv = fuse_qkv(*[linear(_ATTN.format(i, f"{x}_proj.weight")) for x in "qkv"],
+                   cfg.num_kv_heads)
     layer = {
         "attn_norm": cast(fetch(f"model.layers.{i}.input_layernorm.weight")),
         "wqkv": cast(qkv),
         "wo": cast(linear(_ATTN.format(i, "o_proj.weight"))),
         "mlp_norm": cast(fetch(f"model.layers.{i}.post_attention_layernorm.weight")),
-        "w_gate_up": cast(np.concatenate([linear(_MLP.format(i, "gate_proj.weight")),
-                                          linear(_MLP.format(i, "up_proj.weight"))], axis=1)),
+        "w_gate_up": cast(fuse_gate_up(linear(_MLP.format(i, "gate_proj.weight")),
+                                       linear(_MLP.format(i, "up_proj.weight")))),
         "w_down": cast(linear(_MLP.format(i, "down_proj.weight"))),
     }
     if cfg.qkv_bias:
-      layer["bqkv"] = cast(np.concatenate(
-          [fetch(_ATTN.format(i, f"{x}_proj.bias")) for x in "qkv"]))
+      layer["bqkv"] = cast(fuse_qkv(*[fetch(_ATTN.format(i, f"{x}_proj.bias")) for x in "qkv"],
+                                    cfg.num_kv_heads))
     layers.append(layer)
   params = {"embed": cast(fetch("model.embed_tokens.weight")), "layers": layers,
             "final_norm": cast(fetch("model.norm.weight"))}
@@ -127,15 +129,15 @@ def _check_unused(cfg: ModelConfig, get, extra: set[str], source: str) -> None:
 
 def params_to_hf(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
   """Inverse of ``params_from_hf``: HF-named float32 numpy tensors."""
-  n, kh, h, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+  n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   params = unpack_params(params, cfg.tie_embeddings)
   out = {"model.embed_tokens.weight": np.asarray(params["embed"], np.float32),
          "model.norm.weight": np.asarray(params["final_norm"], np.float32)}
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = np.asarray(params["lm_head"], np.float32).T
   for i, p in enumerate(params["layers"]):
-    q, k, v = np.split(np.asarray(p["wqkv"], np.float32), [n * h, (n + kh) * h], axis=1)
-    gate, up = np.split(np.asarray(p["w_gate_up"], np.float32), [f], axis=1)
+    q, k, v = split_qkv(np.asarray(p["wqkv"], np.float32), n, kh, h)
+    gate, up = split_gate_up(np.asarray(p["w_gate_up"], np.float32))
     out.update({
         f"model.layers.{i}.input_layernorm.weight": np.asarray(p["attn_norm"], np.float32),
         f"model.layers.{i}.post_attention_layernorm.weight": np.asarray(p["mlp_norm"], np.float32),
@@ -146,7 +148,7 @@ def params_to_hf(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         _MLP.format(i, "down_proj.weight"): np.asarray(p["w_down"], np.float32).T,
     })
     if "bqkv" in p:
-      bq, bk, bv = np.split(np.asarray(p["bqkv"], np.float32), [n * h, (n + kh) * h])
+      bq, bk, bv = split_qkv(np.asarray(p["bqkv"], np.float32), n, kh, h)
       out.update({_ATTN.format(i, "q_proj.bias"): bq, _ATTN.format(i, "k_proj.bias"): bk,
                   _ATTN.format(i, "v_proj.bias"): bv})
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
