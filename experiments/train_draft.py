@@ -110,6 +110,26 @@ flags.DEFINE_integer("teacher_topk", 64, "Online teacher: target top-k kept per 
 flags.DEFINE_integer("eval_records", 0, "Held-out records scored by the α evaluations during "
                      "training (an even spread; 0 = all).", lower_bound=0)
 flags.DEFINE_integer("feature_batch", 8, "Sequences per forward when caching EAGLE features.")
+flags.DEFINE_string("mesh", "", "Train on a DATAxMODEL device mesh (e.g. 2x4; docs/sharding.md): "
+                    "batch rows over data, the target and the draft's heads over model. Empty: "
+                    "one device.")
+
+
+def training_mesh():
+  """The --mesh flag as a mesh (None: one device), refused before anything loads."""
+  if not FLAGS.mesh:
+    return None
+  data, sep, model = FLAGS.mesh.partition("x")
+  if not (sep and data.isdigit() and model.isdigit()):
+    raise app.UsageError(f"--mesh={FLAGS.mesh!r}: expected DATAxMODEL, e.g. 2x4")
+  if FLAGS.batch_size % int(data):
+    raise app.UsageError(f"--batch_size={FLAGS.batch_size} is not divisible by the mesh's "
+                         f"data axis ({data})")
+  from specjax import sharding
+  try:
+    return sharding.make_mesh(int(data), int(model))
+  except ValueError as e:
+    raise app.UsageError(f"--mesh: {e}") from None
 
 
 def corpus_dir() -> str:
@@ -337,7 +357,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
                            target=(cfg, params) if tc.on_policy_every else None,
                            deadline=start + 60 * FLAGS.max_minutes,
                            log=lambda m: logging.info("metrics %s", json.dumps(m)),
-                           objective=objective, frozen=frozen, teacher=online_teacher)
+                           objective=objective, frozen=frozen, teacher=online_teacher,
+                           mesh=training_mesh())
   metrics = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   last = metrics[-1]
   info = dict(setup, train_config=dataclasses.asdict(tc), final=last, topk=k,
@@ -374,6 +395,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
 
 def main(argv):
   del argv
+  training_mesh()  # a bad --mesh fails before the corpus is built
   directory = run_data_stage() if FLAGS.stage in ("data", "all") else corpus_dir()
   if FLAGS.stage in ("train", "all"):
     run_train_stage(directory, FLAGS.workdir)

@@ -27,6 +27,8 @@ Implementations, chosen by the static ``impl`` name:
                           inside the kernel's wrapper), "pallas" on TPU and
                           GPU (the reference there too for window masks and
                           for more new tokens than the kernels' tree budget).
+                          Under a mesh of more than one device (``sharding``)
+                          always the reference, which GSPMD partitions.
 
 ``SPECJAX_ATTENTION=<name>`` in the environment replaces "auto" everywhere (e.g.
 "reference", XLA's attention, as the measured alternative to the Pallas kernels
@@ -44,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.tree_attention.reference import batched_mask, check_inputs
+from specjax import sharding
 from specjax.kernels import cpu_attention
 from specjax.kernels.accumulate import einsum_f32
 
@@ -212,6 +215,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
   """
   t = q.shape[1]
   resolved = resolve_impl(impl)
+  if impl == "auto" and sharding.multi_device():
+    resolved = "reference"  # GSPMD partitions XLA's attention; custom calls it would gather
   if impl == "auto":
     takes = (_cpu_kernel_takes(q, k, v, mask) if resolved == "cpu"
              else _kernels_take(mask, t, block_sizes))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache as kvc
-from specjax import validation
+from specjax import sharding, validation
 from specjax.config import ModelConfig
 from specjax.model import Params, compute_dtype, forward, target_features
 from specjax.prompts import pack_prompts
@@ -136,7 +136,8 @@ def decode_step(params: Params, cfg: ModelConfig, sampler: Sampler, eos_ids: tup
   rng, key = jax.random.split(state.rng)
   nxt, _ = sampler.sample(key, out.logits[:, 0])
   state, _ = append(state, nxt[:, None], jnp.ones_like(state.seq_lens), eos_ids)
-  return state.replace(cache=out.cache, rng=rng, steps=state.steps + 1)
+  return sharding.constrain(state.replace(cache=out.cache, rng=rng, steps=state.steps + 1),
+                            state.seq_lens.shape[0])
 
 
 def init_decode_state(params: Params, cfg: ModelConfig, tokens: jax.Array,
@@ -146,9 +147,9 @@ def init_decode_state(params: Params, cfg: ModelConfig, tokens: jax.Array,
   cache = prefill(params, cfg, tokens, prompt_lens - 1,
                   kvc.init_cache(cfg, b, s, compute_dtype(params)))
   max_lens = prompt_lens + max_new_tokens
-  return DecodeState(tokens=tokens, seq_lens=prompt_lens, max_lens=max_lens,
-                     done=prompt_lens >= max_lens, cache=cache, rng=rng,
-                     steps=jnp.zeros((), jnp.int32))
+  return sharding.constrain(DecodeState(tokens=tokens, seq_lens=prompt_lens, max_lens=max_lens,
+                                       done=prompt_lens >= max_lens, cache=cache, rng=rng,
+                                       steps=jnp.zeros((), jnp.int32)), b)
 
 
 # ``generate`` runs two programs, so a call's time splits into prefill and decode loop.
@@ -222,13 +223,15 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                                  max_positions=cfg.max_position_embeddings,
                                  cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
   eos = validation.token_ids(cfg.eos_token_ids if eos_ids is None else eos_ids, "eos_ids")
+  sharding.check_batch(len(lens))
   state = jax.block_until_ready(_prefill(
       params, cfg, jnp.asarray(tokens), jnp.asarray(lens),
       jnp.full(lens.shape, max_new_tokens, jnp.int32), jax.random.PRNGKey(seed)))
   prefilled = time.perf_counter()
   state = _decode(params, cfg, state, sampler, eos)
-  out_tokens = np.asarray(state.tokens)
+  out_tokens = sharding.to_host(state.tokens)
   end = time.perf_counter()
-  return GenerateOutput(tokens=out_tokens, prompt_lens=lens, seq_lens=np.asarray(state.seq_lens),
+  return GenerateOutput(tokens=out_tokens, prompt_lens=lens,
+                        seq_lens=sharding.to_host(state.seq_lens),
                         steps=int(state.steps), seconds=end - start,
                         prefill_seconds=prefilled - start)

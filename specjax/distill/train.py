@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from specjax import kv_cache as kvc
+from specjax import sharding
 from specjax.config import ModelConfig
 from specjax.distill import checkpoint as ckpt
 from specjax.distill import losses
@@ -318,9 +319,12 @@ def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len
 
 
 def device_batch(records, seq_len: int, k: int,
-                 teacher: Optional[tuple[Teacher, Params]]) -> dict:
-  """``make_batch`` as device arrays, filled in by ``teacher`` (when given) for id-only records."""
-  batch = {key: jnp.asarray(v) for key, v in make_batch(records, seq_len, k).items()}
+                 teacher: Optional[tuple[Teacher, Params]],
+                 place: Optional[Callable[[dict], dict]] = None) -> dict:
+  """``make_batch`` as device arrays (laid out by ``place``, e.g. rows over a mesh's data
+  axis), filled in by ``teacher`` (when given) for id-only records."""
+  batch = make_batch(records, seq_len, k)
+  batch = place(batch) if place else {key: jnp.asarray(v) for key, v in batch.items()}
   return batch if teacher is None else teacher[0].fill(teacher[1], batch)
 
 
@@ -408,8 +412,15 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
           stop_after: Optional[int] = None, deadline: Optional[float] = None,
           log: Callable[[dict], None] = print, progress: bool = True,
           objective=None, frozen: Optional[Params] = None,
-          teacher: Optional[tuple[Teacher, Params]] = None) -> tuple[Params, list[dict]]:
+          teacher: Optional[tuple[Teacher, Params]] = None,
+          mesh=None, rules: Optional[sharding.ShardingRules] = None
+          ) -> tuple[Params, list[dict]]:
   """Runs (or resumes) training; checkpoints to ``workdir/checkpoints``.
+
+  With ``mesh`` (``sharding.make_mesh``) the same steps run on it under ``rules`` (default
+  ``ShardingRules(indivisible="replicate")``: a small draft's heads may not split): batch
+  rows over "data"; the trained and frozen parameters, the teacher and the target by the
+  rules' parameter axes ("model"). The result is the single-device one up to rounding.
 
   Args:
     draft, params: the draft to train and its initial parameters.
@@ -431,6 +442,24 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
   Returns:
     (final params, metric history of this invocation).
   """
+  if mesh is None:
+    return _train(draft, params, train_records, heldout_records, tc, workdir, k, target,
+                  stop_after, deadline, log, progress, objective, frozen, teacher, None)
+  rules = rules or sharding.ShardingRules(indivisible="replicate")
+  # A batch the data axis does not divide is refused here, before anything compiles.
+  sharding.spec_for((tc.batch_size,), ("batch",), dict(mesh.shape), rules,
+                    what="the training batch")
+  on = lambda p, cfg: sharding.shard_params(p, cfg, mesh, rules)
+  with sharding.use_mesh(mesh, rules):
+    return _train(draft, on(params, draft.cfg), train_records, heldout_records, tc, workdir, k,
+                  target and (target[0], on(target[1], target[0])), stop_after, deadline, log,
+                  progress, objective, frozen and on(frozen, None),
+                  teacher and (teacher[0], on(teacher[1], teacher[0].cfg)),
+                  lambda batch: sharding.shard_batch(batch, mesh, rules))
+
+
+def _train(draft, params, train_records, heldout_records, tc, workdir, k, target, stop_after,
+           deadline, log, progress, objective, frozen, teacher, place):
   import tqdm
 
   if tc.on_policy_every and target is None:
@@ -482,7 +511,7 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
       idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed)
       recs = [train_records[i] for i in idx]
     state, loss = train_step(state, objective, tc, vm, im, frozen,
-                             device_batch(recs, tc.seq_len, k, teacher))
+                             device_batch(recs, tc.seq_len, k, teacher, place))
     losses_acc.append(float(loss))
     bar.set_postfix(loss=f"{losses_acc[-1]:.4f}")
     s = step + 1

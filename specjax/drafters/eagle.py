@@ -119,6 +119,9 @@ class EagleDrafter(Drafter):
   def target_feature_layers(self) -> tuple[int, ...]:
     return self.feature_layers
 
+  def plain_params(self, draft_params):
+    return unpack_eagle_params(draft_params)  # the packed head is [D, Vd], the plain [Vd, D]
+
   def check_params(self, draft_params) -> None:
     k = len(self.feature_layers)
     required, optional = self.arch.param_keys(fused=bool(k))

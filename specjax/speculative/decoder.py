@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache as kvc
-from specjax import validation
+from specjax import sharding, validation
 from specjax.attention import resolve_impl
 from specjax.config import ModelConfig
 from specjax.generate import check_sampler, last_tokens, prefill
@@ -300,11 +300,12 @@ class SpeculativeDecoder:
   def step(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
     """One full speculative step (pure); with a policy, of the draft length it chooses."""
     if self.policy is None:
-      return self.fixed_step(target_params, draft_params, state)
+      return sharding.constrain(self.fixed_step(target_params, draft_params, state),
+                                state.seq_lens.shape[0])
     index = self.choice(state)
     new = jax.lax.switch(index, [functools.partial(f, target_params, draft_params)
                                  for f in self.branch_steps()], state)
-    return self.observed(state, new, index)
+    return sharding.constrain(self.observed(state, new, index), state.seq_lens.shape[0])
 
   def choice(self, state: SpecState) -> jax.Array:
     """The policy's choice for the next step: an index into its gammas (int32 scalar)."""
@@ -380,13 +381,13 @@ class SpeculativeDecoder:
     b = tokens.shape[0]
     max_lens = prompt_lens + max_new_tokens
     # Copies: ``run`` donates the state, which must not take the caller's arrays with it.
-    return SpecState(tokens=jnp.array(tokens), seq_lens=jnp.array(prompt_lens),
+    return sharding.constrain(SpecState(tokens=jnp.array(tokens), seq_lens=jnp.array(prompt_lens),
                      max_lens=max_lens, done=prompt_lens >= max_lens,
                      target_cache=target_cache, draft_state=draft_state, rng=jnp.array(rng),
                      steps=jnp.zeros((), jnp.int32),
                      counters=SpecCounters.zeros(b, self.tree.max_depth,
                                                  self.tree.max_children),
-                     policy=() if self.policy is None else self.policy.init(b))
+                     policy=() if self.policy is None else self.policy.init(b)), b)
 
   @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
   def run(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
@@ -429,6 +430,7 @@ class SpeculativeDecoder:
                                    vocab_size=cfg.vocab_size, max_cache_size=cfg.max_cache_size,
                                    max_positions=cfg.max_position_embeddings,
                                    cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
+    sharding.check_batch(len(lens))
     return tokens, lens
 
   def prepare(self, target_params: Params, draft_params: Any,

@@ -72,6 +72,7 @@ from typing import Any, Optional
 
 import jax
 
+from specjax.kernels.packed import PackedWeight, unpacked
 from specjax.sampling import Sampler
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree_acceptance import AcceptedPath
@@ -118,6 +119,13 @@ class Drafter:
 
   def check_params(self, draft_params: Any) -> None:
     """Raises ValueError for draft params this drafter cannot use (default: accepts any)."""
+
+  def plain_params(self, draft_params: Any) -> Any:
+    """``draft_params`` with the CPU streaming kernel's packed weights as plain arrays
+    (for sharding, ``sharding.shard_params(..., drafter=)``; default: every packed leaf
+    unpacked in place; drafters that pack a weight transposed override it)."""
+    return jax.tree.map(lambda w: unpacked(w) if isinstance(w, PackedWeight) else w,
+                        draft_params, is_leaf=lambda w: isinstance(w, PackedWeight))
 
   # --- the step ----------------------------------------------------------------
 

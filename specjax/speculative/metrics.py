@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from specjax.sharding import to_host
+
 
 @dataclasses.dataclass
 class SpecResult:
@@ -88,8 +90,8 @@ def _rates(c: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def summarize(state, prompt_lens: np.ndarray, gamma: int, seconds: float) -> SpecResult:
-  counters = {f.name: np.asarray(getattr(state.counters, f.name))
+  counters = {f.name: to_host(getattr(state.counters, f.name))
               for f in dataclasses.fields(state.counters)}
-  return SpecResult(tokens=np.asarray(state.tokens), prompt_lens=np.asarray(prompt_lens),
-                    seq_lens=np.asarray(state.seq_lens), steps=int(state.steps), seconds=seconds,
+  return SpecResult(tokens=to_host(state.tokens), prompt_lens=np.asarray(prompt_lens),
+                    seq_lens=to_host(state.seq_lens), steps=int(state.steps), seconds=seconds,
                     gamma=gamma, per_row=counters)

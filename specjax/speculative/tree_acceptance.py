@@ -45,6 +45,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax import sharding
 from specjax.sampling import sample_from
 from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import finite_probs
@@ -122,8 +123,9 @@ def resolve_greedy_impl(impl: str, backend: str | None = None) -> str:
   "reference" is the jnp rule of ``accept_greedy``; "pallas_tpu" and "pallas_gpu" are
   the kernels of ``pallas_kernels.tree_verify`` (``*_interpret``: the same kernels in
   Pallas interpret mode, on CPU: tests, debugging); "pallas" is whichever matches the
-  backend; "auto" is "pallas" on TPU and GPU and the reference elsewhere (as
-  ``specjax.attention.resolve_impl``). The choice is logged once per (name, backend).
+  backend; "auto" is "pallas" on TPU and GPU and the reference elsewhere and under a
+  multi-device mesh (as ``specjax.attention.resolve_impl``). The choice is logged once per
+  (name, backend).
 
   Raises:
     ValueError: unknown name, or "pallas" on a backend without a kernel.
@@ -134,7 +136,9 @@ def resolve_greedy_impl(impl: str, backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
   resolved = impl
   if impl == "auto":
-    resolved = "pallas" if backend in ("tpu", "gpu", "cuda", "rocm") else "reference"
+    on_accelerator = backend in ("tpu", "gpu", "cuda", "rocm")
+    # Under a multi-device mesh, XLA's reference, which GSPMD partitions (sharding.py).
+    resolved = "pallas" if on_accelerator and not sharding.multi_device() else "reference"
   if resolved == "pallas":
     if backend == "tpu":
       resolved = "pallas_tpu"

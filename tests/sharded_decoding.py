@@ -1,0 +1,177 @@
+"""Decoding on simulated CPU meshes against one device, run in its own process.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharded_decoding.py \
+      [--model=tiny|smollm2] [--meshes=1x8,2x4,4x2,8x1] [--check=decode|train] [--out=FILE.json]
+
+(tests/test_sharding.py starts it with those flags; it is not collected by pytest.) For
+each mesh: plain greedy decoding, a greedy chain (EAGLE drafter), a greedy tree (Medusa
+heads' own tree) and sampled plain and chain decoding with a fixed seed, each compared
+token for token with the same call on one device; and the shapes of every all-gather in
+the compiled plain and chain decode loops, to show no whole weight matrix is gathered.
+``--check=train``: a few distillation steps on each mesh against one device.
+Prints (and writes) one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from specjax import sharding, testing  # noqa: E402
+from specjax.generate import _decode, _prefill, generate  # noqa: E402
+from specjax.sampling import Greedy, Sampling  # noqa: E402
+from specjax.speculative import SpeculativeDecoder  # noqa: E402
+
+BATCH = 8
+NEW_TOKENS = 12
+_GATHER = re.compile(r"= (.*?) all-gather(?:-start)?\(")  # the result's shape(s)
+_SHAPE = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def _model(name: str):
+  if name == "tiny":  # every mesh axis up to 8 divides its kv heads, ffn and vocabulary
+    return testing.tiny_model(dim=64, num_heads=16, num_kv_heads=8, ffn_dim=64, vocab_size=64,
+                              scale=0.5), sharding.ShardingRules()
+  from specjax.loaders import load_model
+  cfg, params = load_model(name)
+  # SmolLM2-135M has 3 kv heads: on model axes of 2, 4, 8 its attention stays whole.
+  return (cfg, params), sharding.ShardingRules(indivisible="replicate")
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+  rng = np.random.default_rng(0)
+  return [list(rng.integers(1, vocab, size=3 + i % 4)) for i in range(BATCH)]
+
+
+def _gathered_shapes(text: str) -> list[tuple[int, ...]]:
+  """Every result shape of every all-gather in an HLO text (tuple results included)."""
+  return [tuple(int(d) for d in s.group(1).split(",") if d)
+          for m in _GATHER.finditer(text) for s in _SHAPE.finditer(m.group(1))]
+
+
+def _weight_shapes(params) -> set[tuple[int, ...]]:
+  return {tuple(x.shape) for x in jax.tree.leaves(params) if np.ndim(x) == 2}
+
+
+def run(model: str, meshes: list[tuple[int, int]]) -> dict:
+  (cfg, params), rules = _model(model)
+  prompts = _prompts(min(cfg.vocab_size, 2000))
+  eagle, eagle_params = testing.make_drafter("eagle", cfg, params, [])
+  medusa, medusa_params = testing.make_drafter("medusa", cfg, params, [])
+  cases = {
+      "plain_greedy": lambda t, d: generate(t, cfg, prompts, NEW_TOKENS, eos_ids=()).tokens,
+      "plain_sampled": lambda t, d: generate(t, cfg, prompts, NEW_TOKENS, Sampling(1.0),
+                                             seed=3, eos_ids=()).tokens,
+      "chain_greedy": lambda t, d: SpeculativeDecoder(cfg, eagle, gamma=3, eos_ids=()).generate(
+          t, d["eagle"], prompts, NEW_TOKENS).tokens,
+      "chain_sampled": lambda t, d: SpeculativeDecoder(
+          cfg, eagle, gamma=3, sampler=Sampling(1.0), eos_ids=()).generate(
+              t, d["eagle"], prompts, NEW_TOKENS, seed=3).tokens,
+      "tree_greedy": lambda t, d: SpeculativeDecoder(cfg, medusa, eos_ids=()).generate(
+          t, d["medusa"], prompts, NEW_TOKENS).tokens,
+  }
+  drafts = {"eagle": eagle_params, "medusa": medusa_params}
+  drafters = {"eagle": eagle, "medusa": medusa}
+  single = {name: np.asarray(f(params, drafts)) for name, f in cases.items()}
+  weights = _weight_shapes(sharding.shard_params(params, cfg, sharding.make_mesh(1, 1))) | (
+      _weight_shapes(eagle.plain_params(eagle_params)))
+  report = {"model": model, "devices": len(jax.devices()), "meshes": {}}
+  for data, model_axis in meshes:
+    mesh = sharding.make_mesh(data, model_axis)
+    with sharding.use_mesh(mesh, rules):
+      t = sharding.shard_params(params, cfg, mesh, rules)
+      d = {k: sharding.shard_params(v, cfg, mesh, rules, drafter=drafters[k])
+           for k, v in drafts.items()}
+      result = {name: bool(np.array_equal(np.asarray(f(t, d)), single[name]))
+                for name, f in cases.items()}
+      # What the compiled loops gather: the plain decode loop and the chain's.
+      toks = np.zeros((BATCH, 32), np.int32)
+      lens = np.full((BATCH,), 4, np.int32)
+      toks[:, :4] = 1
+      state = _prefill(t, cfg, toks, lens, np.full((BATCH,), 8, np.int32), jax.random.PRNGKey(0))
+      plain_hlo = _decode.lower(t, cfg, state, Greedy(), ()).compile().as_text()
+      dec = SpeculativeDecoder(cfg, eagle, gamma=3, eos_ids=())
+      spec_state, _ = dec.prepare(t, d["eagle"], [[1, 2, 3, 4]] * BATCH, 8, cache_size=32)
+      chain_hlo = SpeculativeDecoder.run.lower(dec, t, d["eagle"], spec_state).compile().as_text()
+      gathered = sorted(set(_gathered_shapes(plain_hlo)) | set(_gathered_shapes(chain_hlo)))
+      result["all_gather_shapes"] = [list(s) for s in gathered]
+      result["whole_weights_gathered"] = [list(s) for s in gathered if s in weights]
+      result["params_sharded"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(t)})
+    report["meshes"][f"{data}x{model_axis}"] = result
+  report["detector_control"] = _control(cfg, params, rules)
+  return report
+
+
+def _control(cfg, params, rules) -> bool:
+  """Whether the all-gather check sees a whole weight matrix when one IS gathered (a product
+  with ``w_gate_up`` forced replicated): the check above can fail."""
+  from jax.sharding import PartitionSpec as P
+  mesh = sharding.make_mesh(1, len(jax.devices()))
+  with sharding.use_mesh(mesh, rules):
+    w = sharding.shard_params(params, cfg, mesh, rules)["layers"][0]["w_gate_up"]
+    gather = jax.jit(lambda w, x: x @ jax.lax.with_sharding_constraint(w, P()))
+    text = gather.lower(w, np.ones((2, w.shape[0]), np.float32)).compile().as_text()
+  return tuple(w.shape) in _gathered_shapes(text)
+
+
+def train_check(meshes: list[tuple[int, int]]) -> dict:
+  """A few distillation steps of a one-layer draft with the target as teacher (sharded over
+  "model"), batch rows over "data": parameters and losses against one device."""
+  import dataclasses
+  import tempfile
+  from specjax.distill import train
+  from specjax.model import init_params
+
+  (cfg, params), _ = _model("tiny")
+  rng = np.random.default_rng(1)
+  recs = [dict(prompt=rng.integers(1, cfg.vocab_size, 5).astype(np.int32),
+               response=rng.integers(1, cfg.vocab_size, 11).astype(np.int32)) for _ in range(32)]
+  dcfg = dataclasses.replace(cfg, num_layers=1, name="draft")
+  draft = train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size)
+  dparams = init_params(dcfg, jax.random.PRNGKey(0), scale=0.1)
+  tc = train.TrainConfig(steps=4, batch_size=8, seq_len=16, lr=1e-2, warmup_steps=1,
+                         eval_every=2, checkpoint_every=4)
+  teacher = (train.Teacher(cfg, k=8), params)
+
+  def run_on(mesh):
+    with tempfile.TemporaryDirectory() as work:
+      out, hist = train.train(draft, dparams, recs, [], tc, work, k=8, teacher=teacher,
+                              log=lambda m: 0, progress=False, mesh=mesh)
+    return jax.tree.map(sharding.to_host, out), [h["loss"] for h in hist]
+
+  single, single_loss = run_on(None)
+  report = {"single_loss": single_loss}
+  for data, model_axis in meshes:
+    out, loss = run_on(sharding.make_mesh(data, model_axis))
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(out),
+                                                            jax.tree.leaves(single)))
+    report[f"{data}x{model_axis}"] = {"loss": loss, "max_param_diff": diff}
+  return report
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--model", default="tiny")
+  ap.add_argument("--meshes", default="1x8,2x4,4x2,8x1")
+  ap.add_argument("--check", default="decode", choices=("decode", "train"))
+  ap.add_argument("--out", default="")
+  a = ap.parse_args()
+  meshes = [tuple(int(x) for x in m.split("x")) for m in a.meshes.split(",")]
+  report = run(a.model, meshes) if a.check == "decode" else train_check(meshes)
+  text = json.dumps(report, indent=1)
+  if a.out:
+    with open(a.out, "w") as f:
+      f.write(text)
+  print(text)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,206 @@
+"""Sharding rules (in process, one device) and decoding on 8 simulated CPU devices (in a
+subprocess with --xla_force_host_platform_device_count=8, so every other test keeps one
+device): the same tokens as one device on meshes 1x8, 2x4, 4x2 and 8x1, and no whole weight
+matrix gathered by the compiled decode loops."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from specjax import kv_cache as kvc
+from specjax import sharding
+from specjax.generate import generate
+from specjax.kernels.packed import PackedWeight, pack_params
+from specjax.testing import tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mesh(data, model):
+  auto = (jax.sharding.AxisType.Auto,) * 2
+  return AbstractMesh((data, model), (sharding.DATA, sharding.MODEL), axis_types=auto)
+
+
+def test_param_specs_follow_the_rules():
+  cfg, params = tiny_model(dim=64, num_heads=8, num_kv_heads=4, ffn_dim=96, vocab_size=64)
+  specs = sharding.param_specs(params, cfg, _mesh(2, 4))
+  layer = specs["layers"][0]
+  assert layer["wqkv"] == P(None, "model") and layer["wo"] == P("model", None)
+  assert layer["w_gate_up"] == P(None, "model") and layer["w_down"] == P("model", None)
+  assert specs["embed"] == P("model", None) and layer["attn_norm"] == P()
+  assert specs["final_norm"] == P()
+  # Replicated rules, and a model axis of 1, shard nothing.
+  for s in jax.tree.leaves(sharding.param_specs(params, cfg, _mesh(2, 4), sharding.REPLICATED),
+                           is_leaf=lambda x: isinstance(x, P)):
+    assert all(a is None for a in s)
+  assert sharding.param_specs(params, cfg, _mesh(8, 1))["layers"][0]["wqkv"] == P(None, None)
+  # Overrides: the vocabulary whole, the rest as before.
+  kept = sharding.param_specs(params, cfg, _mesh(2, 4), sharding.ShardingRules().with_axes(
+      vocab=None))
+  assert kept["embed"] == P(None, None) and kept["layers"][0]["wqkv"] == P(None, "model")
+
+
+def test_divisibility_is_checked_in_units_before_compiling():
+  # 4 kv heads (wqkv has 4·(2+2)·8 = 128 columns, divisible by 8, but its 4 groups are not).
+  cfg, params = tiny_model(dim=64, num_heads=8, num_kv_heads=4, ffn_dim=96, vocab_size=64)
+  with pytest.raises(ValueError, match=r"'model' mesh axis \(8\) does not divide its 4 kv heads"):
+    sharding.param_specs(params, cfg, _mesh(1, 8))
+  relaxed = sharding.ShardingRules(indivisible="replicate")
+  specs = sharding.param_specs(params, cfg, _mesh(1, 8), relaxed)
+  assert specs["layers"][0]["wqkv"] == P(None, None)       # 4 groups: replicated
+  assert specs["layers"][0]["w_gate_up"] == P(None, "model")  # 96 features: split
+  with pytest.raises(ValueError, match="does not divide its 96 ffn features"):
+    sharding.param_specs(params, cfg, _mesh(1, 64), sharding.ShardingRules(
+        axes=(("ffn", "model"),)))
+  # The batch is never replicated silently.
+  cache = kvc.init_cache(cfg, 3, 8)
+  with pytest.raises(ValueError, match="does not divide its 3 rows"):
+    sharding.state_specs(cache, 3, {"data": 2, "model": 1}, relaxed)
+
+
+def test_bad_rules_and_meshes_are_refused():
+  with pytest.raises(ValueError, match="unknown or repeated logical axes"):
+    sharding.ShardingRules(axes=(("heads", "model"),))
+  with pytest.raises(ValueError, match="indivisible must be one of"):
+    sharding.ShardingRules(indivisible="pad")
+  cfg, params = tiny_model()
+  with pytest.raises(ValueError, match=r"mesh axes \['tensor'\], but the mesh has axes"):
+    sharding.param_specs(params, cfg, _mesh(1, 1), sharding.ShardingRules().with_axes(
+        ffn="tensor"))
+  with pytest.raises(ValueError, match="needs 16 devices, but only 1 are present"):
+    sharding.make_mesh(4, 4)
+  with pytest.raises(ValueError, match="must be >= 1"):
+    sharding.make_mesh(0, 1)
+
+
+def test_state_specs_cover_caches_and_batch_major_leaves():
+  cfg, _ = tiny_model(num_heads=4, num_kv_heads=2)
+  state = {"cache": kvc.init_cache(cfg, 4, 16), "tokens": np.zeros((4, 16), np.int32),
+           "steps": np.zeros((), np.int32), "key": np.zeros((2,), np.uint32)}
+  specs = sharding.state_specs(state, 4, {"data": 2, "model": 2}, sharding.ShardingRules())
+  assert specs["cache"].k[0] == P("data", "model", None, None)
+  assert specs["cache"].lengths == P("data")
+  assert specs["tokens"] == P("data") and specs["steps"] == P() and specs["key"] == P()
+
+
+def test_one_device_mesh_decodes_as_without_one():
+  """Inside use_mesh on one device nothing changes (the constraint is a no-op), and packed
+  CPU weights are unpacked by shard_params."""
+  cfg, params = tiny_model()
+  packed = pack_params(params, cfg.tie_embeddings)
+  assert any(isinstance(x, PackedWeight) for x in jax.tree.leaves(
+      packed, is_leaf=lambda x: isinstance(x, PackedWeight)))
+  want = generate(params, cfg, [[1, 2, 3], [4, 5]], 6).tokens
+  mesh = sharding.make_mesh(1, 1)
+  with sharding.use_mesh(mesh):
+    placed = sharding.shard_params(packed, cfg, mesh)
+    assert not any(isinstance(x, PackedWeight) for x in jax.tree.leaves(
+        placed, is_leaf=lambda x: isinstance(x, PackedWeight)))
+    np.testing.assert_array_equal(generate(placed, cfg, [[1, 2, 3], [4, 5]], 6).tokens, want)
+  assert sharding.active() is None
+
+
+def _run_simulated(model: str, meshes: str, timeout: int, check: str = "decode") -> dict:
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_decoding.py"),
+                         f"--model={model}", f"--meshes={meshes}", f"--check={check}"],
+                        env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def _check(report: dict, meshes: str, sampled: bool = True):
+  assert report["devices"] == 8
+  assert report["detector_control"]  # the all-gather check finds a gathered weight
+  assert sorted(report["meshes"]) == sorted(meshes.split(","))
+  cases = ("plain_greedy", "chain_greedy", "tree_greedy")
+  for name, r in report["meshes"].items():
+    for case in cases + (("plain_sampled", "chain_sampled") if sampled else ()):
+      assert r[case], f"{name}: {case} differs from one device"
+    assert not r["whole_weights_gathered"], (name, r["whole_weights_gathered"])
+
+
+def test_simulated_meshes_tiny_model():
+  report = _run_simulated("tiny", "1x8,2x4,4x2,8x1", timeout=900)
+  _check(report, "1x8,2x4,4x2,8x1")
+  # The model axis really splits the weights where it is > 1.
+  assert "P(None, 'model')" in report["meshes"]["1x8"]["params_sharded"]
+
+
+def test_training_on_simulated_meshes_matches_one_device():
+  """Distillation with the teacher target sharded over "model" and batch rows over "data"
+  gives one device's parameters and losses up to rounding."""
+  report = _run_simulated("tiny", "2x4,4x2", timeout=900, check="train")
+  for mesh in ("2x4", "4x2"):
+    assert report[mesh]["max_param_diff"] < 1e-4, report[mesh]
+    np.testing.assert_allclose(report[mesh]["loss"], report["single_loss"], rtol=1e-5)
+
+
+@pytest.mark.heavy
+def test_simulated_meshes_embedded_model():
+  """SmolLM2: greedy tokens equal one device's on every mesh. Sampled ones are not compared:
+  one device runs the CPU kernels, a mesh XLA's dot and attention with sharded partial sums,
+  and a draw near a CDF boundary may part (docs/sharding.md)."""
+  report = _run_simulated("smollm2", "1x8,2x4,4x2,8x1", timeout=3000)
+  _check(report, "1x8,2x4,4x2,8x1", sampled=False)
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_agree_with_one_device():
+  """jax.distributed on the loopback: two processes of 4 simulated devices each form one 2x4
+  mesh; both print the tokens of one device."""
+  sys.path.insert(0, os.path.join(ROOT, "tests"))
+  from multiprocess_decoding import decode
+  want = decode(lambda p, cfg: p)
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests",
+                                                          "multiprocess_decoding.py"),
+                             f"--process_id={i}", f"--port={port}"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      stdout, stderr = p.communicate(timeout=600)
+      assert p.returncode == 0, stderr[-4000:]
+      outs.append(json.loads(stdout.strip().splitlines()[-1]))
+  finally:
+    for p in procs:
+      p.kill()
+  assert [o["process"] for o in outs] == [0, 1]
+  for o in outs:
+    assert (o["processes"], o["global_devices"], o["local_devices"]) == (2, 8, 4)
+    assert o["plain"] == want["plain"] and o["chain"] == want["chain"]
+
+
+def test_packed_draft_weights_are_unpacked_by_their_drafter():
+  """EAGLE packs its head transposed ([D, Vd] panels): shard_params refuses to guess and
+  takes the drafter's own plain_params."""
+  from specjax.drafters.eagle import pack_eagle_params
+  from specjax.kernels.policy import KERNEL
+  from specjax.testing import make_drafter
+  cfg, params = tiny_model()
+  drafter, dp = make_drafter("eagle", cfg, params, [])
+  packed = pack_eagle_params(drafter.plain_params(dp), KERNEL)
+  assert isinstance(packed["head"], PackedWeight)
+  mesh = sharding.make_mesh(1, 1)
+  with pytest.raises(ValueError, match="drafter=drafter"):
+    sharding.shard_params(packed, cfg, mesh)
+  placed = sharding.shard_params(packed, cfg, mesh, drafter=drafter)
+  np.testing.assert_allclose(placed["head"], drafter.plain_params(dp)["head"])
