@@ -38,7 +38,7 @@ flags.DEFINE_string("prompts", None, 'JSONL file: one {"prompt": ..., "category"
                     "each question is measured on its first turn only) (default: built-in "
                     "held-out prompts over code, summarise, qa, math, chat).")
 flags.DEFINE_integer("num_prompts", DEFAULT.num_prompts, "Prompts taken from the built-in set "
-                     "(round-robin over the 5 categories; 10 = 2 per category).")
+                     "(round-robin over the 5 categories; 5 = one each, 10 = two each).")
 flags.DEFINE_string("gammas", _ints(DEFAULT.gammas), "Draft lengths of the γ sweep.")
 flags.DEFINE_string("temperatures", ",".join(f"{t:g}" for t in DEFAULT.temperatures),
                     "Temperatures of the sweep (finite, >= 0).")
