@@ -21,10 +21,15 @@ exceeds them), in one process:
 
 Results go to ``--out`` (markdown, with a figure beside it) and to a JSON file
 beside it that a rerun resumes from (delete it to start over).
+
+With ``--data_parallel=N`` every batch's rows are sharded over N devices (an N x 1 mesh,
+``specjax.sharding``; the batch sizes must be multiples of N) and tokens/s are also given
+per device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -35,6 +40,7 @@ import numpy as np
 from absl import app, flags
 
 import specjax
+from specjax import sharding
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
@@ -54,6 +60,10 @@ ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved timed rounds")
 PROMPTS = flags.DEFINE_integer("prompts", 8, "distinct held-out prompts (cycled to fill a batch)")
 DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_draft spec)")
 OUT = flags.DEFINE_string("out", "benchmarks/results/batch_sweep.md", "markdown output")
+DATA = flags.DEFINE_integer("data_parallel", 1, "rows sharded over this many devices (an N x 1 "
+                            "('data', 'model') mesh, docs/sharding.md; on CPU simulate devices "
+                            "with XLA_FLAGS=--xla_force_host_platform_device_count=N); the "
+                            "report then also gives tokens/s per device")
 
 CALIBRATION_TOKENS = 48
 
@@ -77,7 +87,21 @@ def _check_flags() -> tuple[list[int], list[float], list[int], list[DynamicTree]
     raise app.UsageError(f"gammas must be >= 1, got {gammas}")
   if NEW.value < 1 or ROUNDS.value < 1 or PROMPTS.value < 1:
     raise app.UsageError("new_tokens, rounds and prompts must be >= 1")
+  uneven = [b for b in batches if b % DATA.value]
+  if DATA.value < 1 or uneven:
+    raise app.UsageError(f"--data_parallel={DATA.value} must be >= 1 and divide every batch "
+                         f"size (not {uneven})")
   return batches, temps, gammas, trees
+
+
+def _mesh():
+  """The data-parallel mesh (None for one device), refused before any model loads."""
+  if DATA.value == 1:
+    return None
+  try:
+    return sharding.make_mesh(data=DATA.value)
+  except ValueError as e:
+    raise app.UsageError(f"--data_parallel: {e}") from None
 
 
 def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> dict:
@@ -132,7 +156,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> 
     _log(f"B={batch} T={temp:g} round {r + 1}: " + ", ".join(
         f"{k} {v[-1]:.2f}×" for k, v in speedups.items()))
   plain_tps = len(batches) * batch * new / float(np.median(plain_seconds))
-  return {"batch": batch, "temperature": temp, "batches": len(batches),
+  return {"batch": batch, "temperature": temp, "batches": len(batches), "devices": DATA.value,
           "gammas": [0, *gammas], "step_costs": list(costs),
           "plain_tokens_per_second": plain_tps,
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
@@ -152,14 +176,19 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "at that batch (what the adaptive policy is given). Adaptive = `AdaptiveGamma` over "
            f"γ ∈ {{0, {', '.join(map(str, gammas))}}} with those costs; its γ mix counts "
            "steps at each γ (0 = plain decoding).", ""]
+  if DATA.value > 1:
+    lines[5:5] = [f"Data parallel: every batch's rows sharded over {DATA.value} devices "
+                  "(`--data_parallel`, docs/sharding.md); tokens/s per device = tok/s / "
+                  f"{DATA.value}.", ""]
   for temp in sorted({c["temperature"] for c in cells}):
     rows = sorted((c for c in cells if c["temperature"] == temp), key=lambda c: c["batch"])
     fixed = [n for n in rows[0]["methods"] if n != "adaptive"]
     lines += [f"## T = {temp:g}", "",
               "| batch | plain tok/s | step cost " + " / ".join(f"γ={g}" for g in gammas)
               + " | " + " | ".join(fixed) + " | best fixed | **adaptive** | adaptive / best "
-              "| adaptive tok/s | adaptive γ mix (0…" + str(max(gammas)) + ") |",
-              "|---" * (8 + len(fixed)) + "|"]
+              "| adaptive tok/s | adaptive tok/s per device | adaptive γ mix (0…"
+              + str(max(gammas)) + ") |",
+              "|---" * (9 + len(fixed)) + "|"]
     for c in rows:
       m = c["methods"]
       best = max(fixed, key=lambda n: m[n]["speedup"])
@@ -172,6 +201,7 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
           + f" | {best} ({m[best]['speedup']:.2f}×) | **{a['speedup']:.2f}×** "
           f"({', '.join(f'{x:.2f}' for x in a['rounds'])}) | "
           f"{a['speedup'] / m[best]['speedup']:.0%} | {a['tokens_per_second']:.0f} | "
+          f"{a['tokens_per_second'] / c.get('devices', 1):.0f} | "
           f"{'/'.join(str(x) for x in a['depth_hist'])} |")
     lines.append("")
   return lines
@@ -201,12 +231,25 @@ def _figure(cells: list[dict], path: str) -> None:
 
 def main(_):
   batches, temps, gammas, trees = _check_flags()
+  mesh = _mesh()
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   store = os.path.splitext(OUT.value)[0] + ".json"
-  cells = json.load(open(store)) if os.path.exists(store) else []
+  cells = [c for c in (json.load(open(store)) if os.path.exists(store) else [])
+           if c.get("devices", 1) == DATA.value]  # a store of another mesh is not resumed
   done = {(c["batch"], c["temperature"]) for c in cells}
   target = load_target("smollm2")
   draft = load_draft(DRAFT.value, target, lambda: [])
+  with contextlib.ExitStack() as stack:
+    if mesh is not None:
+      stack.enter_context(sharding.use_mesh(mesh))
+      target = dataclasses.replace(target, params=sharding.shard_params(target.params,
+                                                                         target.cfg, mesh))
+      draft = dataclasses.replace(draft, params=sharding.shard_params(
+          draft.params, target.cfg, mesh, drafter=draft.drafter))
+    _sweep(cells, store, done, target, draft, batches, temps, gammas, trees)
+
+
+def _sweep(cells, store, done, target, draft, batches, temps, gammas, trees):
   prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
   start = time.perf_counter()
   for temp in temps:
