@@ -35,6 +35,7 @@ import numpy as np
 
 from specjax import attention as attn_lib
 from specjax import kv_cache as kvc
+from specjax import param_layout
 from specjax.config import ModelConfig
 from specjax.kernels.accumulate import einsum_f32
 from specjax.kernels.packed import PackedWeight, dense, uses_kernel
@@ -243,7 +244,7 @@ def target_features(out: ForwardOutput, layers: tuple[int, ...] = ()) -> jax.Arr
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
   """Random parameters (tests, toy models, drafts trained from scratch), in the fused
-  layout of ``param_layout`` (the order of random columns is immaterial)."""
+  layout of ``param_layout``."""
   n, kh, h, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim, cfg.ffn_dim
   keys = iter(jax.random.split(key, 6 * cfg.num_layers + 2))
   normal = lambda shape: (scale * jax.random.normal(next(keys), shape)).astype(dtype)
@@ -259,7 +260,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     }
     if cfg.qkv_bias:
       layer["bqkv"] = normal(((n + 2 * kh) * h,))
-    layers.append(layer)
+    # Drawn as q|k|v and gate|up blocks, then reordered: a seed gives the same model as
+    # before param_layout existed (tests and notebooks seed their toy models).
+    layers.append(param_layout.from_concatenated(layer, n, kh, h))
   params = {"embed": normal((cfg.vocab_size, d)), "layers": layers,
             "final_norm": jnp.ones((d,), dtype)}
   if not cfg.tie_embeddings:

@@ -63,7 +63,9 @@ def chi_square_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
   """Chi-square p-value of ``counts`` against the law ``exact`` (same shape).
 
   Fails if a cell of probability zero was drawn; cells expected fewer than 5
-  times are pooled so the chi-square approximation holds.
+  times are pooled so the chi-square approximation holds. Refuses a law that is one
+  cell after pooling: it has no degree of freedom, and a test against it has no power
+  (choose a model or prompt whose law is spread).
   """
   from scipy import stats
 
@@ -76,6 +78,8 @@ def chi_square_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
   exp = np.append(expected[keep & ~small], expected[small].sum())
   if exp[-1] == 0:
     obs, exp = obs[:-1], exp[:-1]
+  assert len(exp) >= 2, (f"degenerate law (largest cell {exact.max():.4f}): one cell after "
+                         "pooling, so the chi-square test has no power")
   exp = exp * obs.sum() / exp.sum()  # float round-off only
   return float(stats.chisquare(obs, exp).pvalue)
 

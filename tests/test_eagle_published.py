@@ -307,7 +307,7 @@ def test_every_proposal_across_real_steps_equals_the_reference(published, target
   kind, c, t, drafter, dp, _ = published[name]
   cfg, params = target
   sampler = Sampling(1.0)
-  policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.5))
+  policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.3))
   run = SpeculativeDecoder(cfg, drafter, policy=policy, sampler=sampler, eos_ids=())
   propose = jax.jit(SpeculativeDecoder(cfg, drafter, gamma=2, sampler=sampler,
                                        eos_ids=()).propose)

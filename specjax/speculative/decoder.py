@@ -381,13 +381,14 @@ class SpeculativeDecoder:
     b = tokens.shape[0]
     max_lens = prompt_lens + max_new_tokens
     # Copies: ``run`` donates the state, which must not take the caller's arrays with it.
-    return sharding.constrain(SpecState(tokens=jnp.array(tokens), seq_lens=jnp.array(prompt_lens),
-                     max_lens=max_lens, done=prompt_lens >= max_lens,
-                     target_cache=target_cache, draft_state=draft_state, rng=jnp.array(rng),
-                     steps=jnp.zeros((), jnp.int32),
-                     counters=SpecCounters.zeros(b, self.tree.max_depth,
-                                                 self.tree.max_children),
-                     policy=() if self.policy is None else self.policy.init(b)), b)
+    state = SpecState(tokens=jnp.array(tokens), seq_lens=jnp.array(prompt_lens),
+                      max_lens=max_lens, done=prompt_lens >= max_lens,
+                      target_cache=target_cache, draft_state=draft_state, rng=jnp.array(rng),
+                      steps=jnp.zeros((), jnp.int32),
+                      counters=SpecCounters.zeros(b, self.tree.max_depth,
+                                                  self.tree.max_children),
+                      policy=() if self.policy is None else self.policy.init(b))
+    return sharding.constrain(state, b)
 
   @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
   def run(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
