@@ -41,7 +41,7 @@ def _model(name: str):
     return testing.tiny_model(dim=64, num_heads=16, num_kv_heads=8, ffn_dim=64, vocab_size=64,
                               scale=0.5), sharding.ShardingRules()
   from specjax.loaders import load_model
-  cfg, params = load_model(name)
+  cfg, params = load_model(name)  # packed on CPU (SPECJAX_MATMUL=xla: plain, XLA's dot)
   # SmolLM2-135M has 3 kv heads: on model axes of 2, 4, 8 its attention stays whole.
   return (cfg, params), sharding.ShardingRules(indivisible="replicate")
 

@@ -106,10 +106,9 @@ def test_one_device_mesh_decodes_as_without_one():
   assert sharding.active() is None
 
 
-def _run_simulated(model: str, meshes: str, timeout: int, check: str = "decode",
-                   **env_vars: str) -> dict:
+def _run_simulated(model: str, meshes: str, timeout: int, check: str = "decode") -> dict:
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", **env_vars)
+             JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_decoding.py"),
                          f"--model={model}", f"--meshes={meshes}", f"--check={check}"],
                         env=env, cwd=ROOT,
@@ -147,21 +146,12 @@ def test_training_on_simulated_meshes_matches_one_device():
 
 @pytest.mark.heavy
 def test_simulated_meshes_embedded_model():
-  """SmolLM2 against one device on its default path (the CPU streaming matmul and attention
-  kernels): greedy tokens equal on every mesh. Sampled ones are not compared here: a mesh runs
-  XLA's dot and attention, whose last bits differ, and a draw near a CDF boundary may part."""
+  """SmolLM2 against one device: greedy tokens equal on every mesh. Sampled ones are not
+  compared: a mesh's logits differ from one device's in their last bits (XLA's dot and
+  attention instead of the CPU kernels, sharded partial sums), and a draw near a CDF boundary
+  may part (docs/sharding.md has what was measured)."""
   report = _run_simulated("smollm2", "1x8,2x4,4x2,8x1", timeout=3000)
   _check(report, "1x8,2x4,4x2,8x1", sampled=False)
-
-
-@pytest.mark.heavy
-def test_simulated_meshes_embedded_model_same_kernels():
-  """SmolLM2 against one device on the path a mesh takes (XLA's dot and attention): greedy
-  and sampled tokens (fixed seed) equal on every mesh."""
-  report = _run_simulated("smollm2", "1x8,2x4,4x2,8x1", timeout=3000,
-                          SPECJAX_MATMUL="xla", SPECJAX_ATTENTION="reference")
-  _check(report, "1x8,2x4,4x2,8x1", sampled=True)
-
 
 def _free_port() -> int:
   import socket
