@@ -87,21 +87,21 @@ def _check_flags() -> tuple[list[int], list[float], list[int], list[DynamicTree]
     raise app.UsageError(f"gammas must be >= 1, got {gammas}")
   if NEW.value < 1 or ROUNDS.value < 1 or PROMPTS.value < 1:
     raise app.UsageError("new_tokens, rounds and prompts must be >= 1")
-  uneven = [b for b in batches if b % DATA.value]
-  if DATA.value < 1 or uneven:
-    raise app.UsageError(f"--data_parallel={DATA.value} must be >= 1 and divide every batch "
-                         f"size (not {uneven})")
   return batches, temps, gammas, trees
 
 
-def _mesh():
-  """The data-parallel mesh (None for one device), refused before any model loads."""
+def _mesh(batches: list[int]):
+  """The data-parallel mesh (None for one device); a mesh too large for the devices, or a
+  batch size its data axis does not divide, is refused before any model loads."""
   if DATA.value == 1:
     return None
   try:
-    return sharding.make_mesh(data=DATA.value)
+    mesh = sharding.make_mesh(data=DATA.value)
+    for b in batches:
+      sharding.check_batch(b, mesh)
   except ValueError as e:
-    raise app.UsageError(f"--data_parallel: {e}") from None
+    raise app.UsageError(f"--data_parallel={DATA.value}: {e}") from None
+  return mesh
 
 
 def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> dict:
@@ -231,7 +231,7 @@ def _figure(cells: list[dict], path: str) -> None:
 
 def main(_):
   batches, temps, gammas, trees = _check_flags()
-  mesh = _mesh()
+  mesh = _mesh(batches)
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   store = os.path.splitext(OUT.value)[0] + ".json"
   cells = [c for c in (json.load(open(store)) if os.path.exists(store) else [])

@@ -122,14 +122,13 @@ def training_mesh():
   data, sep, model = FLAGS.mesh.partition("x")
   if not (sep and data.isdigit() and model.isdigit()):
     raise app.UsageError(f"--mesh={FLAGS.mesh!r}: expected DATAxMODEL, e.g. 2x4")
-  if FLAGS.batch_size % int(data):
-    raise app.UsageError(f"--batch_size={FLAGS.batch_size} is not divisible by the mesh's "
-                         f"data axis ({data})")
   from specjax import sharding
   try:
-    return sharding.make_mesh(int(data), int(model))
+    mesh = sharding.make_mesh(int(data), int(model))
+    sharding.check_batch(FLAGS.batch_size, mesh)
   except ValueError as e:
-    raise app.UsageError(f"--mesh: {e}") from None
+    raise app.UsageError(f"--mesh / --batch_size: {e}") from None
+  return mesh
 
 
 def corpus_dir() -> str:

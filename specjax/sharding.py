@@ -53,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.kernels.packed import PackedWeight, unpacked
+from specjax.kernels.packed import PackedWeight, unpack_params
 
 DATA, MODEL = "data", "model"
 LOGICAL_AXES = ("batch", "kv_heads", "ffn", "vocab", "embed")
@@ -198,25 +198,18 @@ def param_specs(params: Any, cfg: Optional[ModelConfig], mesh,
 
 
 def _unpack(params: Any, cfg: Optional[ModelConfig], drafter) -> Any:
+  """Plain arrays for packed CPU weights: a drafter's by its own ``plain_params``, a target's
+  by ``kernels.packed.unpack_params``; any packed leaf left is refused, not guessed."""
   if drafter is not None:
-    return drafter.plain_params(params)
-  if (cfg is not None and cfg.tie_embeddings and isinstance(params, dict)
-      and isinstance(params.get("lm_head"), PackedWeight)):
-    params = {k: v for k, v in params.items() if k != "lm_head"}  # the tied head is embed
-
-  def plain(path, w):
-    if not isinstance(w, PackedWeight):
-      return w
-    if _key_name(path) not in _TARGET_PACKED:
-      raise ValueError(f"{jax.tree_util.keystr(path)} is a packed CPU weight this module "
-                       "cannot unpack without its drafter: shard_params(..., drafter=drafter)")
-    return unpacked(w)
-
-  return jax.tree_util.tree_map_with_path(plain, params,
-                                          is_leaf=lambda w: isinstance(w, PackedWeight))
-
-
-_TARGET_PACKED = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")  # kernels.packed.pack_params
+    params = drafter.plain_params(params)
+  elif cfg is not None and isinstance(params, dict) and "layers" in params:
+    params = unpack_params(params, cfg.tie_embeddings)
+  packed = [jax.tree_util.keystr(p) for p, w in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda w: isinstance(w, PackedWeight))[0] if isinstance(w, PackedWeight)]
+  if packed:
+    raise ValueError(f"{packed[0]} is a packed CPU weight this module cannot unpack without "
+                     "its drafter: shard_params(..., drafter=drafter)")
+  return params
 
 
 def shard_params(params: Any, cfg: Optional[ModelConfig], mesh,
@@ -284,12 +277,16 @@ def multi_device() -> bool:
   return not mesh.empty and mesh.size > 1
 
 
-def check_batch(batch_size: int) -> None:
-  """Inside ``use_mesh``: refuses a batch the data axis does not divide (before compiling)."""
-  current = active()
-  if current is not None:
+def check_batch(batch_size: int, mesh=None, rules: Optional[ShardingRules] = None) -> None:
+  """Refuses (before compiling) a batch the data axis does not divide: on ``mesh`` under
+  ``rules`` when given, else inside ``use_mesh`` on the active mesh, else never."""
+  if mesh is None:
+    current = active()
+    if current is None:
+      return
     mesh, rules = current
-    spec_for((batch_size,), ("batch",), dict(mesh.shape), rules, what="the batch")
+  spec_for((batch_size,), ("batch",), dict(mesh.shape), rules or ShardingRules(),
+           what="the batch")
 
 
 def state_specs(tree: Any, batch_size: int, mesh_shape: dict, rules: ShardingRules,

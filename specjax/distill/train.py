@@ -446,9 +446,7 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     return _train(draft, params, train_records, heldout_records, tc, workdir, k, target,
                   stop_after, deadline, log, progress, objective, frozen, teacher, None)
   rules = rules or sharding.ShardingRules(indivisible="replicate")
-  # A batch the data axis does not divide is refused here, before anything compiles.
-  sharding.spec_for((tc.batch_size,), ("batch",), dict(mesh.shape), rules,
-                    what="the training batch")
+  sharding.check_batch(tc.batch_size, mesh, rules)  # before anything compiles
   on = lambda p, cfg: sharding.shard_params(p, cfg, mesh, rules)
   with sharding.use_mesh(mesh, rules):
     return _train(draft, on(params, draft.cfg), train_records, heldout_records, tc, workdir, k,

@@ -300,12 +300,11 @@ class SpeculativeDecoder:
   def step(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
     """One full speculative step (pure); with a policy, of the draft length it chooses."""
     if self.policy is None:
-      return sharding.constrain(self.fixed_step(target_params, draft_params, state),
-                                state.seq_lens.shape[0])
+      return self.fixed_step(target_params, draft_params, state)
     index = self.choice(state)
     new = jax.lax.switch(index, [functools.partial(f, target_params, draft_params)
                                  for f in self.branch_steps()], state)
-    return sharding.constrain(self.observed(state, new, index), state.seq_lens.shape[0])
+    return self.observed(state, new, index)
 
   def choice(self, state: SpecState) -> jax.Array:
     """The policy's choice for the next step: an index into its gammas (int32 scalar)."""
@@ -347,9 +346,9 @@ class SpeculativeDecoder:
     c = state.counters
     counters = c.replace(target_calls=c.target_calls + a, emitted=c.emitted + n_emit,
                          depth_hist=c.depth_hist.at[:, 0].add(a))
-    return new.replace(target_cache=out.cache.with_lengths(new.seq_lens - 1),
-                       draft_state=draft_state, rng=rng, steps=state.steps + 1,
-                       counters=counters)
+    return sharding.constrain(new.replace(target_cache=out.cache.with_lengths(new.seq_lens - 1),
+                                          draft_state=draft_state, rng=rng,
+                                          steps=state.steps + 1, counters=counters), b)
 
   def fixed_step(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
     """One speculative step of the decoder's own topology."""
@@ -364,7 +363,9 @@ class SpeculativeDecoder:
     acc = self.accept(key, proposal, scores)
     new, n_emit = self.commit(state, proposal, acc, scores, draft_state)
     counters = self.count(state.counters, ~state.done, proposal, acc, n_emit)
-    return new.replace(rng=rng, steps=state.steps + 1, counters=counters)
+    # Under a mesh (sharding.use_mesh) every step's state, whichever loop runs it, is pinned.
+    return sharding.constrain(new.replace(rng=rng, steps=state.steps + 1, counters=counters),
+                              state.seq_lens.shape[0])
 
   def init(self, target_params: Params, draft_params: Any, tokens: jax.Array,
            prompt_lens: jax.Array, max_new_tokens: jax.Array, rng: jax.Array) -> SpecState:
