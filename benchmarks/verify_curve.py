@@ -114,6 +114,7 @@ def main(_):
     curves[b] = (theory.VerifyCostCurve(times), c)
     lines.append(f"| {b} | {times[1] * 1e3:.2f} | " + " | ".join(
         f"{times[t] / times[1]:.2f}" for t in tokens) + f" | {c:.3f} |")
+    print(lines[-1], flush=True)  # a run cut short still leaves its rows in the log
   lines += ["", "## Predicted speedup (calibrated theory; a prediction, not a measurement)", "",
             f"α of the EAGLE drafter on SmolLM2-135M ({RESULTS.value}, γ-sweep mean): " +
             ", ".join(f"T={t:g}: {a:.3f}" for t, a in alphas.items()) + ". Speedup = "

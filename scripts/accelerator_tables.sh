@@ -20,7 +20,14 @@
 # The device tool runs at most ten minutes a command: give it one or two phases a
 # command (default and xla first). Target: <= 20 minutes on an H100 in all (issue #36;
 # not yet measured). Every results file carries the device in its header. Extra arguments after
-# the phases are not accepted; set SPECJAX_ACCEL_ARGS to pass flags to experiments.run.
+# the phases are not accepted; instead:
+#   SPECJAX_ACCEL_ARGS    flags for experiments.run (default, xla and trees phases)
+#   SPECJAX_VERIFY_ARGS   flags for benchmarks.verify_curve (e.g. --batch_sizes=1,8,32)
+#   SPECJAX_PHASE_SECONDS a wall-clock limit per phase: a phase that fails or runs out of
+#                         time is logged in OUT/phases.log and the next one starts (a
+#                         short lease keeps whatever the earlier phases wrote)
+# The verify phase reads α from OUT/default/results.json, or from the committed CPU run
+# (experiments/results/results.json) when the default phase has not written one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: accelerator_tables.sh OUT [device|default|xla|trees|batch|peer|verify ...]}
@@ -36,22 +43,32 @@ done
 mkdir -p "$out"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${SPECJAX_CACHE:-$HOME/.cache/specjax}/xla}
 read -r -a extra <<< "${SPECJAX_ACCEL_ARGS:-}"
-run() { echo "+ $*" >&2; "$@"; }
+read -r -a verify_extra <<< "${SPECJAX_VERIFY_ARGS:-}"
+limit=${SPECJAX_PHASE_SECONDS:-0}
+run() {
+  echo "+ $*" >&2
+  if [ "$limit" -gt 0 ]; then timeout --kill-after=10 "$limit" "$@"; else "$@"; fi
+}
 for p in "${phases[@]}"; do
   start=$(date +%s)
+  status=0
   case "$p" in
     device)
       { date -u; git rev-parse HEAD; nvidia-smi 2>&1 || echo "nvidia-smi: not available";
         python -c "import jax; print('jax', jax.__version__, jax.default_backend(), jax.devices())"
       } > "$out/device.txt"; cat "$out/device.txt" ;;
-    default) run python -m experiments.run --out="$out/default" "${extra[@]}" ;;
+    default) run python -m experiments.run --out="$out/default" "${extra[@]}" || status=$? ;;
     xla) SPECJAX_ATTENTION=reference run python -m experiments.run --experiment=gamma_sweep \
-           --out="$out/default_xla_attention" "${extra[@]}" ;;
-    trees) run python -m experiments.run --experiment=tree_sweep --out="$out/trees" "${extra[@]}" ;;
-    batch) run python -m benchmarks.batch_sweep --out="$out/batch_sweep.md" ;;
-    peer) run python -m benchmarks.peer --out="$out/peer.md" ;;
-    verify) run python -m benchmarks.verify_curve --out="$out/verify_curve.md" \
-              --results="$out/default/results.json" ;;
+           --out="$out/default_xla_attention" "${extra[@]}" || status=$? ;;
+    trees) run python -m experiments.run --experiment=tree_sweep --out="$out/trees" \
+             "${extra[@]}" || status=$? ;;
+    batch) run python -m benchmarks.batch_sweep --out="$out/batch_sweep.md" || status=$? ;;
+    peer) run python -m benchmarks.peer --out="$out/peer.md" || status=$? ;;
+    verify)
+      alpha="$out/default/results.json"
+      [ -f "$alpha" ] || alpha=experiments/results/results.json
+      run python -m benchmarks.verify_curve --out="$out/verify_curve.md" --results="$alpha" \
+        "${verify_extra[@]}" || status=$? ;;
   esac
-  echo "phase $p: $(( $(date +%s) - start )) s" | tee -a "$out/phases.log"
+  echo "phase $p: $(( $(date +%s) - start )) s, exit $status" | tee -a "$out/phases.log"
 done

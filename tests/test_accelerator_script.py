@@ -24,3 +24,15 @@ def test_the_device_phase_records_the_commit_and_devices(tmp_path):
   assert re.search(r"^[0-9a-f]{40}$", text, re.M), text  # the commit
   assert re.search(r"^jax \S+ cpu \[", text, re.M), text  # version, backend, devices
   assert "phase device" in (tmp_path / "phases.log").read_text()
+
+
+def test_a_phase_out_of_time_is_logged_and_the_next_one_runs(tmp_path):
+  env = dict(os.environ, SPECJAX_PHASE_SECONDS="1",
+             SPECJAX_ACCEL_ARGS="--target=tiny --draft=tiny --experiment=gamma_sweep")
+  out = subprocess.run([SCRIPT, str(tmp_path), "default", "device"], capture_output=True,
+                       text=True, env=env)
+  assert out.returncode == 0, out.stderr
+  log = (tmp_path / "phases.log").read_text().splitlines()
+  assert re.fullmatch(r"phase default: \d+ s, exit 124", log[0]), log  # timeout's status
+  assert re.fullmatch(r"phase device: \d+ s, exit 0", log[1]), log
+  assert (tmp_path / "device.txt").exists()

@@ -240,3 +240,20 @@ def test_unknown_model_source_and_tokenizer_path_are_checkpoint_errors(tmp_path)
     load_model(str(tmp_path / "model.bin"))
   with pytest.raises(CheckpointError, match="does not exist"):
     load_tokenizer(str(tmp_path / "tok.gguf"))
+
+
+def test_smollm2_gguf_env_override_is_checked(tmp_path, monkeypatch):
+  from specjax.loaders import embedded
+  monkeypatch.setenv(embedded.GGUF_ENV, str(tmp_path / "absent.gguf"))
+  with pytest.raises(CheckpointError, match="is not a file"):
+    embedded.smollm2_gguf_path()
+  short = tmp_path / "short.gguf"
+  short.write_bytes(b"GGUF" + bytes(100))
+  monkeypatch.setenv(embedded.GGUF_ENV, str(short))
+  with pytest.raises(CheckpointError, match="not the 98362432 of"):
+    embedded.smollm2_gguf_path()
+  right = tmp_path / "right.gguf"
+  with open(right, "wb") as f:
+    f.truncate(embedded.GGUF_BYTES)
+  monkeypatch.setenv(embedded.GGUF_ENV, str(right))
+  assert embedded.smollm2_gguf_path() == str(right)

