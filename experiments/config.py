@@ -63,7 +63,8 @@ class ExperimentConfig:
       experiment times those of them in DRAFT_FREE. A drafter with its own tree
       (lookahead, Medusa) is measured on that tree, not on a chain of alpha_gamma.
     cost_steps: speculative steps timed phase by phase (after one warm step)
-      to measure the draft cost ratio c and the verify cost.
+      for the bookkeeping phase and the per-call figures; c and the verify phase
+      are timed in a fused loop (``phase_timing``).
     repeats: interleaved timing rounds per setting; each round times plain then
       speculative decoding on every batch, and figures are medians over rounds.
     extra_rounds: up to this many rounds are added, one at a time, while some

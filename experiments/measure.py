@@ -25,10 +25,14 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
      divides a draft phase timed on the first batch by this t₁ of all batches:
      within 1% of the first batch's own t₁ in the committed run);
   4. draft cost (once per draft and temperature, right after the rounds of its
-     first group): ``SpeculativeDecoder.stream`` at γ = ``alpha_gamma`` on the
-     first batch times draft / verify / other phase by phase for ``cost_steps``
-     steps after a warm one (medians). c = draft seconds / (γ t₁), with the t₁ of
-     those rounds; the verify cost of every γ is then step/t₁ − γc;
+     first group): at γ = ``alpha_gamma`` on the first batch, the draft and verify
+     phases are timed each in a fused loop from the state after two steps
+     (``phase_timing``: what a phase costs inside the decode loop, without the
+     per-call dispatch that a GPU adds to separately synchronised calls), and
+     ``SpeculativeDecoder.stream`` times the rest (accept, commit, bookkeeping)
+     over ``cost_steps`` steps after a warm one (medians). c = draft seconds /
+     (γ t₁), with the t₁ of those rounds; the verify cost of every γ is then
+     step/t₁ − γc;
   5. the settings flagged by ``checks.setting_flags`` are measured once more,
      together (with a plain baseline of their own), and the second measurement
      is kept (with the flags that caused it).
@@ -62,6 +66,7 @@ from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
 from experiments import checks
 from experiments.config import ExperimentConfig
 from experiments.models import Draft, Target
+from experiments.phase_timing import fused_phase_seconds
 from experiments.progress import ProgressLog
 from experiments.prompts import ALL, Batch, batch_indices, categories, merge_batches
 
@@ -472,19 +477,28 @@ class Bench:
     return self._draft_costs[key]
 
   def _phase_costs(self, dec: SpeculativeDecoder, draft: Draft) -> dict[str, float]:
-    times = []
+    """Draft and verify seconds of one step, each timed in a fused loop from the state after
+    the first two steps (``phase_timing``: device time, which per-call timing overstates on
+    a GPU); "other" (accept, commit, bookkeeping) and the per-call figures (``stream_*``)
+    from ``stream``'s separately synchronised phases, first step dropped."""
+    times, warm = [], None
     stream = dec.stream(self.target.params, draft.params, self.batches[0].ids,
                         self.config.max_new_tokens, seed=self.config.seed,
                         cache_size=self.cache_size)
-    for i, (_, t) in enumerate(stream):
+    for i, (state, t) in enumerate(stream):
       if i > 0:
         times.append(t)
+      if i <= 1:
+        warm = state
       if len(times) >= self.config.cost_steps:
         break
     if not times:  # finished in one step: keep the compiling step rather than nothing
       times = [t]
-    out = {k: float(np.median([t[k] for t in times])) for k in ("draft", "verify", "other")}
-    return dict(out, draft_spread=checks.quartile_spread([t["draft"] for t in times]))
+    stream_costs = {k: float(np.median([t[k] for t in times])) for k in ("draft", "verify", "other")}
+    fused = fused_phase_seconds(dec, self.target.params, draft.params, warm)
+    return dict(draft=fused["draft"], verify=fused["verify"], other=stream_costs["other"],
+                stream_draft=stream_costs["draft"], stream_verify=stream_costs["verify"],
+                draft_spread=checks.quartile_spread(fused["draft_samples"]))
 
   def calibrate(self, draft: Draft, temperature: float,
                 prompts: Sequence[Sequence[int]]) -> dict[str, Any]:

@@ -212,7 +212,8 @@ def tables_markdown(results: dict) -> str:
       "the larger the prefill share. "
       "t₁ = one step of plain decoding (fused loop, prefill excluded, pooled over the round's "
       "batches); c = draft time per draft "
-      f"token / t₁ (phase timings of `stream` at γ = {cfg['alpha_gamma']}); verify T(γ+1)/T(1) = "
+      f"token / t₁ (the draft phase at γ = {cfg['alpha_gamma']} timed in a fused loop, "
+      "`experiments/phase_timing.py`); verify T(γ+1)/T(1) = "
       "measured speculative step / t₁ − γc (target forward over γ+1 tokens + acceptance and "
       "bookkeeping). Predicted (paper) = (1 − α^{γ+1}) / ((1 − α)(γc + 1)); calibrated "
       "replaces the 1 in the denominator with the measured verify cost.", ""]
@@ -374,8 +375,8 @@ def _draft_free_section(results: dict) -> list[str]:
            "n-gram and guess nodes verified in one forward). Chains: verify and calibrated as "
            "in the γ sweep (from α, c and the measured step). Lookahead's tree has no single "
            "α: its verify T(N+1)/T(1) is the target's forward over its block and calibrated = "
-           "tokens/call ÷ (verify + draft phase / t₁), both from the phase timings of "
-           "`stream`.", ""]
+           "tokens/call ÷ (verify + draft phase / t₁), both phases timed in a fused loop "
+           "(`experiments/phase_timing.py`).", ""]
   for t in sorted({r["temperature"] for r in rows}):
     lines += [f"### T = {t:g}", "",
               "| method | shape | tokens/call | verify T(N+1)/T(1) | measured speedup | spread | "

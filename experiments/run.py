@@ -57,7 +57,7 @@ flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in draft
 flags.DEFINE_string("alpha_drafts", ",".join(DEFAULT.alpha_drafts),
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
 flags.DEFINE_integer("cost_steps", DEFAULT.cost_steps,
-                     "Steps timed phase by phase for c and the verify cost.")
+                     "Steps timed phase by phase (bookkeeping; c is timed in a fused loop).")
 flags.DEFINE_integer("repeats", DEFAULT.repeats,
                      "Interleaved timing rounds per setting (plain then "
                      "speculative on every batch); the median round is reported with the "
