@@ -166,8 +166,8 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
            f"(impossible), when its speedup varies by more than {checks.SPREAD_BOUND:.0%} "
            "((max − min) / median) over the interleaved rounds, or when the draft-phase "
            f"timings behind c vary by more than {checks.DRAFT_SPREAD_BOUND:.0%} ((q75 − q25) / "
-           "median over the timed steps). A flagged setting is measured a second time and the "
-           "second measurement is reported.", ""]
+           "median over the fused loop's timed slopes). A flagged setting is measured a second "
+           "time and the second measurement is reported.", ""]
   remeasured = sum(r["remeasured"] for r in settings.values())
   if not flagged:
     return lines + [f"No setting is flagged ({remeasured} re-measured).", ""]
