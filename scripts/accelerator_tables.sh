@@ -13,6 +13,8 @@
 #   trees    python -m experiments.run --experiment=tree_sweep  -> OUT/trees/
 #   batch    python -m benchmarks.batch_sweep (B = 1…32)        -> OUT/batch_sweep.md
 #   peer     python -m benchmarks.peer                          -> OUT/peer.md
+#   bf16     python -m benchmarks.bf16: bfloat16 against float32 on this device (greedy
+#            agreement and where texts part, top-two gaps there, speed) -> OUT/bf16.md
 #   verify   python -m benchmarks.verify_curve: a Llama-3-8B-shaped target, random bf16
 #            weights, T = 1…64 × B = 1…32, and the speedup the calibrated theory predicts
 #            with α from OUT/default/results.json (a prediction) -> OUT/verify_curve.md
@@ -30,13 +32,13 @@
 # (experiments/results/results.json) when the default phase has not written one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: accelerator_tables.sh OUT [device|default|xla|trees|batch|peer|verify ...]}
+out=${1:?usage: accelerator_tables.sh OUT [device|default|xla|trees|batch|peer|bf16|verify ...]}
 shift
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(device default xla trees batch peer verify)
+[ ${#phases[@]} -eq 0 ] && phases=(device default xla trees batch peer bf16 verify)
 for p in "${phases[@]}"; do
-  case "$p" in device|default|xla|trees|batch|peer|verify) ;;
-    *) echo "unknown phase '$p': use device, default, xla, trees, batch, peer or verify" >&2
+  case "$p" in device|default|xla|trees|batch|peer|bf16|verify) ;;
+    *) echo "unknown phase '$p': use device, default, xla, trees, batch, peer, bf16 or verify" >&2
        exit 2 ;;
   esac
 done
@@ -64,6 +66,7 @@ for p in "${phases[@]}"; do
              "${extra[@]}" || status=$? ;;
     batch) run python -m benchmarks.batch_sweep --out="$out/batch_sweep.md" || status=$? ;;
     peer) run python -m benchmarks.peer --out="$out/peer.md" || status=$? ;;
+    bf16) run python -m benchmarks.bf16 --out="$out/bf16.md" || status=$? ;;
     verify)
       alpha="$out/default/results.json"
       [ -f "$alpha" ] || alpha=experiments/results/results.json

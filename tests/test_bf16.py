@@ -69,6 +69,19 @@ def test_bfloat16_products_accumulate_in_float32():
   assert dense(x, w).dtype == BF16
 
 
+def test_float32_products_ask_for_full_float32_precision():
+  """float32 dots (projections and the LM head) carry precision HIGHEST, so a GPU cannot
+  take them in TF32 nor a TPU in one bfloat16 pass; default precision would not say so."""
+  from specjax.kernels.accumulate import einsum_f32
+  x, w = jnp.ones((2, 64), jnp.float32), jnp.ones((64, 8), jnp.float32)
+  for fn in (dense, lambda a, b: einsum_f32("...k,kn->...n", a, b)):
+    dot = next(line for line in jax.jit(fn).lower(x, w).as_text().splitlines()
+               if "dot_general" in line)
+    assert "HIGHEST" in dot, dot
+  default = jax.jit(lambda a, b: a @ b).lower(x, w).as_text()
+  assert "HIGHEST" not in default  # the control: what plain ``@`` lowers to
+
+
 KINDS = DRAFTER_KINDS + ("model",)
 
 

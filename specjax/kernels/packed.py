@@ -83,18 +83,24 @@ def uses_kernel(w: Any, rows: int) -> bool:
   return isinstance(w, PackedWeight) and w.policy.use_kernel(rows)
 
 
+# float32 products in float32 (as in accumulate.einsum_f32): XLA's default precision lets a
+# GPU use TF32 (10-bit mantissa) and a TPU one bfloat16 pass, which would break "float32
+# keeps greedy exact" there; a CPU computes float32 either way (the same bits).
+_F32 = jax.lax.Precision.HIGHEST
+
+
 def dense(x: jax.Array, w: Any) -> jax.Array:
   """x [..., K] @ w [K, N] -> [..., N], for a plain or packed ``w``."""
   if not isinstance(w, PackedWeight):
     if x.dtype == jnp.float32:
-      return x @ w
+      return jnp.matmul(x, w, precision=_F32)
     # bfloat16 (or mixed) operands: accumulate in float32, hand back the activation dtype.
     return einsum_f32("...k,kn->...n", x, w).astype(x.dtype)
   lead, k = x.shape[:-1], x.shape[-1]
   rows = int(np.prod(lead))
   if not w.policy.use_kernel(rows):
     if w.plain is not None:
-      return x @ w.plain
+      return jnp.matmul(x, w.plain, precision=_F32)
     # No plain copy (a tied head, or a weight packed for the kernel only):
     # the reference contraction over the panels, correct if slower.
     return sm.reference(x.reshape(rows, k), w.panels)[:, :w.n].reshape(*lead, w.n)
