@@ -494,7 +494,8 @@ class Bench:
         break
     if not times:  # finished in one step: keep the compiling step rather than nothing
       times = [t]
-    stream_costs = {k: float(np.median([t[k] for t in times])) for k in ("draft", "verify", "other")}
+    stream_costs = {k: float(np.median([t[k] for t in times]))
+                    for k in ("draft", "verify", "other")}
     fused = fused_phase_seconds(dec, self.target.params, draft.params, warm)
     return dict(draft=fused["draft"], verify=fused["verify"], other=stream_costs["other"],
                 stream_draft=stream_costs["draft"], stream_verify=stream_costs["verify"],

@@ -9,10 +9,10 @@ EAGLE drafter's c = 0.42 that way, where the fused loop's step bounds it near 0.
 Here a phase runs ``n`` and then ``2n`` times in one jitted ``lax.fori_loop`` (one
 program: the trip count is an argument) and its cost is the slope, (t(2n) − t(n)) / n,
 so whatever one call costs on top of its repeats cancels; ``n`` grows (×4) until ``n``
-repeats take ``min_seconds``, so the difference stands clear of timer noise. Each repeat adds to every
-integer leaf of the state a zero computed from the previous repeat's output (a token id
-or a probability compared with a negative number), which XLA cannot prove zero, so no
-repeat is hoisted out of the loop or merged with another. What the loop leaves out: the
+repeats take ``min_seconds``, so the difference stands clear of timer noise. Each repeat
+adds to every integer leaf of the state a zero computed from the previous repeat's output
+(a token id or a probability compared with a negative number), which XLA cannot prove
+zero, so no repeat is hoisted out of the loop or merged with another. What the loop leaves out: the
 draft's and the target's cache writes are discarded (the phases' outputs are reduced to
 one number), a few kilobytes per step.
 """
