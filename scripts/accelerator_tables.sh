@@ -15,6 +15,10 @@
 #   peer     python -m benchmarks.peer                          -> OUT/peer.md
 #   bf16     python -m benchmarks.bf16: bfloat16 against float32 on this device (greedy
 #            agreement and where texts part, top-two gaps there, speed) -> OUT/bf16.md
+#   kernels  python -m benchmarks.tree_attention (Pallas vs XLA attention, B 1 and 8, S to 16k)
+#            and benchmarks.tune_tree_attention_gpu (GPU tiling sweep): the measurement the
+#            Pallas/XLA dispatch rule is chosen from (GPU/TPU only; the sweep GPU only)
+#                                                  -> OUT/tree_attention.md, OUT/tune_tree_attention.md
 #   verify   python -m benchmarks.verify_curve: a Llama-3-8B-shaped target, random bf16
 #            weights, T = 1…64 × B = 1…32, and the speedup the calibrated theory predicts
 #            with α from OUT/default/results.json (a prediction) -> OUT/verify_curve.md
@@ -32,13 +36,14 @@
 # (experiments/results/results.json) when the default phase has not written one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: accelerator_tables.sh OUT [device|default|xla|trees|batch|peer|bf16|verify ...]}
+out=${1:?usage: accelerator_tables.sh OUT [device|default|xla|trees|batch|peer|bf16|kernels|verify ...]}
 shift
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(device default xla trees batch peer bf16 verify)
+[ ${#phases[@]} -eq 0 ] && phases=(device default xla trees batch peer bf16 kernels verify)
 for p in "${phases[@]}"; do
-  case "$p" in device|default|xla|trees|batch|peer|bf16|verify) ;;
-    *) echo "unknown phase '$p': use device, default, xla, trees, batch, peer, bf16 or verify" >&2
+  case "$p" in device|default|xla|trees|batch|peer|bf16|kernels|verify) ;;
+    *) echo "unknown phase '$p': use device, default, xla, trees, batch, peer, bf16, kernels" \
+            "or verify" >&2
        exit 2 ;;
   esac
 done
@@ -67,6 +72,10 @@ for p in "${phases[@]}"; do
     batch) run python -m benchmarks.batch_sweep --out="$out/batch_sweep.md" || status=$? ;;
     peer) run python -m benchmarks.peer --out="$out/peer.md" || status=$? ;;
     bf16) run python -m benchmarks.bf16 --out="$out/bf16.md" || status=$? ;;
+    kernels)
+      run python -m benchmarks.tree_attention --out="$out/tree_attention.md" || status=$?
+      run python -m benchmarks.tune_tree_attention_gpu \
+        --tune_out="$out/tune_tree_attention.md" || status=$? ;;
     verify)
       alpha="$out/default/results.json"
       [ -f "$alpha" ] || alpha=experiments/results/results.json
