@@ -3,8 +3,8 @@
 ``SpeculativeDecoder.stream`` runs each phase of a step as its own synchronised call. On a
 CPU that is close to the phases' cost inside the fused decode loop; on a GPU every call
 also pays a dispatch of the order of a one-layer draft's whole work (an H200 measured the
-EAGLE drafter's c = 0.42 that way, where the fused loop's step bounds it near 0.05:
-``experiments/results/gpu_h200/README.md``).
+EAGLE drafter's c = 0.42 that way, where the fused loop's γ = 4 step, 1.2 plain steps,
+leaves about 0.05 if the verify costs one plain step: ``experiments/results/gpu_h200/``).
 
 Here a phase runs ``n`` and then ``2n`` times in one jitted ``lax.fori_loop`` (one
 program: the trip count is an argument) and its cost is the slope, (t(2n) − t(n)) / n,
