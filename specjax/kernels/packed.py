@@ -84,8 +84,9 @@ def uses_kernel(w: Any, rows: int) -> bool:
 
 
 # float32 products in float32 (as in accumulate.einsum_f32): XLA's default precision lets a
-# GPU use TF32 (10-bit mantissa) and a TPU one bfloat16 pass, which would break "float32
-# keeps greedy exact" there; a CPU computes float32 either way (the same bits).
+# GPU use TF32 (10-bit mantissa) and a TPU one bfloat16 pass, which moves logits by far more
+# than float32 rounding and so can flip near-ties that float32's greedy equality rests on
+# (reasoned, not measured on a GPU); a CPU computes the same bits either way (tested).
 _F32 = jax.lax.Precision.HIGHEST
 
 
