@@ -12,9 +12,10 @@ so whatever one call costs on top of its repeats cancels; ``n`` grows (×4) unti
 repeats take ``min_seconds``, so the difference stands clear of timer noise. Each repeat
 adds to every integer leaf of the state a zero computed from the previous repeat's output
 (a token id or a probability compared with a negative number), which XLA cannot prove
-zero, so no repeat is hoisted out of the loop or merged with another. What the loop leaves out: the
-draft's and the target's cache writes are discarded (the phases' outputs are reduced to
-one number), a few kilobytes per step.
+zero, so no repeat is hoisted out of the loop or merged with another (tests read the
+compiled loop: the phase's matrix products stay in its body, and leave it without the
+zero). What the loop leaves out: the draft's and the target's cache writes are discarded
+(the phases' outputs are reduced to one number), a few kilobytes per step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from specjax.speculative.decoder import SpeculativeDecoder
 from specjax.speculative.state import SpecState
 
 
+REPEAT_SCOPE = "phase_repeat"  # names the repeated phase in the compiled program (tests read it)
+
+
 def _depend(state: SpecState, zero: jax.Array) -> SpecState:
   """``state`` with ``zero`` (0 at run time, unknown to XLA) added to its integer leaves."""
   def add(x):
@@ -45,6 +49,7 @@ def _loops(dec: SpeculativeDecoder) -> tuple[Callable, Callable]:
   """(draft loop, verify loop) of ``dec``, jitted; each takes the trip count as an argument."""
 
   def draft_loop(draft_params, state, key, n):
+    @jax.named_scope(REPEAT_SCOPE)
     def body(i, zero):
       proposal, _ = dec.propose(draft_params, _depend(state, zero), jax.random.fold_in(key, i))
       return (jnp.min(proposal.tokens) < 0).astype(jnp.int32)  # token ids are >= 0
@@ -53,6 +58,7 @@ def _loops(dec: SpeculativeDecoder) -> tuple[Callable, Callable]:
   def verify_loop(target_params, draft_params, state, key, n):
     proposal, _ = dec.propose(draft_params, state, key)
 
+    @jax.named_scope(REPEAT_SCOPE)
     def body(_, zero):
       scores = dec.verify(target_params, _depend(state, zero), proposal)
       return (scores.p[0, 0, 0] < 0).astype(jnp.int32)  # probabilities are >= 0
