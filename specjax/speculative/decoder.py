@@ -393,7 +393,12 @@ class SpeculativeDecoder:
 
   @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
   def run(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
-    """Runs steps in a ``lax.while_loop`` until every row is done.
+    """Runs steps in a ``lax.while_loop`` until every row is done (``steps_while``)."""
+    return self.steps_while(target_params, draft_params, state, lambda st: ~jnp.all(st.done))
+
+  def steps_while(self, target_params: Params, draft_params: Any, state: SpecState,
+                  keep_going) -> SpecState:
+    """Steps (inside a trace) for as long as ``keep_going(state)`` (a bool scalar) holds.
 
     With a policy, the loop's body is one inner ``while_loop`` per choice, each running
     its γ's steps for as long as the policy keeps choosing it. That is ``step`` in
@@ -402,20 +407,19 @@ class SpeculativeDecoder:
     copies; docs/methods.md gives what they cost once measured).
     Each pass of the outer loop takes at least one step (the chosen γ's loop runs).
     """
-    not_done = lambda st: ~jnp.all(st.done)
     if self.policy is None:
-      return jax.lax.while_loop(not_done, functools.partial(self.step, target_params,
-                                                            draft_params), state)
+      return jax.lax.while_loop(keep_going, functools.partial(self.step, target_params,
+                                                              draft_params), state)
 
     def while_chosen(index, step_fn):
       def body(st):
         return self.observed(st, step_fn(target_params, draft_params, st), jnp.int32(index))
       return lambda st: jax.lax.while_loop(
-          lambda s: not_done(s) & (self.choice(s) == index), body, st)
+          lambda s: keep_going(s) & (self.choice(s) == index), body, st)
 
     loops = [while_chosen(i, f) for i, f in enumerate(self.branch_steps())]
-    return jax.lax.while_loop(not_done, lambda st: functools.reduce(lambda s, f: f(s), loops, st),
-                              state)
+    return jax.lax.while_loop(keep_going,
+                              lambda st: functools.reduce(lambda s, f: f(s), loops, st), state)
 
   # --- Python-side API ---------------------------------------------------------
 
