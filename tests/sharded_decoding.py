@@ -6,7 +6,8 @@
 (tests/test_sharding.py starts it with those flags; it is not collected by pytest.) For
 each mesh: plain greedy decoding, a greedy chain (EAGLE drafter), a greedy tree (Medusa
 heads' own tree) and sampled plain and chain decoding with a fixed seed, each compared
-token for token with the same call on one device; and the shapes of every all-gather in
+token for token with the same call on one device, and continuous batching (``serve``) of
+12 requests over the 8 slots; and the shapes of every all-gather in
 the compiled plain and chain decode loops, to show no whole weight matrix is gathered.
 ``--check=train``: a few distillation steps on each mesh against one device.
 Prints (and writes) one JSON object.
@@ -28,7 +29,7 @@ import numpy as np  # noqa: E402
 from specjax import sharding, testing  # noqa: E402
 from specjax.generate import _decode, _prefill, generate  # noqa: E402
 from specjax.sampling import Greedy, Sampling  # noqa: E402
-from specjax.speculative import SpeculativeDecoder  # noqa: E402
+from specjax.speculative import SpeculativeDecoder, serve  # noqa: E402
 
 BATCH = 8
 NEW_TOKENS = 12
@@ -77,6 +78,11 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
               t, d["eagle"], prompts, NEW_TOKENS, seed=3).tokens,
       "tree_greedy": lambda t, d: SpeculativeDecoder(cfg, medusa, eos_ids=()).generate(
           t, d["medusa"], prompts, NEW_TOKENS).tokens,
+      # Continuous batching: 12 requests of different budgets through the 8 slots.
+      "continuous_greedy": lambda t, d: serve(
+          SpeculativeDecoder(cfg, eagle, gamma=3, eos_ids=()), t, d["eagle"],
+          prompts + prompts[:4], [NEW_TOKENS - i % 5 for i in range(BATCH + 4)],
+          slots=BATCH).tokens,
   }
   drafts = {"eagle": eagle_params, "medusa": medusa_params}
   drafters = {"eagle": eagle, "medusa": medusa}

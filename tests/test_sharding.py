@@ -121,7 +121,7 @@ def _check(report: dict, meshes: str, sampled: bool = True):
   assert report["devices"] == 8
   assert report["detector_control"]  # the all-gather check finds a gathered weight
   assert sorted(report["meshes"]) == sorted(meshes.split(","))
-  cases = ("plain_greedy", "chain_greedy", "tree_greedy")
+  cases = ("plain_greedy", "chain_greedy", "tree_greedy", "continuous_greedy")
   for name, r in report["meshes"].items():
     for case in cases + (("plain_sampled", "chain_sampled") if sampled else ()):
       assert r[case], f"{name}: {case} differs from one device"

@@ -2,6 +2,7 @@
 
 from specjax.speculative.acceptance import Acceptance, accept
 from specjax.speculative.block_verification import accept_block
+from specjax.speculative.continuous import ServeResult, serve
 from specjax.speculative.decoder import SpeculativeDecoder
 from specjax.speculative.metrics import SpecResult
 from specjax.speculative.proposal import Proposal
@@ -9,6 +10,6 @@ from specjax.speculative.state import SpecCounters, SpecState
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import TreeAcceptance, accept_tree
 
-__all__ = ["Acceptance", "DynamicTree", "Proposal", "SpecCounters", "SpecResult", "SpecState",
-           "SpeculativeDecoder", "TreeAcceptance", "TreeTopology", "accept", "accept_block",
-           "accept_tree"]
+__all__ = ["Acceptance", "DynamicTree", "Proposal", "ServeResult", "SpecCounters", "SpecResult",
+           "SpecState", "SpeculativeDecoder", "TreeAcceptance", "TreeTopology", "accept",
+           "accept_block", "accept_tree", "serve"]
