@@ -32,7 +32,7 @@ def enable(path: Optional[str] = None, min_compile_seconds: float = 0.5) -> Opti
 
   Call it before the first compilation: JAX decides once, at its first compile,
   whether a cache is in use. A ``JAX_COMPILATION_CACHE_DIR`` already set in the
-  environment (as ``scripts/test.sh`` does) wins over ``path``.
+  environment wins over ``path``.
 
   Args:
     path: the cache directory (default ``default_path()``); created if missing.

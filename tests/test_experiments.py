@@ -340,6 +340,26 @@ def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path):
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 
+def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
+  for args, message in ((["--slots=0"], "slot counts must be >= 1"),
+                        (["--budget_spread=2"], "flag --budget_spread=2")):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.continuous_batching", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.heavy
+def test_continuous_batching_benchmark_runs_on_tiny_models(tmp_path):
+  out = tmp_path / "cb.md"
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.continuous_batching", "--target=tiny",
+                         "--draft=eagle", "--slots=2", "--num_prompts=3", "--new_tokens=8",
+                         "--budget_spread=0.5", "--rounds=1", f"--out={out}"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [l for l in out.read_text().splitlines() if l.startswith("| 2 |")]
+  assert len(rows) == 1 and rows[0].count("×") == 5, rows
+
+
 # ------------------------------------------------------------------ Table 3 corpus, CPU
 
 
