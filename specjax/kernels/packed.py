@@ -83,25 +83,22 @@ def uses_kernel(w: Any, rows: int) -> bool:
   return isinstance(w, PackedWeight) and w.policy.use_kernel(rows)
 
 
-# float32 products in float32 (as in accumulate.einsum_f32): XLA's default precision lets a
-# GPU use TF32 (10-bit mantissa) and a TPU one bfloat16 pass, which moves logits by far more
-# than float32 rounding and so can flip near-ties that float32's greedy equality rests on
-# (reasoned, not measured on a GPU); a CPU computes the same bits either way (tested).
-_F32 = jax.lax.Precision.HIGHEST
-
-
 def dense(x: jax.Array, w: Any) -> jax.Array:
-  """x [..., K] @ w [K, N] -> [..., N], for a plain or packed ``w``."""
+  """x [..., K] @ w [K, N] -> [..., N], for a plain or packed ``w``.
+
+  Plain weights go through ``accumulate.einsum_f32``, which owns the precision rule: float32
+  products in full float32 (not a GPU's TF32 or a TPU's one bfloat16 pass, which could flip
+  the near-ties float32's greedy equality rests on: reasoned, not measured on a GPU; a CPU
+  computes the same bits as plain ``@``, tested), bfloat16 ones accumulated in float32. The
+  result comes back in the activation dtype.
+  """
   if not isinstance(w, PackedWeight):
-    if x.dtype == jnp.float32:
-      return jnp.matmul(x, w, precision=_F32)
-    # bfloat16 (or mixed) operands: accumulate in float32, hand back the activation dtype.
     return einsum_f32("...k,kn->...n", x, w).astype(x.dtype)
   lead, k = x.shape[:-1], x.shape[-1]
   rows = int(np.prod(lead))
   if not w.policy.use_kernel(rows):
     if w.plain is not None:
-      return jnp.matmul(x, w.plain, precision=_F32)
+      return einsum_f32("...k,kn->...n", x, w.plain).astype(x.dtype)
     # No plain copy (a tied head, or a weight packed for the kernel only):
     # the reference contraction over the panels, correct if slower.
     return sm.reference(x.reshape(rows, k), w.panels)[:, :w.n].reshape(*lead, w.n)
