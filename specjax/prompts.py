@@ -13,7 +13,8 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  cache_size: Optional[int] = None, *, headroom: int = 0,
                  vocab_size: Optional[int] = None, round_to: int = 64,
                  max_cache_size: Optional[int] = None, max_positions: Optional[int] = None,
-                 cache_bytes_per_slot: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+                 cache_bytes_per_slot: int = 0,
+                 cache_rows: Optional[int] = None) -> tuple[np.ndarray, np.ndarray, int]:
   """Right-pads prompts into a [B, S] buffer.
 
   Args:
@@ -30,6 +31,7 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
     cache_bytes_per_slot: KV-cache bytes per row and slot (see
       ``kv_cache.bytes_per_slot``); when given, a cache larger than the free
       memory of the device is refused before it is allocated.
+    cache_rows: rows of that cache (default: one per prompt; continuous batching's slots).
 
   Returns:
     (tokens [B, S] int32, prompt_lengths [B] int32, S).
@@ -72,12 +74,14 @@ def pack_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
   if max_cache_size is not None and cache_size > max_cache_size:
     raise ValueError(f"a cache of {cache_size} slots exceeds this model's limit of "
                      f"{max_cache_size} (sliding-window attention is not implemented)")
-  cache_bytes = len(prompts) * cache_size * cache_bytes_per_slot
+  rows = len(prompts) if cache_rows is None else cache_rows
+  cache_bytes = rows * cache_size * cache_bytes_per_slot
   free = validation.available_memory_bytes() if cache_bytes else None
   if free is not None and cache_bytes > free:
-    raise ValueError(f"a KV cache of {len(prompts)} rows x {cache_size} slots needs "
+    raise ValueError(f"a KV cache of {rows} rows x {cache_size} slots needs "
                      f"{cache_bytes / 2**30:.2f} GiB but the device has {free / 2**30:.2f} GiB "
-                     "free: use fewer prompts or a smaller max_new_tokens")
+                     f"free: use fewer {'prompts' if cache_rows is None else 'slots'} or a "
+                     "smaller max_new_tokens")
   tokens = np.zeros((len(prompts), cache_size), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p

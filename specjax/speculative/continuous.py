@@ -46,7 +46,7 @@ from specjax import sharding, validation
 from specjax.model import Params
 from specjax.prompts import pack_prompts
 from specjax.speculative.decoder import SpeculativeDecoder, prefill_models
-from specjax.speculative.metrics import SpecResult
+from specjax.speculative.metrics import SpecResult, counters_to_host
 from specjax.speculative.state import SpecCounters, SpecState
 
 QUEUE_ROUND = 16  # queues are padded to a multiple of this: one program for nearby sizes
@@ -201,16 +201,11 @@ def pack_queue(dec: SpeculativeDecoder, prompts: Sequence[Sequence[int]],
   if len(prompts) == 0:
     raise ValueError("no prompts given")
   budgets = _budgets(max_new_tokens, len(prompts))
-  tokens, lens, size = pack_prompts(prompts, int(budgets.max()),
-                                    cache_size, headroom=dec.tree.cache_headroom,
-                                    vocab_size=cfg.vocab_size, max_cache_size=cfg.max_cache_size,
-                                    max_positions=cfg.max_position_embeddings)
-  cache_bytes = slots * size * kvc.bytes_per_slot(cfg)
-  free = validation.available_memory_bytes()
-  if free is not None and cache_bytes > free:
-    raise ValueError(f"a KV cache of {slots} slots x {size} cache slots needs "
-                     f"{cache_bytes / 2**30:.2f} GiB but the device has {free / 2**30:.2f} GiB "
-                     "free: use fewer slots or a smaller max_new_tokens")
+  tokens, lens, _ = pack_prompts(prompts, int(budgets.max()), cache_size,
+                                 headroom=dec.tree.cache_headroom, vocab_size=cfg.vocab_size,
+                                 max_cache_size=cfg.max_cache_size,
+                                 max_positions=cfg.max_position_embeddings,
+                                 cache_bytes_per_slot=kvc.bytes_per_slot(cfg), cache_rows=slots)
   sharding.check_batch(slots)
   r = len(lens)
   q = -(-r // QUEUE_ROUND) * QUEUE_ROUND
@@ -263,9 +258,9 @@ def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
   seconds = time.perf_counter() - start
   r = len(lens)
   host = lambda a: sharding.to_host(a)[:r]
-  counters = {f.name: host(getattr(st.out_counters, f.name))
-              for f in dataclasses.fields(st.out_counters)}
   return ServeResult(tokens=host(st.out_tokens), prompt_lens=np.asarray(lens),
                      seq_lens=host(st.out_lens), steps=int(st.spec.steps), seconds=seconds,
-                     gamma=dec.gamma, per_row=counters, slots=slots,
+                     gamma=dec.gamma, per_row={k: v[:r] for k, v in
+                                               counters_to_host(st.out_counters).items()},
+                     slots=slots,
                      admitted_at=host(st.admitted_at), finished_at=host(st.finished_at))

@@ -89,9 +89,13 @@ def _rates(c: dict[str, np.ndarray]) -> dict[str, Any]:
   }
 
 
+def counters_to_host(counters) -> dict[str, np.ndarray]:
+  """A ``SpecCounters``' fields as host arrays, by name (a result's ``per_row``)."""
+  return {f.name: to_host(getattr(counters, f.name)) for f in dataclasses.fields(counters)}
+
+
 def summarize(state, prompt_lens: np.ndarray, gamma: int, seconds: float) -> SpecResult:
-  counters = {f.name: to_host(getattr(state.counters, f.name))
-              for f in dataclasses.fields(state.counters)}
+  counters = counters_to_host(state.counters)
   return SpecResult(tokens=to_host(state.tokens), prompt_lens=np.asarray(prompt_lens),
                     seq_lens=to_host(state.seq_lens), steps=int(state.steps), seconds=seconds,
                     gamma=gamma, per_row=counters)
