@@ -12,7 +12,7 @@ import pytest
 
 from specjax.drafters import LookaheadDrafter, ModelDrafter
 from specjax.generate import generate
-from specjax.sampling import Greedy, Sampling
+from specjax.sampling import Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative import continuous
 from specjax.speculative.adaptive import AdaptiveGamma
