@@ -34,30 +34,52 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax
             feature_layers: tuple[int, ...] = ()):
   """Commits ``tokens[b, :num_tokens[b]]`` to an empty cache, ``chunk`` tokens at a time.
 
-  The chunks run in ``over_chunks`` (one program for every prompt length).
-  Returns the cache, or ``(cache, hidden)`` with ``return_hidden=True``:
+  The chunks run in ``over_chunks`` (one program for every prompt length), each one
+  ``prefill_chunk``. Returns the cache, or ``(cache, hidden)`` with ``return_hidden=True``:
   [B, S, D] last hidden states (before the final norm) of the committed
   positions, what feature drafters (EAGLE) read; other slots are undefined.
   With ``feature_layers``, the hidden states are those layers' outputs
   concatenated ([B, S, len(feature_layers)·D], ``model.target_features``).
   """
   b, s = tokens.shape
-
-  def step(idx, valid, carry):
-    cache, hidden = carry
-    chunk_tokens = jnp.take(tokens, jnp.clip(idx, 0, s - 1), axis=1)
-    out = forward(params, cfg, chunk_tokens, jnp.broadcast_to(idx, (b, idx.shape[0])), cache,
-                  num_valid=valid, compute_logits=False,
-                  return_layers=feature_layers if return_hidden else ())
-    if return_hidden:
-      feats = target_features(out, feature_layers)
-      hidden = hidden.at[:, idx].set(feats.astype(hidden.dtype), mode="drop")
-    return out.cache, hidden
-
-  width = cfg.dim * max(1, len(feature_layers))
-  hidden = jnp.zeros((b, s, width) if return_hidden else (0,), compute_dtype(params))
-  cache, hidden = over_chunks(step, (cache, hidden), num_tokens, s, chunk)
+  layers = feature_layers if return_hidden else None
+  step = lambda idx, valid, carry: prefill_chunk(params, cfg, tokens, idx, valid, *carry,
+                                                 feature_layers=layers)
+  cache, hidden = over_chunks(step, (cache, feature_buffer(params, cfg, b, s, layers)),
+                              num_tokens, s, chunk)
   return (cache, hidden) if return_hidden else cache
+
+
+def feature_buffer(params: Params, cfg: ModelConfig, batch: int, length: int,
+                   feature_layers: Optional[tuple[int, ...]]) -> jax.Array:
+  """Zeros for ``prefill_chunk``'s features: [B, S, F], or an empty placeholder when
+  ``feature_layers`` is None (no features wanted)."""
+  if feature_layers is None:
+    return jnp.zeros((0,), compute_dtype(params))
+  width = cfg.dim * max(1, len(feature_layers))
+  return jnp.zeros((batch, length, width), compute_dtype(params))
+
+
+def prefill_chunk(params: Params, cfg: ModelConfig, tokens: jax.Array, idx: jax.Array,
+                  valid: jax.Array, cache: kvc.KVCache, hidden: jax.Array,
+                  feature_layers: Optional[tuple[int, ...]] = None
+                  ) -> tuple[kvc.KVCache, jax.Array]:
+  """Commits one chunk: positions ``idx`` [C] of ``tokens`` [B, S], the first ``valid[b]``
+  of them per row, to a cache whose rows hold the positions before ``idx[0]``.
+
+  With ``feature_layers`` (a tuple, () for the last hidden state) the chunk's features
+  go to ``hidden`` [B, S, F] at those positions; with None, ``hidden`` passes through.
+  Positions past S are dropped (a last chunk may run past the buffer).
+  """
+  b, s = tokens.shape
+  chunk_tokens = jnp.take(tokens, jnp.clip(idx, 0, s - 1), axis=1)
+  out = forward(params, cfg, chunk_tokens, jnp.broadcast_to(idx, (b, idx.shape[0])), cache,
+                num_valid=valid, compute_logits=False,
+                return_layers=() if feature_layers is None else feature_layers)
+  if feature_layers is not None:
+    feats = target_features(out, feature_layers)
+    hidden = hidden.at[:, idx].set(feats.astype(hidden.dtype), mode="drop")
+  return out.cache, hidden
 
 
 def over_chunks(step, carry, num_tokens: jax.Array, length: int, chunk: int = PREFILL_CHUNK):

@@ -76,13 +76,26 @@ def prefill_models(target_cfg: ModelConfig, drafter: "Drafter", target_params: P
   """
   b, s = tokens.shape
   empty = kvc.init_cache(target_cfg, b, s, compute_dtype(target_params))
+  layers = drafter_feature_layers(drafter)
+  out = prefill(target_params, target_cfg, tokens, prompt_lens - 1, empty,
+                return_hidden=layers is not None, feature_layers=layers or ())
+  target_cache, hidden = (out, None) if layers is None else out
+  return target_cache, init_drafter(drafter, draft_params, tokens, prompt_lens, hidden)
+
+
+def drafter_feature_layers(drafter: "Drafter") -> Optional[tuple[int, ...]]:
+  """The target layers whose features the drafter's ``init`` reads (``generate.prefill_chunk``'s
+  ``feature_layers``; () is the last hidden state), or None when it reads none."""
+  return drafter.target_feature_layers() if drafter.reads_target_features() else None
+
+
+def init_drafter(drafter: "Drafter", draft_params: Any, tokens: jax.Array,
+                 prompt_lens: jax.Array, hidden: Optional[jax.Array]) -> Any:
+  """The drafter's state for these prompts, given the target's features of them (``hidden``,
+  of ``drafter_feature_layers``; ignored by drafters that read none)."""
   if drafter.reads_target_features():
-    target_cache, hidden = prefill(target_params, target_cfg, tokens, prompt_lens - 1, empty,
-                                   return_hidden=True,
-                                   feature_layers=drafter.target_feature_layers())
-    return target_cache, drafter.init(draft_params, tokens, prompt_lens, features=hidden)
-  target_cache = prefill(target_params, target_cfg, tokens, prompt_lens - 1, empty)
-  return target_cache, drafter.init(draft_params, tokens, prompt_lens)
+    return drafter.init(draft_params, tokens, prompt_lens, features=hidden)
+  return drafter.init(draft_params, tokens, prompt_lens)
 
 
 class TargetScores(NamedTuple):
