@@ -3,7 +3,8 @@
 Usage:
   python -m benchmarks.continuous_batching [--slots 1,4,8] [--temperatures 0]
       [--num_prompts 16] [--new_tokens 128] [--budget_spread 0] [--gamma 3]
-      [--draft eagle] [--rounds 2] [--out benchmarks/results/continuous_batching.md]
+      [--draft eagle] [--prefill_chunk 64] [--rounds 2]
+      [--out benchmarks/results/continuous_batching.md]
 
 The companion of ``benchmarks.batch_sweep`` (which ignores EOS, so its rows all take the
 same number of steps and a fixed batch never waits): here requests stop at EOS, and with
@@ -18,7 +19,8 @@ and temperature, the ``--num_prompts`` held-out prompts are served, in order, by
     policy for which a draft never pays, beside a stateless prompt-lookup drafter; checked:
     no step drafts);
   * speculative decoding with continuous batching over B slots
-    (``specjax.speculative.continuous.serve``, one call for the whole queue);
+    (``specjax.speculative.continuous.serve``, one call for the whole queue; an admitted
+    prompt prefills ``--prefill_chunk`` tokens per step of the other slots);
 
 in ``--rounds`` interleaved rounds (the order rotated by one per round), whole runs
 (prefill included) timed; tokens/s = tokens generated / seconds, the median round
@@ -42,6 +44,7 @@ from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
 from specjax.drafters import PromptLookupDrafter
+from specjax.generate import PREFILL_CHUNK
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
@@ -58,6 +61,8 @@ GAMMA = flags.DEFINE_integer("gamma", 3, "draft length of the chain", lower_boun
 DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_draft spec)")
 TARGET = flags.DEFINE_string("target", "smollm2", "target (experiments.models.load_target; "
                              "'tiny' for a smoke run)")
+CHUNK = flags.DEFINE_integer("prefill_chunk", PREFILL_CHUNK, "prompt tokens an admitted request "
+                             "prefills per step of the other slots", lower_bound=1)
 ROUNDS = flags.DEFINE_integer("rounds", 2, "interleaved timed rounds", lower_bound=1)
 OUT = flags.DEFINE_string("out", "benchmarks/results/continuous_batching.md", "markdown output")
 
@@ -105,7 +110,8 @@ def _measure(target, draft, prompts, budgets, slots: int, temp: float) -> dict:
     return _trimmed(outs, budgets), sum(o.seconds for o in outs), sum(o.steps for o in outs)
 
   def continuous(d, params):
-    out = serve(d, target.params, params, prompts, budgets, slots=slots, cache_size=cache)
+    out = serve(d, target.params, params, prompts, budgets, slots=slots, cache_size=cache,
+                prefill_chunk=CHUNK.value)
     return out, (int(out.num_generated.sum()), out.seconds, out.steps)
 
   def plain_continuous():
@@ -160,7 +166,8 @@ def _report(cells: list[dict], command: str, minutes: float, budgets) -> list[st
            "Fixed batches take the queue B requests at a time, each batch running until its "
            "slowest row is done (at its largest budget; tokens past a request's own budget are "
            "not counted). Continuous batching refills a slot as soon as its request is done "
-           "(`specjax.speculative.continuous`). A speedup is tokens/s over plain fixed batches' "
+           f"(`specjax.speculative.continuous`; an admitted prompt prefills {CHUNK.value} tokens "
+           "per step of the other slots). A speedup is tokens/s over plain fixed batches' "
            "in the same round (at T > 0 each method's samples stop at other EOS, so token "
            "counts differ); steps are target forwards of the whole queue, in the first round.",
            ""]

@@ -16,7 +16,6 @@ from specjax.sampling import Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative import continuous
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.decoder import prefill_models
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree
 from specjax.testing import (chi_square_pvalue, exact_joint, make_drafter, tiny_model)
@@ -60,19 +59,39 @@ KINDS = ["model_chain", "model_adaptive", "eagle", "medusa", "early_exit", "look
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_request_gets_plain_greedy_tokens(models, kind):
-  """Prompts and budgets of different lengths over 3 slots: each request's tokens are
-  plain greedy decoding's of that prompt alone (EAGLE's dynamic tree, Medusa's tree,
-  early exit sharing the target cache, lookahead reading the target's predictions and an
-  adaptive policy's plain steps included)."""
+  """Prompts (1 to 19 tokens, prefilled 4 at a time between the other slots' steps) and
+  budgets of different lengths over 3 slots: each request's tokens are plain greedy
+  decoding's of that prompt alone (EAGLE's dynamic tree, Medusa's tree, early exit sharing
+  the target cache, lookahead reading the target's predictions and an adaptive policy's
+  plain steps included), and its drafter starts where a batch-1 run's does: the same
+  drafts are accepted in the same number of target calls (EAGLE and Medusa read the
+  features of every chunk)."""
   (cfg, params), _ = models
   dec, dp = _decoder(kind, models)
   prompts, budgets = _requests()
-  res = continuous.serve(dec, params, dp, prompts, budgets, slots=3)
+  res = continuous.serve(dec, params, dp, prompts, budgets, slots=3, prefill_chunk=4)
   for i, p in enumerate(prompts):
     ref = generate(params, cfg, [p], budgets[i], eos_ids=())
     assert res.generated(i) == ref.generated(0), (kind, i)
+    alone = dec.generate(params, dp, [p], budgets[i]).per_row
+    assert [res.per_row[k][i] for k in ("target_calls", "accepted")] == \
+        [alone[k][0] for k in ("target_calls", "accepted")], (kind, i)
   assert res.per_row["emitted"].tolist() == budgets
-  assert np.all(res.finished_at > res.admitted_at)
+  assert np.all(res.finished_at > res.prefilled_at) and np.all(res.prefilled_at >= res.admitted_at)
+
+
+def test_a_long_prompt_prefills_between_the_other_slots_steps(models):
+  """A 2-token request decodes for 60 tokens while a 30-token prompt is admitted beside it:
+  the other slot takes one step per 4-token chunk (8 chunks), not none while it waits."""
+  (cfg, params), _ = models
+  dec, dp = _decoder("model_chain", models)
+  prompts = [[3, 4], list(range(1, 31))]
+  res = continuous.serve(dec, params, dp, prompts, [60, 5], slots=2, prefill_chunk=4)
+  assert (res.prefilled_at - res.admitted_at).tolist() == [0, 8]
+  assert res.generated(1) == generate(params, cfg, [prompts[1]], 5, eos_ids=()).generated(0)
+  whole = continuous.serve(dec, params, dp, prompts, [60, 5], slots=2, prefill_chunk=64)
+  assert (whole.prefilled_at - whole.admitted_at).tolist() == [0, 1]
+  assert whole.generated(1) == res.generated(1)
 
 
 def test_requests_stop_at_eos_and_free_their_slot(models):
@@ -110,7 +129,7 @@ def test_slots_refill_so_a_queue_takes_fewer_steps_than_fixed_batches(models):
 def test_one_program_serves_different_queues(models):
   (_, params), _ = models
   dec, dp = _decoder("eagle", models)
-  count = lambda: continuous.serve_loop._cache_size() + prefill_models._cache_size()
+  count = continuous.serve_loop._cache_size
   continuous.serve(dec, params, dp, *_requests(0, 5), slots=2, cache_size=64)
   before = count()
   continuous.serve(dec, params, dp, *_requests(1, 9), slots=2, cache_size=64, seed=3)
@@ -179,6 +198,8 @@ def test_bad_input_is_refused_before_compiling(models):
     continuous.serve(dec, params, dp, prompts, budgets[:2], slots=2)
   with pytest.raises(ValueError, match=r"max_new_tokens\[1\] must be >= 0"):
     continuous.serve(dec, params, dp, prompts, [3, -1, 2], slots=2)
+  with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+    continuous.serve(dec, params, dp, prompts, budgets, slots=2, prefill_chunk=0)
   with pytest.raises(ValueError, match="no prompts"):
     continuous.serve(dec, params, dp, [], 4, slots=2)
   with pytest.raises(ValueError, match="token ids outside"):

@@ -7,22 +7,29 @@ program; shapes stay static (slots × cache slots), requests and their lengths l
 arrays, so one program serves any queue up to the padded queue size.
 
 One pass of the loop:
-  steps:  the decoder's speculative steps (``SpeculativeDecoder.steps_while``, the same
-          loop ``run`` uses, an adaptive policy's included) until an occupied slot is done;
-  retire: every occupied slot that is done copies its tokens, length and counters to its
-          request's output row (one scatter for all slots) and becomes empty;
-  admit:  while a slot is empty and requests wait, the next request is prefilled into the
-          first empty slot: the target and the drafter are prefilled for that one prompt
-          (``prefill_models`` at batch 1, in chunks of ``generate.PREFILL_CHUNK`` tokens)
-          and the slot's row of every state leaf is overwritten with the result.
-Empty and finished slots are done rows, which every step skips (they emit nothing and
-their scratch writes are never read).
+  feed:   if a request is being admitted, one chunk of its prompt (``prefill_chunk``
+          tokens) goes through the target into the admission's own one-row cache
+          (``generate.prefill_chunk``, its features kept for a feature drafter); after
+          the prompt's last chunk the drafter is initialised from the whole prompt
+          (``Drafter.init``) and the slot's row of every state leaf is overwritten with
+          the result: the request decodes from the next step on;
+  admit:  if no request is being admitted, a slot is empty and requests wait, the next
+          request takes the first empty slot (its prefill starts in the next pass);
+  steps:  the decoder's speculative steps of the decoding slots (``steps_while``, the loop
+          ``run`` uses, an adaptive policy's included): one step while an admission's
+          prefill is under way, else until a decoding slot is done;
+  retire: every decoding slot that is done copies its tokens, length and counters to its
+          request's output row (one scatter for all slots) and becomes empty.
+So a long prompt's prefill is cut into chunks interleaved with the other slots' steps: no
+step waits for more than one chunk (Sarathi-style chunked prefill, as a schedule: the chunk
+is its own forward, not fused into the verification's).
 
-What this does not do: the admitted prompt's prefill runs to the end before the next step
-(the other slots wait for it), rather than being cut into chunks interleaved with the
-others' steps. The drafter interface initialises a drafter from a whole prompt
-(``Drafter.init``); interleaving would need every drafter to extend its state chunk by
-chunk.
+What this does not do: the drafter's own initialisation (a draft model's prefill, EAGLE's
+layer over the prompt's features) runs whole in the pass that feeds the last chunk; the
+drafter interface initialises a drafter from a whole prompt (``Drafter.init``). Only one
+request is admitted at a time, so at the start the slots fill one prefill after another.
+Empty slots and the slot being admitted are done rows, which every step skips (they emit
+nothing and their scratch writes are never read).
 
 Requirements: every leaf of the drafter's state is per row, batch-major (what ``init``
 returns at batch 1 has the shape of its batch-B state with 1 rows); otherwise ``serve``
@@ -43,9 +50,11 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax import sharding, validation
-from specjax.model import Params
+from specjax.generate import PREFILL_CHUNK, feature_buffer, prefill_chunk
+from specjax.model import Params, compute_dtype
 from specjax.prompts import pack_prompts
-from specjax.speculative.decoder import SpeculativeDecoder, prefill_models
+from specjax.speculative.decoder import (SpeculativeDecoder, drafter_feature_layers,
+                                         init_drafter)
 from specjax.speculative.metrics import SpecResult, counters_to_host
 from specjax.speculative.state import SpecCounters, SpecState
 
@@ -71,26 +80,36 @@ class Queue:
 
 @flax.struct.dataclass(kw_only=True)
 class ServeState:
-  """The slots' decoding state, the queue's position and the finished requests' outputs.
+  """The slots' decoding state, the admission under way, the queue's position and the
+  finished requests' outputs.
 
   Attributes:
     spec: the decoder's state of the B slots.
     slot_request: [B] the request each slot serves (-1: empty).
     next_request: scalar, the first request not yet admitted.
+    pending_slot: scalar, the slot whose request's prompt is being prefilled (-1: none).
+    pending_cache: the target cache of that prompt (1 row; its length: the tokens fed).
+    pending_hidden: [1, S, F] the target's features of its prompt, for a feature drafter
+      (else an empty placeholder).
     out_tokens: [Q, S] each finished request's prompt and output.
     out_lens: [Q] its committed length.
     out_counters: its acceptance counters (``SpecCounters`` with Q rows).
-    admitted_at, finished_at: [Q] the loop's step count when the request took a slot
-      and when it was found done (latency in steps).
+    admitted_at, prefilled_at, finished_at: [Q] the loop's step count when the request
+      took a slot, when its prefill was over and it began to decode, and when it was
+      found done (latencies in steps).
   """
 
   spec: SpecState
   slot_request: jax.Array
   next_request: jax.Array
+  pending_slot: jax.Array
+  pending_cache: kvc.KVCache
+  pending_hidden: jax.Array
   out_tokens: jax.Array
   out_lens: jax.Array
   out_counters: SpecCounters
   admitted_at: jax.Array
+  prefilled_at: jax.Array
   finished_at: jax.Array
 
 
@@ -100,12 +119,14 @@ class ServeResult(SpecResult):
 
   Attributes:
     slots: how many requests decoded at once.
-    admitted_at, finished_at: [R] the step count when each request took a slot and
-      when it was done; their difference is its latency in steps.
+    admitted_at, prefilled_at, finished_at: [R] the step count when each request took a
+      slot, when its prefill was over and when it was done; finished − admitted is its
+      latency in steps, prefilled − admitted the other slots' steps during its prefill.
   """
 
   slots: int = 0
   admitted_at: Optional[np.ndarray] = None
+  prefilled_at: Optional[np.ndarray] = None
   finished_at: Optional[np.ndarray] = None
 
 
@@ -123,33 +144,75 @@ def _put_row(tree: Any, row: Any, b: jax.Array, what: str) -> Any:
   return jax.tree_util.tree_map_with_path(put, tree, row)
 
 
-def _admit(dec: SpeculativeDecoder, target_params: Params, draft_params: Any, queue: Queue,
-           st: ServeState) -> ServeState:
-  """Prefills the next request into the first empty slot."""
+def _at_most_once(pred: jax.Array, fn, x: Any) -> Any:
+  """``fn(x)`` where ``pred`` holds, else ``x``: a loop of zero or one pass, because XLA
+  updates a loop's buffers in place where a conditional's branches copy them (the caches;
+  ``SpeculativeDecoder.steps_while`` says the same of its policy's branches)."""
+  return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), fn(c[1])),
+                            (pred, x))[1]
+
+
+def _decoding(st: ServeState) -> jax.Array:
+  """[B] the slots that hold a request whose prefill is over."""
+  return (st.slot_request >= 0) & (jnp.arange(st.slot_request.shape[0]) != st.pending_slot)
+
+
+def _request_rows(queue: Queue, r: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Request ``r``'s prompt [1, S], prompt length [1] and length limit [1]."""
+  row = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)
+  lens = row(queue.prompt_lens)
+  return row(queue.tokens), lens, lens + row(queue.budgets)
+
+
+def _admit(queue: Queue, st: ServeState) -> ServeState:
+  """The next request takes the first empty slot; its prefill starts from an empty cache."""
   b = jnp.argmax(st.slot_request < 0)
   r = st.next_request
-  tokens = jax.lax.dynamic_slice_in_dim(queue.tokens, r, 1)
-  lens = jax.lax.dynamic_slice_in_dim(queue.prompt_lens, r, 1)
-  max_lens = lens + jax.lax.dynamic_slice_in_dim(queue.budgets, r, 1)
-  target_cache, draft_state = prefill_models(dec.target_cfg, dec.drafter, target_params,
-                                             draft_params, tokens, lens)
+  return st.replace(slot_request=st.slot_request.at[b].set(r), next_request=r + 1,
+                    pending_slot=b.astype(jnp.int32),
+                    pending_cache=st.pending_cache.with_lengths(jnp.zeros((1,), jnp.int32)),
+                    admitted_at=st.admitted_at.at[r].set(st.spec.steps))
+
+
+def _feed(dec: SpeculativeDecoder, target_params: Params, draft_params: Any, queue: Queue,
+          chunk: int, st: ServeState) -> ServeState:
+  """One chunk of the admitted prompt through the target; after its last, the request
+  takes its slot (``_install``)."""
+  tokens, lens, _ = _request_rows(queue, st.slot_request[st.pending_slot])
+  fed = st.pending_cache.lengths
+  cache, hidden = prefill_chunk(target_params, dec.target_cfg, tokens, fed[0] + jnp.arange(chunk),
+                                jnp.clip(lens - 1 - fed, 0, chunk), st.pending_cache,
+                                st.pending_hidden, drafter_feature_layers(dec.drafter))
+  st = st.replace(pending_cache=cache, pending_hidden=hidden)
+  return _at_most_once(cache.lengths[0] >= lens[0] - 1,
+                       functools.partial(_install, dec, draft_params, queue), st)
+
+
+def _install(dec: SpeculativeDecoder, draft_params: Any, queue: Queue,
+             st: ServeState) -> ServeState:
+  """The admitted request's prefill is over: the drafter is initialised from its prompt
+  and the slot's row of every state leaf is overwritten."""
+  b = st.pending_slot
+  r = st.slot_request[b]
+  tokens, lens, max_lens = _request_rows(queue, r)
+  draft_state = init_drafter(dec.drafter, draft_params, tokens, lens, st.pending_hidden)
   spec = st.spec
   rows = dict(tokens=tokens, seq_lens=lens, max_lens=max_lens, done=lens >= max_lens,
-              target_cache=target_cache, draft_state=draft_state,
+              target_cache=st.pending_cache, draft_state=draft_state,
               counters=SpecCounters.zeros(1, dec.tree.max_depth, dec.tree.max_children),
               policy=() if dec.policy is None else dec.policy.init(1))
   spec = spec.replace(**{k: _put_row(getattr(spec, k), v, b,
                                      f"{type(dec.drafter).__name__}'s state" if k == "draft_state"
                                      else k)
                          for k, v in rows.items()})
-  return st.replace(spec=spec, slot_request=st.slot_request.at[b].set(r), next_request=r + 1,
-                    admitted_at=st.admitted_at.at[r].set(spec.steps))
+  return st.replace(spec=spec, pending_slot=jnp.int32(-1),
+                    prefilled_at=st.prefilled_at.at[r].set(spec.steps))
 
 
 def _retire(st: ServeState) -> ServeState:
-  """Every occupied slot that is done hands its row to its request's outputs and empties."""
+  """Every decoding slot that is done hands its row to its request's outputs and empties."""
   q = st.out_lens.shape[0]
-  retiring = st.spec.done & (st.slot_request >= 0)
+  retiring = st.spec.done & _decoding(st)
   req = jnp.where(retiring, st.slot_request, q)  # q: dropped
   put = lambda out, rows: out.at[req].set(rows, mode="drop")
   return st.replace(out_tokens=put(st.out_tokens, st.spec.tokens),
@@ -159,26 +222,24 @@ def _retire(st: ServeState) -> ServeState:
                     slot_request=jnp.where(retiring, -1, st.slot_request))
 
 
-def _admit_all(dec, target_params, draft_params, queue: Queue, st: ServeState) -> ServeState:
-  waiting = lambda s: jnp.any(s.slot_request < 0) & (s.next_request < queue.size)
-  return jax.lax.while_loop(
-      waiting, functools.partial(_admit, dec, target_params, draft_params, queue), st)
-
-
-@functools.partial(jax.jit, static_argnames=("dec",), donate_argnames=("st",))
+@functools.partial(jax.jit, static_argnames=("dec", "chunk"), donate_argnames=("st",))
 def serve_loop(dec: SpeculativeDecoder, target_params: Params, draft_params: Any, queue: Queue,
-               st: ServeState) -> ServeState:
-  """Admits, steps, retires and admits again until the queue is empty and every slot too."""
+               st: ServeState, chunk: int = PREFILL_CHUNK) -> ServeState:
+  """Feeds, admits, steps and retires until the queue is empty and every slot too."""
 
   def one_pass(s: ServeState) -> ServeState:
-    occupied = s.slot_request >= 0
+    s = _at_most_once(s.pending_slot >= 0, functools.partial(
+        _feed, dec, target_params, draft_params, queue, chunk), s)
+    s = _at_most_once((s.pending_slot < 0) & jnp.any(s.slot_request < 0)
+                      & (s.next_request < queue.size), functools.partial(_admit, queue), s)
+    decoding, admitting, steps = _decoding(s), s.pending_slot >= 0, s.spec.steps
     spec = dec.steps_while(target_params, draft_params, s.spec,
-                           lambda sp: ~jnp.any(sp.done & occupied))
-    s = _retire(s.replace(spec=spec))
-    return _admit_all(dec, target_params, draft_params, queue, s)
+                           lambda sp: ~jnp.any(sp.done & decoding) & ~jnp.all(sp.done)
+                           & ~(admitting & (sp.steps > steps)))
+    return _retire(s.replace(spec=spec))
 
-  st = _admit_all(dec, target_params, draft_params, queue, st)
-  return jax.lax.while_loop(lambda s: jnp.any(s.slot_request >= 0), one_pass, st)
+  busy = lambda s: jnp.any(s.slot_request >= 0) | (s.next_request < queue.size)
+  return jax.lax.while_loop(busy, one_pass, st)
 
 
 def _budgets(max_new_tokens: int | Sequence[int], n: int) -> np.ndarray:
@@ -223,16 +284,22 @@ def initial_serve_state(dec: SpeculativeDecoder, target_params: Params, draft_pa
   spec = dec.init(target_params, draft_params, jnp.zeros((slots, s), jnp.int32), ones,
                   jnp.zeros((slots,), jnp.int32), jax.random.PRNGKey(seed))
   zeros = lambda: jnp.zeros((q,), jnp.int32)  # one buffer each: the state is donated
+  cfg = dec.target_cfg
   return ServeState(spec=spec, slot_request=-ones, next_request=jnp.int32(0),
+                    pending_slot=jnp.int32(-1),
+                    pending_cache=kvc.init_cache(cfg, 1, s, compute_dtype(target_params)),
+                    pending_hidden=feature_buffer(target_params, cfg, 1, s,
+                                                  drafter_feature_layers(dec.drafter)),
                     out_tokens=jnp.zeros((q, s), jnp.int32), out_lens=zeros(),
                     out_counters=SpecCounters.zeros(q, dec.tree.max_depth,
                                                     dec.tree.max_children),
-                    admitted_at=zeros(), finished_at=zeros())
+                    admitted_at=zeros(), prefilled_at=zeros(), finished_at=zeros())
 
 
 def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
           prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
-          slots: int, seed: int = 0, cache_size: Optional[int] = None) -> ServeResult:
+          slots: int, seed: int = 0, cache_size: Optional[int] = None,
+          prefill_chunk: int = PREFILL_CHUNK) -> ServeResult:
   """Speculative generation of every prompt with continuous batching over ``slots`` rows.
 
   Args:
@@ -243,6 +310,8 @@ def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
     seed: PRNG seed of the sampler.
     cache_size: slots per row of the caches (default: fits the longest prompt and the
       largest budget, rounded up to 64).
+    prefill_chunk: prompt tokens an admitted request prefills per step of the others
+      (static: one program per value; capped at the cache's slots).
 
   Returns:
     a ``ServeResult`` with one row per prompt; its ``steps`` are the speculative steps
@@ -251,9 +320,11 @@ def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
   start = time.perf_counter()
   validation.check_params(target_params, dec.target_cfg, "target_params")
   dec.drafter.check_params(draft_params)
+  chunk = validation.as_int(prefill_chunk, "prefill_chunk", 1)
   queue, lens = pack_queue(dec, prompts, max_new_tokens, slots, cache_size)
   st = initial_serve_state(dec, target_params, draft_params, queue, slots, seed)
-  st = serve_loop(dec, target_params, draft_params, queue, st)
+  st = serve_loop(dec, target_params, draft_params, queue, st,
+                  chunk=min(chunk, queue.tokens.shape[1]))
   jax.block_until_ready(st.out_tokens)
   seconds = time.perf_counter() - start
   r = len(lens)
@@ -262,5 +333,5 @@ def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
                      seq_lens=host(st.out_lens), steps=int(st.spec.steps), seconds=seconds,
                      gamma=dec.gamma, per_row={k: v[:r] for k, v in
                                                counters_to_host(st.out_counters).items()},
-                     slots=slots,
-                     admitted_at=host(st.admitted_at), finished_at=host(st.finished_at))
+                     slots=slots, admitted_at=host(st.admitted_at),
+                     prefilled_at=host(st.prefilled_at), finished_at=host(st.finished_at))
