@@ -21,6 +21,8 @@ and temperature, the ``--num_prompts`` held-out prompts are served, in order, by
   * speculative decoding with continuous batching over B slots
     (``specjax.speculative.continuous.serve``, one call for the whole queue; an admitted
     prompt prefills ``--prefill_chunk`` tokens per step of the other slots);
+  * the same with ``interleave_prefill=False``: each admitted prompt prefills whole, and
+    every empty slot is filled, before the next step;
 
 in ``--rounds`` interleaved rounds (the order rotated by one per round), whole runs
 (prefill included) timed; tokens/s = tokens generated / seconds, the median round
@@ -67,7 +69,7 @@ ROUNDS = flags.DEFINE_integer("rounds", 2, "interleaved timed rounds", lower_bou
 OUT = flags.DEFINE_string("out", "benchmarks/results/continuous_batching.md", "markdown output")
 
 METHODS = ("plain, fixed batches", "speculative, fixed batches", "plain, continuous",
-           "speculative, continuous")
+           "speculative, continuous", "speculative, continuous, whole prefills")
 
 
 def _log(msg: str) -> None:
@@ -109,9 +111,9 @@ def _measure(target, draft, prompts, budgets, slots: int, temp: float) -> dict:
             for p, b in groups]
     return _trimmed(outs, budgets), sum(o.seconds for o in outs), sum(o.steps for o in outs)
 
-  def continuous(d, params):
+  def continuous(d, params, interleave=True):
     out = serve(d, target.params, params, prompts, budgets, slots=slots, cache_size=cache,
-                prefill_chunk=CHUNK.value)
+                prefill_chunk=CHUNK.value, interleave_prefill=interleave)
     return out, (int(out.num_generated.sum()), out.seconds, out.steps)
 
   def plain_continuous():
@@ -124,7 +126,8 @@ def _measure(target, draft, prompts, budgets, slots: int, temp: float) -> dict:
       target.cfg, PromptLookupDrafter(target.cfg.vocab_size), sampler=sampler,
       policy=AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1e6)))
   runs = dict(zip(METHODS, (plain, fixed, plain_continuous,
-                            lambda: continuous(dec, draft.params)[1])))
+                            lambda: continuous(dec, draft.params)[1],
+                            lambda: continuous(dec, draft.params, interleave=False)[1])))
   t0 = time.perf_counter()
   for fn in runs.values():
     fn()
@@ -167,7 +170,8 @@ def _report(cells: list[dict], command: str, minutes: float, budgets) -> list[st
            "slowest row is done (at its largest budget; tokens past a request's own budget are "
            "not counted). Continuous batching refills a slot as soon as its request is done "
            f"(`specjax.speculative.continuous`; an admitted prompt prefills {CHUNK.value} tokens "
-           "per step of the other slots). A speedup is tokens/s over plain fixed batches' "
+           "per step of the other slots, or, with whole prefills, all of it before the next "
+           "step). A speedup is tokens/s over plain fixed batches' "
            "in the same round (at T > 0 each method's samples stop at other EOS, so token "
            "counts differ); steps are target forwards of the whole queue, in the first round.",
            ""]

@@ -342,7 +342,8 @@ def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path):
 
 def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
   for args, message in ((["--slots=0"], "slot counts must be >= 1"),
-                        (["--budget_spread=2"], "flag --budget_spread=2")):
+                        (["--budget_spread=2"], "flag --budget_spread=2"),
+                        (["--prefill_chunk=0"], "flag --prefill_chunk=0")):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.continuous_batching", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
@@ -357,7 +358,7 @@ def test_continuous_batching_benchmark_runs_on_tiny_models(tmp_path):
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [l for l in out.read_text().splitlines() if l.startswith("| 2 |")]
-  assert len(rows) == 1 and rows[0].count("×") == 5, rows
+  assert len(rows) == 1 and rows[0].count("×") == 6, rows  # 5 methods, continuous / fixed
 
 
 # ------------------------------------------------------------------ Table 3 corpus, CPU

@@ -7,14 +7,14 @@ program; shapes stay static (slots × cache slots), requests and their lengths l
 arrays, so one program serves any queue up to the padded queue size.
 
 One pass of the loop:
-  feed:   if a request is being admitted, one chunk of its prompt (``prefill_chunk``
-          tokens) goes through the target into the admission's own one-row cache
-          (``generate.prefill_chunk``, its features kept for a feature drafter); after
-          the prompt's last chunk the drafter is initialised from the whole prompt
-          (``Drafter.init``) and the slot's row of every state leaf is overwritten with
-          the result: the request decodes from the next step on;
   admit:  if no request is being admitted, a slot is empty and requests wait, the next
-          request takes the first empty slot (its prefill starts in the next pass);
+          request takes the first empty slot;
+  feed:   one chunk of the admitted prompt (``prefill_chunk`` tokens) goes through the
+          target into the admission's own one-row cache (``generate.prefill_chunk``, its
+          features kept for a feature drafter); after the prompt's last chunk the drafter
+          is initialised from the whole prompt (``Drafter.init``) and the slot's row of
+          every state leaf is overwritten with the result: the request decodes from the
+          next step on;
   steps:  the decoder's speculative steps of the decoding slots (``steps_while``, the loop
           ``run`` uses, an adaptive policy's included): one step while an admission's
           prefill is under way, else until a decoding slot is done;
@@ -22,7 +22,10 @@ One pass of the loop:
           request's output row (one scatter for all slots) and becomes empty.
 So a long prompt's prefill is cut into chunks interleaved with the other slots' steps: no
 step waits for more than one chunk (Sarathi-style chunked prefill, as a schedule: the chunk
-is its own forward, not fused into the verification's).
+is its own forward, not fused into the verification's). With ``interleave_prefill=False``
+a pass instead admits and feeds until every empty slot is filled (or no request waits)
+before it steps: the other slots wait for whole prefills, and no step runs beside a slot
+still prefilling.
 
 What this does not do: the drafter's own initialisation (a draft model's prefill, EAGLE's
 layer over the prompt's features) runs whole in the pass that feeds the last chunk; the
@@ -222,19 +225,41 @@ def _retire(st: ServeState) -> ServeState:
                     slot_request=jnp.where(retiring, -1, st.slot_request))
 
 
-@functools.partial(jax.jit, static_argnames=("dec", "chunk"), donate_argnames=("st",))
+def _can_admit(queue: Queue, st: ServeState) -> jax.Array:
+  """No admission under way, a slot empty and a request waiting."""
+  return ((st.pending_slot < 0) & jnp.any(st.slot_request < 0)
+          & (st.next_request < queue.size))
+
+
+@functools.partial(jax.jit, static_argnames=("dec", "chunk", "interleave"),
+                   donate_argnames=("st",))
 def serve_loop(dec: SpeculativeDecoder, target_params: Params, draft_params: Any, queue: Queue,
-               st: ServeState, chunk: int = PREFILL_CHUNK) -> ServeState:
-  """Feeds, admits, steps and retires until the queue is empty and every slot too."""
+               st: ServeState, chunk: int = PREFILL_CHUNK, interleave: bool = True
+               ) -> ServeState:
+  """Admits and feeds, steps and retires until the queue is empty and every slot too.
+
+  With ``interleave``, a pass admits and feeds one chunk, then takes one step while the
+  admission is under way; without, a pass admits and prefills until no slot is empty or no
+  request waits, then steps until a slot is done.
+  """
+
+  def admit_and_feed(s: ServeState) -> ServeState:
+    s = _at_most_once(_can_admit(queue, s), functools.partial(_admit, queue), s)
+    return _at_most_once(s.pending_slot >= 0, functools.partial(
+        _feed, dec, target_params, draft_params, queue, chunk), s)
 
   def one_pass(s: ServeState) -> ServeState:
-    s = _at_most_once(s.pending_slot >= 0, functools.partial(
-        _feed, dec, target_params, draft_params, queue, chunk), s)
-    s = _at_most_once((s.pending_slot < 0) & jnp.any(s.slot_request < 0)
-                      & (s.next_request < queue.size), functools.partial(_admit, queue), s)
+    if interleave:
+      s = admit_and_feed(s)
+    else:
+      s = jax.lax.while_loop(lambda s: (s.pending_slot >= 0) | _can_admit(queue, s),
+                             admit_and_feed, s)
     decoding, admitting, steps = _decoding(s), s.pending_slot >= 0, s.spec.steps
+    # No step while a slot could be taken (the next pass admits first); one per pass while
+    # a prompt is being prefilled; else until a decoding slot is done.
+    hold = _can_admit(queue, s)
     spec = dec.steps_while(target_params, draft_params, s.spec,
-                           lambda sp: ~jnp.any(sp.done & decoding) & ~jnp.all(sp.done)
+                           lambda sp: ~jnp.any(sp.done & decoding) & ~jnp.all(sp.done) & ~hold
                            & ~(admitting & (sp.steps > steps)))
     return _retire(s.replace(spec=spec))
 
@@ -299,7 +324,7 @@ def initial_serve_state(dec: SpeculativeDecoder, target_params: Params, draft_pa
 def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
           prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
           slots: int, seed: int = 0, cache_size: Optional[int] = None,
-          prefill_chunk: int = PREFILL_CHUNK) -> ServeResult:
+          prefill_chunk: int = PREFILL_CHUNK, interleave_prefill: bool = True) -> ServeResult:
   """Speculative generation of every prompt with continuous batching over ``slots`` rows.
 
   Args:
@@ -310,8 +335,13 @@ def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
     seed: PRNG seed of the sampler.
     cache_size: slots per row of the caches (default: fits the longest prompt and the
       largest budget, rounded up to 64).
-    prefill_chunk: prompt tokens an admitted request prefills per step of the others
-      (static: one program per value; capped at the cache's slots).
+    prefill_chunk: prompt tokens per prefill forward of an admitted request (static: one
+      program per value; capped at the cache's slots).
+    interleave_prefill: True: an admitted prompt prefills one chunk per step of the other
+      slots, so no step waits for more than one chunk. False: each prompt prefills whole
+      (and every empty slot is filled) before the next step; the other slots wait, and on
+      a CPU, where a step with a slot still prefilling costs what a full one does, the
+      queue takes fewer steps (``benchmarks/results/continuous_batching.md``).
 
   Returns:
     a ``ServeResult`` with one row per prompt; its ``steps`` are the speculative steps
@@ -324,7 +354,7 @@ def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
   queue, lens = pack_queue(dec, prompts, max_new_tokens, slots, cache_size)
   st = initial_serve_state(dec, target_params, draft_params, queue, slots, seed)
   st = serve_loop(dec, target_params, draft_params, queue, st,
-                  chunk=min(chunk, queue.tokens.shape[1]))
+                  chunk=min(chunk, queue.tokens.shape[1]), interleave=bool(interleave_prefill))
   jax.block_until_ready(st.out_tokens)
   seconds = time.perf_counter() - start
   r = len(lens)
