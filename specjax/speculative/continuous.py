@@ -17,7 +17,8 @@ One pass of the loop:
           next step on;
   steps:  the decoder's speculative steps of the decoding slots (``steps_while``, the loop
           ``run`` uses, an adaptive policy's included): one step while an admission's
-          prefill is under way, else until a decoding slot is done;
+          prefill is under way, else until a decoding slot is done (none while a slot
+          could be taken: the next pass admits first);
   retire: every decoding slot that is done copies its tokens, length and counters to its
           request's output row (one scatter for all slots) and becomes empty.
 So a long prompt's prefill is cut into chunks interleaved with the other slots' steps: no
