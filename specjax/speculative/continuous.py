@@ -22,8 +22,9 @@ One pass of the loop:
   retire: every decoding slot that is done copies its tokens, length and counters to its
           request's output row (one scatter for all slots) and becomes empty.
 So a long prompt's prefill is cut into chunks interleaved with the other slots' steps: no
-step waits for more than one chunk (Sarathi-style chunked prefill, as a schedule: the chunk
-is its own forward, not fused into the verification's). With ``interleave_prefill=False``
+step waits for more than one chunk (and, after the last, the drafter's initialisation):
+Sarathi-style chunked prefill as a schedule, the chunk its own forward, not fused into the
+verification's. With ``interleave_prefill=False``
 a pass instead admits and feeds until every empty slot is filled (or no request waits)
 before it steps: the other slots wait for whole prefills, and no step runs beside a slot
 still prefilling.
@@ -149,9 +150,10 @@ def _put_row(tree: Any, row: Any, b: jax.Array, what: str) -> Any:
 
 
 def _at_most_once(pred: jax.Array, fn, x: Any) -> Any:
-  """``fn(x)`` where ``pred`` holds, else ``x``: a loop of zero or one pass, because XLA
-  updates a loop's buffers in place where a conditional's branches copy them (the caches;
-  ``SpeculativeDecoder.steps_while`` says the same of its policy's branches)."""
+  """``fn(x)`` where ``pred`` holds, else ``x``: a loop of zero or one pass rather than a
+  ``lax.cond``, because XLA updates a loop's buffers in place where a conditional's branches
+  copied them (the KV caches) in ``SpeculativeDecoder.steps_while``'s case, which
+  tests/test_adaptive.py counts; the copies were not counted for this loop's conds."""
   return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), fn(c[1])),
                             (pred, x))[1]
 
