@@ -311,13 +311,17 @@ def state_specs(tree: Any, batch_size: int, mesh_shape: dict, rules: ShardingRul
   return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, kvc.KVCache))
 
 
-def constrain(tree: Any, batch_size: int) -> Any:
+def constrain(tree: Any, batch_size: int, replicate_rows: bool = False) -> Any:
   """Inside ``use_mesh`` (at trace time): ``tree`` pinned to ``state_specs`` with
-  ``with_sharding_constraint``; elsewhere ``tree`` itself."""
+  ``with_sharding_constraint``; elsewhere ``tree`` itself. ``replicate_rows``: the rows
+  are on every data shard (e.g. one request's prefill, which the data axis cannot
+  split), the other axes (caches' kv heads) by the rules."""
   current = active()
   if current is None or not multi_device():
     return tree
   mesh, rules = current
+  if replicate_rows:
+    rules = rules.with_axes(batch=None)
   specs = state_specs(tree, batch_size, dict(mesh.shape), rules)
   return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, s), tree, specs,
                       is_leaf=lambda x: isinstance(x, P))

@@ -8,7 +8,8 @@ each mesh: plain greedy decoding, a greedy chain (EAGLE drafter), a greedy tree 
 heads' own tree) and sampled plain and chain decoding with a fixed seed, each compared
 token for token with the same call on one device, and continuous batching (``serve``) of
 12 requests over the 8 slots; and the shapes of every all-gather in
-the compiled plain and chain decode loops, to show no whole weight matrix is gathered.
+the compiled plain and chain decode loops and the continuous-batching loop (admission and
+prefill chunks included), to show no whole weight matrix is gathered.
 ``--check=train``: a few distillation steps on each mesh against one device.
 Prints (and writes) one JSON object.
 """
@@ -30,6 +31,8 @@ from specjax import sharding, testing  # noqa: E402
 from specjax.generate import _decode, _prefill, generate  # noqa: E402
 from specjax.sampling import Greedy, Sampling  # noqa: E402
 from specjax.speculative import SpeculativeDecoder, serve  # noqa: E402
+from specjax.speculative.continuous import (initial_serve_state, pack_queue,  # noqa: E402
+                                            serve_loop)
 
 BATCH = 8
 NEW_TOKENS = 12
@@ -107,7 +110,13 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
       dec = SpeculativeDecoder(cfg, eagle, gamma=3, eos_ids=())
       spec_state, _ = dec.prepare(t, d["eagle"], [[1, 2, 3, 4]] * BATCH, 8, cache_size=32)
       chain_hlo = SpeculativeDecoder.run.lower(dec, t, d["eagle"], spec_state).compile().as_text()
-      gathered = sorted(set(_gathered_shapes(plain_hlo)) | set(_gathered_shapes(chain_hlo)))
+      # and the continuous-batching loop, admission and chunked prefill included
+      queue, _ = pack_queue(dec, [[1, 2, 3, 4, 5]] * (BATCH + 2), 8, BATCH)
+      serve_state = initial_serve_state(dec, t, d["eagle"], queue, BATCH)
+      serve_hlo = serve_loop.lower(dec, t, d["eagle"], queue, serve_state,
+                                   chunk=4).compile().as_text()
+      gathered = sorted(set().union(*(_gathered_shapes(h)
+                                      for h in (plain_hlo, chain_hlo, serve_hlo))))
       result["all_gather_shapes"] = [list(s) for s in gathered]
       result["whole_weights_gathered"] = [list(s) for s in gathered if s in weights]
       result["params_sharded"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(t)})

@@ -86,17 +86,20 @@ def test_every_request_gets_plain_greedy_tokens(models, kind):
 def test_a_long_prompt_prefills_between_the_other_slots_steps(models):
   """A 2-token request decodes for 60 tokens while a 30-token prompt is admitted beside it:
   the other slot takes one step after each of its 8 chunks of 4 tokens but the last; with
-  interleaving off it takes none (the whole prompt is prefilled before the next step)."""
+  interleaving off it takes none (the whole prompt is prefilled before the next step). A
+  one-token prompt admitted next has nothing to prefill and decodes at once."""
   (cfg, params), _ = models
   dec, dp = _decoder("model_chain", models)
-  prompts = [[3, 4], list(range(1, 31))]
-  res = continuous.serve(dec, params, dp, prompts, [60, 5], slots=2, prefill_chunk=4)
-  assert (res.prefilled_at - res.admitted_at).tolist() == [0, 7]
-  assert res.generated(1) == generate(params, cfg, [prompts[1]], 5, eos_ids=()).generated(0)
-  whole = continuous.serve(dec, params, dp, prompts, [60, 5], slots=2, prefill_chunk=4,
+  prompts = [[3, 4], list(range(1, 31)), [7]]
+  res = continuous.serve(dec, params, dp, prompts, [60, 5, 6], slots=2, prefill_chunk=4)
+  assert (res.prefilled_at - res.admitted_at).tolist() == [0, 7, 0]
+  for i in (1, 2):
+    assert res.generated(i) == generate(params, cfg, [prompts[i]], [5, 6][i - 1],
+                                        eos_ids=()).generated(0)
+  whole = continuous.serve(dec, params, dp, prompts, [60, 5, 6], slots=2, prefill_chunk=4,
                            interleave_prefill=False)
-  assert (whole.prefilled_at - whole.admitted_at).tolist() == [0, 0]
-  assert whole.generated(1) == res.generated(1)
+  assert (whole.prefilled_at - whole.admitted_at).tolist() == [0, 0, 0]
+  assert [whole.generated(i) for i in (1, 2)] == [res.generated(i) for i in (1, 2)]
 
 
 def test_requests_stop_at_eos_and_free_their_slot(models):

@@ -185,12 +185,20 @@ def _feed(dec: SpeculativeDecoder, target_params: Params, draft_params: Any, que
   """One chunk of the admitted prompt through the target; after its last, the request
   takes its slot (``_install``)."""
   tokens, lens, _ = _request_rows(queue, st.slot_request[st.pending_slot])
-  fed = st.pending_cache.lengths
-  cache, hidden = prefill_chunk(target_params, dec.target_cfg, tokens, fed[0] + jnp.arange(chunk),
-                                jnp.clip(lens - 1 - fed, 0, chunk), st.pending_cache,
-                                st.pending_hidden, drafter_feature_layers(dec.drafter))
-  st = st.replace(pending_cache=cache, pending_hidden=hidden)
-  return _at_most_once(cache.lengths[0] >= lens[0] - 1,
+
+  def feed(st: ServeState) -> ServeState:
+    fed = st.pending_cache.lengths
+    cache, hidden = prefill_chunk(target_params, dec.target_cfg, tokens,
+                                  fed[0] + jnp.arange(chunk), jnp.clip(lens - 1 - fed, 0, chunk),
+                                  st.pending_cache, st.pending_hidden,
+                                  drafter_feature_layers(dec.drafter))
+    # one row: on every data shard, kv heads on the model axis as the slots' caches
+    cache, hidden = sharding.constrain((cache, hidden), 1, replicate_rows=True)
+    return st.replace(pending_cache=cache, pending_hidden=hidden)
+
+  # (a one-token prompt has nothing to prefill: its last token is fed by the first step)
+  st = _at_most_once(st.pending_cache.lengths[0] < lens[0] - 1, feed, st)
+  return _at_most_once(st.pending_cache.lengths[0] >= lens[0] - 1,
                        functools.partial(_install, dec, draft_params, queue), st)
 
 
@@ -211,6 +219,7 @@ def _install(dec: SpeculativeDecoder, draft_params: Any, queue: Queue,
                                      f"{type(dec.drafter).__name__}'s state" if k == "draft_state"
                                      else k)
                          for k, v in rows.items()})
+  spec = sharding.constrain(spec, st.slot_request.shape[0])  # the row back on its data shard
   return st.replace(spec=spec, pending_slot=jnp.int32(-1),
                     prefilled_at=st.prefilled_at.at[r].set(spec.steps))
 
