@@ -94,6 +94,9 @@ flags.DEFINE_integer("exit_blocks", 1, "Trained exit: residual blocks of its hea
                      lower_bound=0)
 flags.DEFINE_integer("medusa_heads", 4, "Medusa: heads (the deepest draft).", lower_bound=1)
 flags.DEFINE_integer("medusa_layers", 1, "Medusa: residual blocks per head.", lower_bound=0)
+flags.DEFINE_bool("own_head", False, "Medusa and the trained exit: each head trains its own "
+                  "copy of the target's LM-head rows (FasterDecoding's Medusa-1; --draft_vocab "
+                  "rows, shipped with the heads) instead of sharing the frozen ones.")
 flags.DEFINE_integer("eagle_layers", 1, "EAGLE: decoder layers (initialised from the target's last).")
 flags.DEFINE_float("feature_weight", 0.1, "EAGLE: weight of the feature regression loss.")
 flags.DEFINE_float("feature_noise", 0.05, "EAGLE: uniform noise on input features (× their RMS).")
@@ -276,6 +279,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
                  medusa_heads=FLAGS.medusa_heads)
   if exit_run:
     setup.update(draft_kind="exit", draft_layers=FLAGS.exit_blocks, exit_layer=FLAGS.exit_layer)
+  if FLAGS.own_head and (medusa_run or exit_run):
+    setup.update(own_head=True)  # (absent when off, so earlier runs still resume)
   if online:
     setup.update(teacher="online", teacher_topk=k)
   token_run = not (eagle_run or medusa_run or exit_run)
@@ -334,7 +339,9 @@ def run_train_stage(directory: str, workdir: str) -> None:
     dparams = zero_blocks(1, FLAGS.exit_blocks, cfg.dim)
     frozen = heads.frozen_arrays(cfg, params, vocab_map)
     dcfg = dataclasses.replace(cfg, vocab_size=FLAGS.draft_vocab or cfg.vocab_size)
-  else:
+  if FLAGS.own_head and (medusa_run or exit_run):  # each head's copy of the frozen rows
+    dparams["head"] = heads.own_heads(frozen, objective.num_heads)
+  if token_run:
     spec = vocab.DraftSpec(vocab_size=FLAGS.draft_vocab or None, layers=layers)
     dcfg, dparams = vocab.init_from_target(cfg, params, spec, vocab_map)
     if target_input:

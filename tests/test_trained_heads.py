@@ -300,3 +300,57 @@ def test_bad_exits_are_refused(deep, tmp_path):
   d, dp = trained_exit_drafter(cfg, params, 1, w)
   with pytest.raises(ValueError, match="draft_params\\['exit'\\]"):
     d.check_params({k: v for k, v in dp.items() if k != "exit"})
+
+
+# ------------------------------------------------------------------ own heads (--own_head)
+
+
+def test_own_heads_train_their_rows_and_ship_with_them(toy, deep, tmp_path):
+  """``--own_head``: each head trains its own copy of the frozen LM-head rows (Medusa-1's
+  design), which start as the shared head (same logits before training), move in training,
+  ship in the directory and load back as the drafter's own [K, Vd, D] head; decoding with
+  them stays greedy-exact."""
+  for (cfg, params, recs, held), objective, init, save, load in (
+      (toy, _objective(toy[0]), init_medusa_weights(toy[0], 3, 1),
+       lambda p, c, w, vm: drafts.save_medusa(p, c, w, vm, tokenizer_sha256="abc"),
+       drafts.load_medusa),
+      (deep, heads.exit_objective(deep[0]), zero_blocks(1, 1, deep[0].dim),
+       lambda p, c, w, vm: drafts.save_exit(p, c, w, vm, exit_layer=1, tokenizer_sha256="abc"),
+       drafts.load_exit)):
+    vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
+    frozen = heads.frozen_arrays(cfg, params, vm)
+    own = dict(init, head=heads.own_heads(frozen, objective.num_heads))
+    assert own["head"].shape == (objective.num_heads, 48, cfg.dim)
+    batch = _batch(recs[:4])
+    np.testing.assert_allclose(objective.logp_and_aux(own, frozen, None, batch, None)[0],
+                               objective.logp_and_aux(init, frozen, None, batch, None)[0],
+                               atol=1e-5)
+    draft = train.Draft(cfg=dataclasses.replace(cfg, vocab_size=len(vm)),
+                        target_vocab_size=cfg.vocab_size, vocab_map=vm)
+    tc = train.TrainConfig(steps=30, batch_size=8, seq_len=SEQ, lr=2e-2, warmup_steps=2,
+                           eval_every=30, checkpoint_every=30)
+    run_dir = str(tmp_path / f"run{objective.num_heads}")
+    trained, hist = train.train(draft, own, recs, held, tc, run_dir, k=K_TOP, log=lambda m: 0,
+                                progress=False, objective=objective, frozen=frozen)
+    assert float(jnp.max(jnp.abs(trained["head"] - own["head"]))) > 1e-3
+    assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"]
+    path = str(tmp_path / f"own{objective.num_heads}")
+    save(path, cfg, trained, vm)
+    d, dp = load(path, cfg, params, tokenizer_sha256="abc")
+    head = dp["head"] if "head" in dp else dp["exit"]["head"]
+    np.testing.assert_allclose(head, np.asarray(trained["head"], np.float16), atol=1e-6)
+    if isinstance(d, MedusaDrafter):
+      assert not d.shared_head
+      dec = SpeculativeDecoder(cfg, d, tree=d.tree(8), eos_ids=())
+    else:
+      dec = SpeculativeDecoder(cfg, d, gamma=3, eos_ids=())
+    prompts = [r["prompt"] for r in held[:4]]
+    np.testing.assert_array_equal(dec.generate(params, dp, prompts, 10).tokens,
+                                  generate(params, cfg, prompts, 10, Greedy(), eos_ids=()).tokens)
+
+
+def test_an_exit_head_of_the_wrong_rows_is_refused(deep):
+  cfg, params, _, _ = deep
+  w = dict(zero_blocks(1, 1, cfg.dim), head=jnp.zeros((1, 40, cfg.dim)))
+  with pytest.raises(ValueError, match=r"own head must be \[1, 48, "):
+    trained_exit_drafter(cfg, params, 1, w, np.arange(48))

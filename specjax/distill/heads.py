@@ -24,6 +24,9 @@ Departures from FasterDecoding's Medusa-1 and LayerSkip's recipes, and why:
   the trained weights are then only the residual blocks (K·L·(D² + D)
   parameters, 1.3 M for SmolLM2 with K = 4, L = 1), small enough to ship, and
   every head starts as the target's own next-token prediction (zero blocks).
+  ``own_heads`` (``train_draft --own_head``) gives each head a trainable copy of
+  those rows instead, as FasterDecoding's heads have: better held-out accuracy
+  (head 0's top-1 0.34 against 0.30 on SmolLM2), 15× the bytes to ship.
   Each head's loss weighs all heads equally (Medusa's λ_k = 0.8^k decay
   is not used: the tree, not the loss, trades the heads off).
 * The exit trains an adapter on the frozen target (LayerSkip fine-tunes the
@@ -106,6 +109,14 @@ def frozen_arrays(target_cfg, target_params: Params, vocab_map=None) -> dict:
   if vocab_map is not None:
     head = head[jnp.asarray(np.asarray(vocab_map), jnp.int32)]
   return {"final_norm": target_params["final_norm"], "head": head}
+
+
+def own_heads(frozen: dict, num_heads: int) -> jax.Array:
+  """[K, Vd, D] float32: each head's own trainable copy of the frozen LM-head rows
+  (FasterDecoding's Medusa-1 heads each train their own; as trainable params they
+  override ``frozen["head"]``)."""
+  head = jnp.asarray(frozen["head"], jnp.float32)
+  return jnp.broadcast_to(head, (num_heads,) + head.shape) + 0.0
 
 
 @functools.partial(jax.jit, static_argnames=("objective", "ranks"))

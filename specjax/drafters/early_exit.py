@@ -130,19 +130,27 @@ def trained_exit_drafter(cfg: ModelConfig, params: Params, num_layers: int, weig
   Args:
     cfg, params: the target.
     num_layers: k, the layers the draft runs (its exit is layer k − 1's output).
-    weights: ``res_w`` [1, L, D, D] and ``res_b`` [1, L, D] (``distill.heads``).
-    vocab_map: [Vd] target ids of the head's rows (the target's LM head rows there);
-      None: all V rows.
+    weights: ``res_w`` [1, L, D, D] and ``res_b`` [1, L, D] (``distill.heads``), and
+      optionally the head's own trained rows ``head`` [1, Vd, D] (``--own_head``).
+    vocab_map: [Vd] target ids of the head's rows (without an own head: the target's
+      LM head rows there); None: all V rows.
   """
   drafter, dp = early_exit_drafter(cfg, params, num_layers)
   drafter = dataclasses.replace(drafter, trained=True)
   dtype = compute_dtype(params)
-  head = target_head(cfg, params)
   ep = {"final_norm": params["final_norm"], "res_w": jnp.asarray(weights["res_w"], dtype),
         "res_b": jnp.asarray(weights["res_b"], dtype)}
   if vocab_map is not None:
     ep["vocab_map"] = jnp.asarray(np.asarray(vocab_map), jnp.int32)
-    head = head[ep["vocab_map"]]
+  if "head" in weights:
+    head = jnp.asarray(weights["head"], dtype)
+    rows = cfg.vocab_size if vocab_map is None else len(vocab_map)
+    if head.shape != (1, rows, cfg.dim):
+      raise ValueError(f"the exit's own head must be [1, {rows}, {cfg.dim}] (its vocabulary's "
+                       f"rows), got {head.shape}")
+  else:
+    head = target_head(cfg, params)
+    head = head if vocab_map is None else head[ep["vocab_map"]]
   dp = dict(dp, exit=dict(ep, head=head))
   drafter.check_params(dp)
   return drafter, dp
