@@ -27,8 +27,11 @@ Implementations, chosen by the static ``impl`` name:
                           inside the kernel's wrapper), "pallas" on TPU and
                           GPU (the reference there too for window masks and
                           for more new tokens than the kernels' tree budget).
-                          Under a mesh of more than one device (``sharding``)
-                          always the reference, which GSPMD partitions.
+
+Under a mesh of more than one device (``sharding``) the reference is XLA's, which
+GSPMD partitions; a kernel runs under ``jax.shard_map`` on each device's rows and
+kv heads (``sharding.per_device``), since GSPMD would gather a custom call's
+operands whole.
 
 ``SPECJAX_ATTENTION=<name>`` in the environment replaces "auto" everywhere (e.g.
 "reference", XLA's attention, as the measured alternative to the Pallas kernels
@@ -38,6 +41,7 @@ The choice is logged once per (name, backend).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -215,8 +219,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
   """
   t = q.shape[1]
   resolved = resolve_impl(impl)
-  if impl == "auto" and sharding.multi_device():
-    resolved = "reference"  # GSPMD partitions XLA's attention; custom calls it would gather
   if impl == "auto":
     takes = (_cpu_kernel_takes(q, k, v, mask) if resolved == "cpu"
              else _kernels_take(mask, t, block_sizes))
@@ -226,12 +228,26 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
                  or mask.shape[-1] < t):
     raise ValueError(f"a [.., T, W] window mask needs W >= T={t} and the reference or cpu "
                      f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
-  if resolved == "cpu":
-    return _cpu_kernel(q, k, v, lengths, batched_mask(mask, q.shape[0]))
-  if resolved == "reference":
-    if not window:
-      check_inputs(q, k, v, lengths, mask, dtypes=None)
+  if not window:
+    check_inputs(q, k, v, lengths, mask, dtypes=None)
+  if resolved == "reference":  # XLA's: GSPMD partitions it on a mesh
     return _reference(q, k, v, lengths, batched_mask(mask, q.shape[0]))
+  # A kernel is a custom call, which GSPMD would gather whole: on a mesh each device runs
+  # it on its own rows and kv heads (attention needs nothing from the other shards).
+  mask = batched_mask(mask, q.shape[0]) if resolved == "cpu" else mask
+  heads = ("batch", None, "kv_heads", None)
+  cache = ("batch", "kv_heads", None, None)
+  masks = ("batch", None, None) if mask.ndim == 3 else (None, None)
+  return sharding.per_device(
+      functools.partial(_kernel, resolved, block_sizes), (q, k, v, lengths, mask),
+      (heads, cache, cache, ("batch",), masks), heads,
+      {"batch": q.shape[0], "kv_heads": k.shape[1]})
+
+
+def _kernel(resolved: str, block_sizes, q, k, v, lengths, mask) -> jax.Array:
+  """The CPU or a Pallas kernel (``resolved``) on these operands."""
+  if resolved == "cpu":
+    return _cpu_kernel(q, k, v, lengths, mask)
   if resolved.startswith("pallas_tpu"):
     from jax.experimental.pallas import tpu as pltpu
     from pallas_kernels.tree_attention.tpu_kernel import tree_attention_tpu

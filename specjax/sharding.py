@@ -33,10 +33,11 @@ Departures from maxtext/levanter, and why:
     A dimension the mesh axis does not divide is an error before anything compiles, unless
     ``ShardingRules(indivisible="replicate")``: then that dimension is replicated (logged),
     e.g. SmolLM2-135M's 3 kv heads on a model axis of 2, 4 or 8. No padding.
-  * Single-device CPU paths stay single-device: ``shard_params`` unpacks the streaming
-    kernel's packed weights (``kernels.packed``) into plain arrays, and under a mesh of
-    more than one device "auto" attention takes the XLA reference path, which GSPMD
-    partitions (the CPU and Pallas kernels are custom calls it would gather around).
+  * The CPU streaming matmul stays single-device: ``shard_params`` unpacks its packed
+    weights (``kernels.packed``) into plain arrays, whose products GSPMD partitions. The
+    attention kernels (CPU FFI, Pallas) are custom calls GSPMD would gather around, so
+    on a mesh they run under ``jax.shard_map`` on each device's rows and kv heads
+    (``per_device``); greedy tree verification takes XLA's reference path there.
 """
 
 from __future__ import annotations
@@ -275,6 +276,38 @@ def multi_device() -> bool:
   """Whether a mesh of more than one device is active (``use_mesh`` or ``jax.set_mesh``)."""
   mesh = jax.sharding.get_abstract_mesh()
   return not mesh.empty and mesh.size > 1
+
+
+def per_device(fn, args: Sequence[Any], logical: Sequence[Sequence[Optional[str]]],
+               out_logical: Sequence[Optional[str]], sizes: dict[str, int]) -> Any:
+  """``fn(*args)``, run on each device's shards (``jax.shard_map``) under a mesh of more than
+  one device: how a custom call (the CPU and Pallas kernels) runs on a mesh, since GSPMD
+  cannot partition it and would gather its operands whole.
+
+  Args:
+    fn: computes on local blocks; it must need no communication (e.g. attention of local
+      rows over local kv heads).
+    args: the arrays.
+    logical, out_logical: each arg's and the single output's logical axes (None: whole).
+    sizes: each logical axis's size. An axis goes to its mesh axis (by the active rules)
+      where that divides the size, else stays whole on every device, for every operand
+      alike (so e.g. 3 kv heads on a model axis of 2 are computed whole on each device).
+
+  Outside a mesh, or on one device, it is ``fn(*args)``.
+  """
+  if not multi_device():
+    return fn(*args)
+  mesh, rules = active() or (jax.sharding.get_abstract_mesh(), ShardingRules())
+  axis = {}
+  for name, n in sizes.items():
+    m = rules.mesh_axis(name)
+    size = dict(mesh.shape).get(m, 1) if m else 1
+    axis[name] = m if size > 1 and n % size == 0 else None
+  if not any(axis.values()):  # nothing to split: every device computes it whole anyway
+    return fn(*args)
+  spec = lambda names: P(*(axis.get(n) if n else None for n in names))
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(l) for l in logical),
+                       out_specs=spec(out_logical), check_vma=False)(*args)
 
 
 def check_batch(batch_size: int, mesh=None, rules: Optional[ShardingRules] = None) -> None:

@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specjax import sharding, testing  # noqa: E402
+from specjax.attention import attention  # noqa: E402
 from specjax.generate import _decode, _prefill, generate  # noqa: E402
 from specjax.sampling import Greedy, Sampling  # noqa: E402
 from specjax.speculative import SpeculativeDecoder, serve  # noqa: E402
@@ -90,6 +91,8 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
   drafts = {"eagle": eagle_params, "medusa": medusa_params}
   drafters = {"eagle": eagle, "medusa": medusa}
   single = {name: np.asarray(f(params, drafts)) for name, f in cases.items()}
+  kernels_single = {impl: np.asarray(_attend(impl)(*_attention_operands()))
+                    for impl in ATTENTION_KERNELS}
   weights = _weight_shapes(sharding.shard_params(params, cfg, sharding.make_mesh(1, 1))) | (
       _weight_shapes(eagle.plain_params(eagle_params)))
   report = {"model": model, "devices": len(jax.devices()), "meshes": {}}
@@ -120,9 +123,55 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
       result["all_gather_shapes"] = [list(s) for s in gathered]
       result["whole_weights_gathered"] = [list(s) for s in gathered if s in weights]
       result["params_sharded"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(t)})
+      result["attention_kernels"] = _attention_kernels(mesh, kernels_single)
     report["meshes"][f"{data}x{model_axis}"] = result
   report["detector_control"] = _control(cfg, params, rules)
   return report
+
+
+ATTENTION_KERNELS = ("cpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
+
+
+def _attention_operands():
+  """A tree-attention block: 8 rows, 4 new tokens under a tree mask, 8 query heads over 4
+  kv heads (whole on a model axis of 8), a 64-slot cache."""
+  r = np.random.default_rng(0)
+  q = r.standard_normal((BATCH, 4, 8, 16), np.float32)
+  k, v = (r.standard_normal((BATCH, 4, 64, 16), np.float32) for _ in range(2))
+  lengths = r.integers(1, 60, BATCH).astype(np.int32)
+  mask = np.tril(np.ones((4, 4), bool))
+  mask[3, 2] = False  # nodes 2 and 3 are siblings
+  return q, k, v, lengths, mask
+
+
+def _attend(impl):
+  return jax.jit(lambda *a: attention(*a, impl=impl))
+
+
+def _attention_kernels(mesh, single: dict) -> dict:
+  """Each attention kernel on this mesh (``jax.shard_map`` over rows and kv heads, its
+  operands placed as a decode step's are: rows on data, kv heads (and their query heads) on
+  model, whole where the axis does not divide them, e.g. 4 kv heads on a model axis of 8):
+  its output against one device's, and whether the compiled program gathers the cache."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  q, k, v, lengths, mask = _attention_operands()
+  rules = sharding.ShardingRules(indivisible="replicate")
+  b, kv = sharding.spec_for(k.shape[:2], ("batch", "kv_heads"), dict(mesh.shape), rules)
+  put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+  ops = (put(q, b, None, kv, None), put(k, b, kv, None, None), put(v, b, kv, None, None),
+         put(lengths, b), mask)
+  out = {}
+  for impl in ATTENTION_KERNELS:
+    if impl == "pallas_tpu_interpret" and b is None and kv is None:
+      # Nothing split (1x8 here): eight replicated copies of the TPU interpreter's kernel
+      # hang in a rendezvous on simulated CPU devices (its simulated shared memory; not
+      # diagnosed further). The CPU and GPU-interpret kernels run there.
+      continue
+    f = _attend(impl)
+    text = f.lower(*ops).compile().as_text()
+    out[impl] = {"max_diff": float(np.max(np.abs(np.asarray(f(*ops)) - single[impl]))),
+                 "cache_gathered": (BATCH, 4, 64, 16) in _gathered_shapes(text)}
+  return out
 
 
 def _control(cfg, params, rules) -> bool:

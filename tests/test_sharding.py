@@ -126,11 +126,20 @@ def _check(report: dict, meshes: str, sampled: bool = True):
     for case in cases + (("plain_sampled", "chain_sampled") if sampled else ()):
       assert r[case], f"{name}: {case} differs from one device"
     assert not r["whole_weights_gathered"], (name, r["whole_weights_gathered"])
+    # The attention kernels under shard_map: one device's output, the cache not gathered.
+    kernels = r["attention_kernels"]
+    assert {"cpu", "pallas_gpu_interpret"} <= set(kernels), (name, kernels)
+    for impl, k in kernels.items():
+      assert k["max_diff"] <= 1e-6 and not k["cache_gathered"], (name, impl, k)
 
 
 def test_simulated_meshes_tiny_model():
   report = _run_simulated("tiny", "1x8,2x4,4x2,8x1", timeout=900)
   _check(report, "1x8,2x4,4x2,8x1")
+  # the TPU interpreter's kernel runs wherever the mesh splits the block (see
+  # sharded_decoding._attention_kernels for 1x8)
+  for mesh in ("2x4", "4x2", "8x1"):
+    assert "pallas_tpu_interpret" in report["meshes"][mesh]["attention_kernels"]
   # The model axis really splits the weights where it is > 1.
   assert "P(None, 'model')" in report["meshes"]["1x8"]["params_sharded"]
 
