@@ -156,11 +156,12 @@ def test_training_on_simulated_meshes_matches_one_device():
 @pytest.mark.heavy
 def test_simulated_meshes_embedded_model():
   """SmolLM2 against one device: greedy tokens equal on every mesh. Sampled ones are not
-  compared: a mesh's logits differ from one device's in their last bits (XLA's dot and
-  attention instead of the CPU kernels, sharded partial sums), and a draw near a CDF boundary
-  may part (docs/sharding.md has what was measured)."""
+  compared: a mesh's logits differ from one device's in their last bits (XLA's dot instead
+  of the CPU streaming kernel, sharded partial sums), and a draw near a CDF boundary may part
+  (docs/sharding.md has what was measured)."""
   report = _run_simulated("smollm2", "1x8,2x4,4x2,8x1", timeout=3000)
   _check(report, "1x8,2x4,4x2,8x1", sampled=False)
+
 
 def _free_port() -> int:
   import socket
