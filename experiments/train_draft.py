@@ -279,7 +279,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
                  medusa_heads=FLAGS.medusa_heads)
   if exit_run:
     setup.update(draft_kind="exit", draft_layers=FLAGS.exit_blocks, exit_layer=FLAGS.exit_layer)
-  if FLAGS.own_head and (medusa_run or exit_run):
+  if FLAGS.own_head:
     setup.update(own_head=True)  # (absent when off, so earlier runs still resume)
   if online:
     setup.update(teacher="online", teacher_topk=k)
@@ -339,7 +339,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
     dparams = zero_blocks(1, FLAGS.exit_blocks, cfg.dim)
     frozen = heads.frozen_arrays(cfg, params, vocab_map)
     dcfg = dataclasses.replace(cfg, vocab_size=FLAGS.draft_vocab or cfg.vocab_size)
-  if FLAGS.own_head and (medusa_run or exit_run):  # each head's copy of the frozen rows
+  if FLAGS.own_head:  # each head's copy of the frozen rows
     dparams["head"] = heads.own_heads(frozen, objective.num_heads)
   if token_run:
     spec = vocab.DraftSpec(vocab_size=FLAGS.draft_vocab or None, layers=layers)
@@ -402,6 +402,9 @@ def run_train_stage(directory: str, workdir: str) -> None:
 def main(argv):
   del argv
   training_mesh()  # a bad --mesh fails before the corpus is built
+  if FLAGS.own_head and FLAGS.draft_kind not in ("medusa", "exit"):
+    raise app.UsageError("--own_head is for --draft_kind=medusa or exit (their heads' LM-head "
+                         f"rows), not {FLAGS.draft_kind}")
   directory = run_data_stage() if FLAGS.stage in ("data", "all") else corpus_dir()
   if FLAGS.stage in ("train", "all"):
     run_train_stage(directory, FLAGS.workdir)

@@ -228,7 +228,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask
                  or mask.shape[-1] < t):
     raise ValueError(f"a [.., T, W] window mask needs W >= T={t} and the reference or cpu "
                      f"implementation; got {tuple(mask.shape)} with impl {resolved!r}")
-  if not window:
+  if not window:  # (on the global shapes: on a mesh the kernels see only their shards')
     check_inputs(q, k, v, lengths, mask, dtypes=None)
   if resolved == "reference":  # XLA's: GSPMD partitions it on a mesh
     return _reference(q, k, v, lengths, batched_mask(mask, q.shape[0]))

@@ -303,9 +303,7 @@ def per_device(fn, args: Sequence[Any], logical: Sequence[Sequence[Optional[str]
     m = rules.mesh_axis(name)
     size = dict(mesh.shape).get(m, 1) if m else 1
     axis[name] = m if size > 1 and n % size == 0 else None
-  if not any(axis.values()):  # nothing to split: every device computes it whole anyway
-    return fn(*args)
-  spec = lambda names: P(*(axis.get(n) if n else None for n in names))
+  spec = lambda names: P(*(axis.get(n) for n in names))
   return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(l) for l in logical),
                        out_specs=spec(out_logical), check_vma=False)(*args)
 

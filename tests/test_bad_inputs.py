@@ -444,3 +444,17 @@ def test_saving_over_a_sharded_checkpoint_removes_its_stale_shards(tmp_path):
   assert cfg2 == cfg
   np.testing.assert_array_equal(params2["embed"], params["embed"])
   assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_train_draft_refuses_own_head_for_drafts_without_heads(tmp_path):
+  """``--own_head`` is refused before any corpus or model is touched (a subprocess: the
+  script's flags would collide with other entry points' in this process)."""
+  import subprocess
+  root = pathlib.Path(__file__).resolve().parents[1]
+  proc = subprocess.run([sys.executable, "-m", "experiments.train_draft", "--stage=train",
+                         "--own_head", "--draft_kind=eagle", f"--workdir={tmp_path / 'w'}"],
+                        cwd=root, env=dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache")),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "--own_head is for --draft_kind=medusa or exit" in proc.stderr
+  assert not (tmp_path / "cache").exists() and not (tmp_path / "w").exists()

@@ -115,8 +115,7 @@ def own_heads(frozen: dict, num_heads: int) -> jax.Array:
   """[K, Vd, D] float32: each head's own trainable copy of the frozen LM-head rows
   (FasterDecoding's Medusa-1 heads each train their own; as trainable params they
   override ``frozen["head"]``)."""
-  head = jnp.asarray(frozen["head"], jnp.float32)
-  return jnp.broadcast_to(head, (num_heads,) + head.shape) + 0.0
+  return jnp.repeat(jnp.asarray(frozen["head"], jnp.float32)[None], num_heads, axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("objective", "ranks"))

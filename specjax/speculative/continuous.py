@@ -11,7 +11,8 @@ One pass of the loop:
           request takes the first empty slot;
   feed:   one chunk of the admitted prompt (``prefill_chunk`` tokens) goes through the
           target into the admission's own one-row cache (``generate.prefill_chunk``, its
-          features kept for a feature drafter); after the prompt's last chunk the drafter
+          features kept for a feature drafter; a one-token prompt has none to feed, its
+          token is the first step's); after the prompt's last chunk the drafter
           is initialised from the whole prompt (``Drafter.init``) and the slot's row of
           every state leaf is overwritten with the result: the request decodes from the
           next step on;
@@ -180,26 +181,25 @@ def _admit(queue: Queue, st: ServeState) -> ServeState:
                     admitted_at=st.admitted_at.at[r].set(st.spec.steps))
 
 
-def _feed(dec: SpeculativeDecoder, target_params: Params, draft_params: Any, queue: Queue,
-          chunk: int, st: ServeState) -> ServeState:
-  """One chunk of the admitted prompt through the target; after its last, the request
-  takes its slot (``_install``)."""
-  tokens, lens, _ = _request_rows(queue, st.slot_request[st.pending_slot])
+def _left_to_feed(queue: Queue, st: ServeState) -> jax.Array:
+  """Scalar: the prompt tokens the admission has still to feed (all but its last, which the
+  first step feeds; 0 for a one-token prompt); -1 when no admission is under way."""
+  _, lens, _ = _request_rows(queue, st.slot_request[st.pending_slot])
+  return jnp.where(st.pending_slot >= 0, lens[0] - 1 - st.pending_cache.lengths[0], -1)
 
-  def feed(st: ServeState) -> ServeState:
-    fed = st.pending_cache.lengths
-    cache, hidden = prefill_chunk(target_params, dec.target_cfg, tokens,
-                                  fed[0] + jnp.arange(chunk), jnp.clip(lens - 1 - fed, 0, chunk),
-                                  st.pending_cache, st.pending_hidden,
-                                  drafter_feature_layers(dec.drafter))
-    # one row: on every data shard, kv heads on the model axis as the slots' caches
-    cache, hidden = sharding.constrain((cache, hidden), 1, replicate_rows=True)
-    return st.replace(pending_cache=cache, pending_hidden=hidden)
 
-  # (a one-token prompt has nothing to prefill: its last token is fed by the first step)
-  st = _at_most_once(st.pending_cache.lengths[0] < lens[0] - 1, feed, st)
-  return _at_most_once(st.pending_cache.lengths[0] >= lens[0] - 1,
-                       functools.partial(_install, dec, draft_params, queue), st)
+def _feed(dec: SpeculativeDecoder, target_params: Params, queue: Queue, chunk: int,
+          st: ServeState) -> ServeState:
+  """The admitted prompt's next chunk through the target, into the admission's own cache."""
+  tokens, _, _ = _request_rows(queue, st.slot_request[st.pending_slot])
+  fed = st.pending_cache.lengths
+  cache, hidden = prefill_chunk(target_params, dec.target_cfg, tokens, fed[0] + jnp.arange(chunk),
+                                jnp.clip(_left_to_feed(queue, st), 0, chunk)[None],
+                                st.pending_cache, st.pending_hidden,
+                                drafter_feature_layers(dec.drafter))
+  # one row: on every data shard, kv heads on the model axis as the slots' caches
+  cache, hidden = sharding.constrain((cache, hidden), 1, replicate_rows=True)
+  return st.replace(pending_cache=cache, pending_hidden=hidden)
 
 
 def _install(dec: SpeculativeDecoder, draft_params: Any, queue: Queue,
@@ -219,7 +219,6 @@ def _install(dec: SpeculativeDecoder, draft_params: Any, queue: Queue,
                                      f"{type(dec.drafter).__name__}'s state" if k == "draft_state"
                                      else k)
                          for k, v in rows.items()})
-  spec = sharding.constrain(spec, st.slot_request.shape[0])  # the row back on its data shard
   return st.replace(spec=spec, pending_slot=jnp.int32(-1),
                     prefilled_at=st.prefilled_at.at[r].set(spec.steps))
 
@@ -256,9 +255,12 @@ def serve_loop(dec: SpeculativeDecoder, target_params: Params, draft_params: Any
   """
 
   def admit_and_feed(s: ServeState) -> ServeState:
+    # admit; feed a chunk (none for a one-token prompt); install after the last chunk
     s = _at_most_once(_can_admit(queue, s), functools.partial(_admit, queue), s)
-    return _at_most_once(s.pending_slot >= 0, functools.partial(
-        _feed, dec, target_params, draft_params, queue, chunk), s)
+    s = _at_most_once(_left_to_feed(queue, s) > 0,
+                      functools.partial(_feed, dec, target_params, queue, chunk), s)
+    return _at_most_once(_left_to_feed(queue, s) == 0,
+                         functools.partial(_install, dec, draft_params, queue), s)
 
   def one_pass(s: ServeState) -> ServeState:
     if interleave:
