@@ -29,14 +29,19 @@ def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
   return float(np.median(times))
 
 
-def forward_fn(cfg, params, num_tokens: int, context: int = 200,
-               batch_size: int = 1) -> Callable[[], object]:
-  """A warm-callable forward over ``num_tokens`` new tokens per row after ``context`` cached."""
-  cache = kvc.init_cache(cfg, batch_size, max(256, context + num_tokens)).with_lengths(
+def forward_fn(cfg, params, num_tokens: int, context: int = 200, batch_size: int = 1, *,
+               dtype=jnp.float32, attention_impl: str = "auto",
+               min_cache: int = 256) -> Callable[[], object]:
+  """A warm-callable forward over ``num_tokens`` new tokens per row after ``context`` cached
+  (a ``dtype`` cache of at least ``min_cache`` slots; the forward writes the new tokens' keys
+  and values into it, as decoding does)."""
+  cache = kvc.init_cache(cfg, batch_size, max(min_cache, context + num_tokens),
+                         jnp.dtype(dtype)).with_lengths(
       jnp.full((batch_size,), context, jnp.int32))
   tok = jnp.ones((batch_size, num_tokens), jnp.int32)
   pos = jnp.broadcast_to(context + jnp.arange(num_tokens), (batch_size, num_tokens))
-  return lambda: forward(params, cfg, tok, pos, cache).logits.block_until_ready()
+  return lambda: forward(params, cfg, tok, pos, cache,
+                         attention_impl=attention_impl).logits.block_until_ready()
 
 
 def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15,

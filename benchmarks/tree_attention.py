@@ -1,7 +1,8 @@
 """Tree attention: the Pallas kernel of this backend vs the dense jnp reference.
 
 Usage (on a GPU or TPU machine):
-  python -m benchmarks.tree_attention [--out FILE] [--dtype bfloat16]
+  python -m benchmarks.tree_attention [--out FILE] [--dtype bfloat16] [--batch_sizes 1,8]
+      [--sizes 1024,4096,16384] [--trees 1,16,64] [--layers 16] [--repeats 30]
   python -m benchmarks.tree_attention --smoke   # CPU, interpret mode, tiny
 
 Times the attention of T new tokens over a cache of S slots, every row's
@@ -38,9 +39,9 @@ SMOKE = flags.DEFINE_bool("smoke", False, "tiny shapes through the interpret-mod
 GEOMETRIES = {"smollm2-135m": (3, 3, 64), "llama3-8b-like": (8, 4, 128)}  # (K, G, H)
 GEOMETRY = flags.DEFINE_multi_enum("geometry", list(GEOMETRIES), list(GEOMETRIES),
                                    "head geometries to time")
-BATCHES = (1, 8)
-SIZES = (1024, 4096, 16384)
-TREES = (1, 16, 64)
+BATCHES = flags.DEFINE_list("batch_sizes", ["1", "8"], "batch sizes B")
+SIZES = flags.DEFINE_list("sizes", ["1024", "4096", "16384"], "cache slots S (committed S - T)")
+TREES = flags.DEFINE_list("trees", ["1", "16", "64"], "new tokens T (a random ancestor tree)")
 TOL = {"bfloat16": 2e-2, "float32": 1e-4}
 
 
@@ -64,6 +65,13 @@ def unrolled(attend):
 
 
 def main(_):
+  try:
+    batches, sizes, trees = ([int(x) for x in f.value] for f in (BATCHES, SIZES, TREES))
+  except ValueError as e:
+    raise SystemExit(f"--batch_sizes, --sizes and --trees take integers: {e}") from None
+  if min(batches + sizes + trees) < 1 or any(t > s for t in trees for s in sizes):
+    raise SystemExit(f"--batch_sizes, --sizes and --trees must be positive with every T <= S; "
+                     f"got {batches}, {sizes}, {trees}")
   backend = jax.default_backend()
   if SMOKE.value:
     kernel_impl = "pallas_tpu_interpret" if backend == "cpu" else "pallas"
@@ -72,7 +80,7 @@ def main(_):
     raise SystemExit("no accelerator: Pallas kernels only run in interpret mode on CPU, whose "
                      "timings mean nothing. Run on a GPU/TPU, or pass --smoke to test the script.")
   else:
-    kernel_impl, batches, sizes, trees, repeats = "pallas", BATCHES, SIZES, TREES, REPEATS.value
+    kernel_impl, repeats = "pallas", REPEATS.value
     geometries = {name: GEOMETRIES[name] for name in GEOMETRY.value}
   layers = 2 if SMOKE.value else LAYERS.value
   resolved = attention.resolve_impl(kernel_impl)
@@ -106,7 +114,9 @@ def main(_):
       "",
       f"Command: `python -m benchmarks.tree_attention"
       f"{' --smoke' if SMOKE.value else ''} --dtype {DTYPE.value}"
-      f"{''.join(f' --geometry={g}' for g in geometries) if not SMOKE.value else ''}` "
+      f"{''.join(f' --geometry={g}' for g in geometries) if not SMOKE.value else ''}"
+      f"{'' if SMOKE.value else f' --layers={layers} --repeats={repeats}'}"
+      f"{'' if SMOKE.value else ''.join(f' --{f.name}=' + ','.join(f.value) for f in (BATCHES, SIZES, TREES))}` "
       f"({provenance()}). "
       f"Lengths S - T, random ancestor tree; each call runs {layers} attentions over "
       f"distinct caches; time per attention = the better of two interleaved medians of "

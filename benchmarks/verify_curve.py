@@ -30,22 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import median_time, provenance, write_markdown
+from benchmarks.common import forward_fn, median_time, provenance, write_markdown
+from benchmarks.shapes import DRAFT_VOCAB, SHAPES
 from experiments.machine import probe_output_dir
-from specjax import kv_cache as kvc
 from specjax import theory, validation
 from specjax.config import ModelConfig
-from specjax.model import forward, init_params
-
-SHAPES = {
-    # Llama-3-8B: 32 layers, width 4096, 32/8 heads of 128, FFN 14336, vocabulary 128256.
-    "llama3_8b": ModelConfig(vocab_size=128256, dim=4096, num_layers=32, num_heads=32,
-                             num_kv_heads=8, ffn_dim=14336, rope_theta=500000.0,
-                             name="llama3-8b-shaped"),
-    "tiny": ModelConfig(vocab_size=512, dim=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                        ffn_dim=128, name="tiny"),
-}
-DRAFT_VOCAB = {"llama3_8b": 32000, "tiny": 128}  # EAGLE-3's published draft vocabulary
+from specjax.model import init_params
 
 SHAPE = flags.DEFINE_enum("shape", "llama3_8b", list(SHAPES), "target shape")
 DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "weights and cache")
@@ -62,13 +52,8 @@ OUT = flags.DEFINE_string("out", "benchmarks/results/verify_curve.md", "markdown
 
 def timer(cfg: ModelConfig, params, batch: int, tokens: int, context: int, impl: str):
   """Median seconds of one forward over ``tokens`` new tokens per row."""
-  cache = kvc.init_cache(cfg, batch, context + tokens, jnp.dtype(DTYPE.value)).with_lengths(
-      jnp.full((batch,), context, jnp.int32))
-  ids = jnp.ones((batch, tokens), jnp.int32)
-  pos = jnp.broadcast_to(context + jnp.arange(tokens), (batch, tokens))
-  run = lambda: forward(params, cfg, ids, pos, cache,
-                        attention_impl=impl).logits.block_until_ready()
-  return median_time(run, REPEATS.value)
+  return median_time(forward_fn(cfg, params, tokens, context, batch, dtype=DTYPE.value,
+                                attention_impl=impl, min_cache=0), REPEATS.value)
 
 
 def measured_alpha(path: str) -> dict[float, float]:

@@ -15,10 +15,15 @@
 #   peer     python -m benchmarks.peer                          -> OUT/peer.md
 #   bf16     python -m benchmarks.bf16: bfloat16 against float32 on this device (greedy
 #            agreement and where texts part, top-two gaps there, speed) -> OUT/bf16.md
-#   kernels  python -m benchmarks.tree_attention (Pallas vs XLA attention, B 1 and 8, S to 16k)
-#            and benchmarks.tune_tree_attention_gpu (GPU tiling sweep): the measurement the
-#            Pallas/XLA dispatch rule is chosen from (GPU/TPU only; the sweep GPU only)
+#   kernels  python -m benchmarks.tree_attention (Pallas vs XLA attention alone, B 1 and 8, S
+#            to 16k) and benchmarks.tune_tree_attention_gpu (GPU tiling sweep) (GPU/TPU only;
+#            the sweep GPU only)
 #                                                  -> OUT/tree_attention.md, OUT/tune_tree_attention.md
+#   dispatch python -m benchmarks.attention_dispatch, SmolLM2-135M- and Llama-3-8B-shaped
+#            targets with random weights: whole forwards with the Pallas kernel against XLA's
+#            attention (cache writes included; B 1/8/32, T 1…64, context 512 and 4096), the
+#            in-model measurement the dispatch rule is chosen from
+#                                                  -> OUT/attention_dispatch_<shape>.md
 #   verify   python -m benchmarks.verify_curve: a Llama-3-8B-shaped target, random bf16
 #            weights, T = 1…64 × B = 1…32, and the speedup the calibrated theory predicts
 #            with α from OUT/default/results.json (a prediction) -> OUT/verify_curve.md
@@ -29,6 +34,7 @@
 # the phases are not accepted; instead:
 #   SPECJAX_ACCEL_ARGS    flags for experiments.run (default, xla and trees phases)
 #   SPECJAX_VERIFY_ARGS   flags for benchmarks.verify_curve (e.g. --batch_sizes=1,8,32)
+#   SPECJAX_DISPATCH_ARGS flags for benchmarks.attention_dispatch (e.g. --contexts=4096)
 #   SPECJAX_PHASE_SECONDS a wall-clock limit per phase: a phase that fails or runs out of
 #                         time is logged in OUT/phases.log and the next one starts (a
 #                         short lease keeps whatever the earlier phases wrote)
@@ -36,14 +42,14 @@
 # (experiments/results/results.json) when the default phase has not written one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: accelerator_tables.sh OUT [device|default|xla|trees|batch|peer|bf16|kernels|verify ...]}
+out=${1:?usage: accelerator_tables.sh OUT [device|default|xla|trees|batch|peer|bf16|kernels|dispatch|verify ...]}
 shift
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(device default xla trees batch peer bf16 kernels verify)
+[ ${#phases[@]} -eq 0 ] && phases=(device default xla trees batch peer bf16 kernels dispatch verify)
 for p in "${phases[@]}"; do
-  case "$p" in device|default|xla|trees|batch|peer|bf16|kernels|verify) ;;
-    *) echo "unknown phase '$p': use device, default, xla, trees, batch, peer, bf16, kernels" \
-            "or verify" >&2
+  case "$p" in device|default|xla|trees|batch|peer|bf16|kernels|dispatch|verify) ;;
+    *) echo "unknown phase '$p': use device, default, xla, trees, batch, peer, bf16, kernels," \
+            "dispatch or verify" >&2
        exit 2 ;;
   esac
 done
@@ -51,6 +57,7 @@ mkdir -p "$out"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${SPECJAX_CACHE:-$HOME/.cache/specjax}/xla}
 read -r -a extra <<< "${SPECJAX_ACCEL_ARGS:-}"
 read -r -a verify_extra <<< "${SPECJAX_VERIFY_ARGS:-}"
+read -r -a dispatch_extra <<< "${SPECJAX_DISPATCH_ARGS:-}"
 limit=${SPECJAX_PHASE_SECONDS:-0}
 run() {
   echo "+ $*" >&2
@@ -76,6 +83,11 @@ for p in "${phases[@]}"; do
       run python -m benchmarks.tree_attention --out="$out/tree_attention.md" || status=$?
       run python -m benchmarks.tune_tree_attention_gpu \
         --tune_out="$out/tune_tree_attention.md" || status=$? ;;
+    dispatch)
+      for shape in smollm2_135m llama3_8b; do
+        run python -m benchmarks.attention_dispatch --shape="$shape" \
+          --out="$out/attention_dispatch_$shape.md" "${dispatch_extra[@]}" || status=$?
+      done ;;
     verify)
       alpha="$out/default/results.json"
       [ -f "$alpha" ] || alpha=experiments/results/results.json

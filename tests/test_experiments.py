@@ -349,6 +349,26 @@ def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 
+def test_tree_attention_benchmark_rejects_bad_shapes_before_timing():
+  for args, message in ((["--trees=1,64", "--sizes=32"], "every T <= S"),
+                        (["--batch_sizes=0"], "must be positive"),
+                        (["--trees=a"], "take integers")):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.tree_attention", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_attention_dispatch_benchmark_rejects_bad_flags_before_building():
+  for args, message in ((["--impls=cpu,cpu"], "two different implementations"),
+                        (["--impls=auto,reference"], "'auto' is what is being chosen"),
+                        (["--impls=pallas,reference"], "no Pallas attention kernel for backend"),
+                        (["--contexts=0"], "integers >= 1"),
+                        (["--tokens=x"], "takes integers")):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.attention_dispatch", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
 @pytest.mark.heavy
 def test_continuous_batching_benchmark_runs_on_tiny_models(tmp_path):
   out = tmp_path / "cb.md"
