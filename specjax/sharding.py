@@ -288,7 +288,8 @@ def per_device(fn, args: Sequence[Any], logical: Sequence[Sequence[Optional[str]
     fn: computes on local blocks; it must need no communication (e.g. attention of local
       rows over local kv heads).
     args: the arrays.
-    logical, out_logical: each arg's and the single output's logical axes (None: whole).
+    logical, out_logical: each arg's and the output's logical axes (None: whole); where
+      ``fn`` returns a tuple of arrays, ``out_logical`` is a tuple of their axes.
     sizes: each logical axis's size. An axis goes to its mesh axis (by the active rules)
       where that divides the size, else stays whole on every device, for every operand
       alike (so e.g. 3 kv heads on a model axis of 2 are computed whole on each device).
@@ -304,8 +305,10 @@ def per_device(fn, args: Sequence[Any], logical: Sequence[Sequence[Optional[str]
     size = dict(mesh.shape).get(m, 1) if m else 1
     axis[name] = m if size > 1 and n % size == 0 else None
   spec = lambda names: P(*(axis.get(n) for n in names))
+  several = bool(out_logical) and isinstance(out_logical[0], (tuple, list))
+  out_specs = tuple(spec(o) for o in out_logical) if several else spec(out_logical)
   return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(l) for l in logical),
-                       out_specs=spec(out_logical), check_vma=False)(*args)
+                       out_specs=out_specs, check_vma=False)(*args)
 
 
 def check_batch(batch_size: int, mesh=None, rules: Optional[ShardingRules] = None) -> None:

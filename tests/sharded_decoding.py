@@ -32,6 +32,9 @@ from specjax.attention import attention  # noqa: E402
 from specjax.generate import _decode, _prefill, generate  # noqa: E402
 from specjax.sampling import Greedy, Sampling  # noqa: E402
 from specjax.speculative import SpeculativeDecoder, serve  # noqa: E402
+from specjax.speculative.proposal import Proposal  # noqa: E402
+from specjax.speculative.tree import DynamicTree  # noqa: E402
+from specjax.speculative.tree_acceptance import accept_greedy  # noqa: E402
 from specjax.speculative.continuous import (initial_serve_state, pack_queue,  # noqa: E402
                                             serve_loop)
 
@@ -93,6 +96,7 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
   single = {name: np.asarray(f(params, drafts)) for name, f in cases.items()}
   kernels_single = {impl: np.asarray(_attend(impl)(*_attention_operands()))
                     for impl in ATTENTION_KERNELS}
+  verify_single = [np.asarray(x) for x in _verify("reference")(*_tree_verify_operands())]
   weights = _weight_shapes(sharding.shard_params(params, cfg, sharding.make_mesh(1, 1))) | (
       _weight_shapes(eagle.plain_params(eagle_params)))
   report = {"model": model, "devices": len(jax.devices()), "meshes": {}}
@@ -124,6 +128,7 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
       result["whole_weights_gathered"] = [list(s) for s in gathered if s in weights]
       result["params_sharded"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(t)})
       result["attention_kernels"] = _attention_kernels(mesh, kernels_single)
+      result["tree_verify_kernels"] = _tree_verify_kernels(mesh, verify_single)
     report["meshes"][f"{data}x{model_axis}"] = result
   report["detector_control"] = _control(cfg, params, rules)
   return report
@@ -171,6 +176,53 @@ def _attention_kernels(mesh, single: dict) -> dict:
     text = f.lower(*ops).compile().as_text()
     out[impl] = {"max_diff": float(np.max(np.abs(np.asarray(f(*ops)) - single[impl]))),
                  "cache_gathered": (BATCH, 4, 64, 16) in _gathered_shapes(text)}
+  return out
+
+
+TREE_VERIFY_KERNELS = ("pallas_gpu_interpret", "pallas_tpu_interpret")
+VERIFY_TREE = DynamicTree(top_k=3, depth=4, num_nodes=10)
+
+
+def _tree_verify_operands():
+  """An EAGLE-2 block: each of 8 rows its own tree of 10 nodes (depth <= 4), drafted tokens
+  mostly the target's argmax after their parent (row 0's never), so paths of several lengths
+  occur."""
+  r = np.random.default_rng(0)
+  n, depth = VERIFY_TREE.num_nodes, VERIFY_TREE.depth
+  parents = np.zeros((BATCH, n), np.int32)
+  node_depth = np.zeros((BATCH, n), np.int32)
+  for row in range(BATCH):
+    for i in range(n):
+      parents[row, i] = r.choice([-1] + [j for j in range(i) if node_depth[row, j] < depth])
+      node_depth[row, i] = 1 + (node_depth[row, parents[row, i]] if parents[row, i] >= 0 else 0)
+  p = r.random((BATCH, n + 1, 6)).astype(np.float32)
+  planted = np.take_along_axis(p.argmax(-1), parents + 1, axis=1)
+  tokens = np.where(r.random((BATCH, n)) < 0.8, planted, r.integers(0, 6, (BATCH, n)))
+  tokens[0] = (planted[0] + 1) % 6  # a row that accepts nothing
+  return tokens.astype(np.int32), parents, p
+
+
+def _verify(impl):
+  def run(tokens, parents, p):
+    prop = Proposal(tokens=tokens, draw="point_mass", parents=parents)
+    out = accept_greedy(prop, p, VERIFY_TREE, impl=impl)
+    return out.path, out.num_accepted, out.next_token
+  return jax.jit(run)
+
+
+def _tree_verify_kernels(mesh, single: list) -> dict:
+  """Each greedy tree-verification kernel on this mesh (``jax.shard_map`` over the rows, on
+  data; whole where data is 1): whether it gives one device's path, lengths and tokens."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  tokens, parents, p = _tree_verify_operands()
+  (b,) = sharding.spec_for((BATCH,), ("batch",), dict(mesh.shape), sharding.ShardingRules())
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P(b, *([None] * (a.ndim - 1)))))
+  out = {}
+  for impl in TREE_VERIFY_KERNELS:
+    if impl == "pallas_tpu_interpret" and dict(mesh.shape)["model"] > 1:
+      continue  # replicated copies of the TPU interpreter's kernel (see _attention_kernels)
+    got = _verify(impl)(put(tokens), put(parents), put(p))
+    out[impl] = all(np.array_equal(np.asarray(g), w) for g, w in zip(got, single))
   return out
 
 

@@ -123,9 +123,9 @@ def resolve_greedy_impl(impl: str, backend: str | None = None) -> str:
   "reference" is the jnp rule of ``accept_greedy``; "pallas_tpu" and "pallas_gpu" are
   the kernels of ``pallas_kernels.tree_verify`` (``*_interpret``: the same kernels in
   Pallas interpret mode, on CPU: tests, debugging); "pallas" is whichever matches the
-  backend; "auto" is "pallas" on TPU and GPU and the reference elsewhere and under a
-  multi-device mesh (as ``specjax.attention.resolve_impl``). The choice is logged once per
-  (name, backend).
+  backend; "auto" is "pallas" on TPU and GPU and the reference elsewhere (as
+  ``specjax.attention.resolve_impl``); under a multi-device mesh a kernel runs on each
+  device's rows (``sharding.per_device``). The choice is logged once per (name, backend).
 
   Raises:
     ValueError: unknown name, or "pallas" on a backend without a kernel.
@@ -136,9 +136,7 @@ def resolve_greedy_impl(impl: str, backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
   resolved = impl
   if impl == "auto":
-    on_accelerator = backend in ("tpu", "gpu", "cuda", "rocm")
-    # Under a multi-device mesh, XLA's reference, which GSPMD partitions (sharding.py).
-    resolved = "pallas" if on_accelerator and not sharding.multi_device() else "reference"
+    resolved = "pallas" if backend in ("tpu", "gpu", "cuda", "rocm") else "reference"
   if resolved == "pallas":
     if backend == "tpu":
       resolved = "pallas_tpu"
@@ -196,7 +194,7 @@ def _greedy_by_kernel(proposal: Proposal, target: jax.Array, topology: TreeTopol
   the jnp rule's. Example: topology (-1, -1, 0) and tokens [[7, 3, 9]] give the
   kernel parents [[-1, 0, 0, 1]] and tokens [[-1, 7, 3, 9]].
   """
-  from pallas_kernels.tree_verify import Verified, tree_verify_gpu, tree_verify_tpu
+  from pallas_kernels.tree_verify import tree_verify_gpu, tree_verify_tpu
 
   b, n = proposal.tokens.shape
   d = topology.max_depth
@@ -206,17 +204,24 @@ def _greedy_by_kernel(proposal: Proposal, target: jax.Array, topology: TreeTopol
     parents = block_parents_from_parents(proposal.parents)
   tokens = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32),
                             proposal.tokens.astype(jnp.int32)], axis=1)
-  if impl.startswith("pallas_tpu"):
-    from jax.experimental.pallas import tpu as pltpu
-    interpret = pltpu.InterpretParams() if impl.endswith("_interpret") else False
-    rows = max(1, TPU_SMEM_WORDS // (3 * (n + 1)))
-    parts = [tree_verify_tpu(parents[i:i + rows], tokens[i:i + rows], target[i:i + rows],
-                             max_depth=d, interpret=interpret) for i in range(0, b, rows)]
-    out = Verified(*(jnp.concatenate(x) for x in zip(*parts)))
-  else:
-    out = tree_verify_gpu(parents, tokens, target, max_depth=d,
-                          interpret=impl.endswith("_interpret"))
-  return TreeAcceptance(path=out.path, num_accepted=out.length, next_token=out.next_token,
+
+  def verify(parents, tokens, target):  # on each device's rows under a mesh
+    if impl.startswith("pallas_tpu"):
+      from jax.experimental.pallas import tpu as pltpu
+      interpret = pltpu.InterpretParams() if impl.endswith("_interpret") else False
+      rows = max(1, TPU_SMEM_WORDS // (3 * (n + 1)))
+      parts = [tree_verify_tpu(parents[i:i + rows], tokens[i:i + rows], target[i:i + rows],
+                               max_depth=d, interpret=interpret)
+               for i in range(0, parents.shape[0], rows)]
+      return tuple(jnp.concatenate(x) for x in zip(*parts))
+    return tuple(tree_verify_gpu(parents, tokens, target, max_depth=d,
+                                 interpret=impl.endswith("_interpret")))
+
+  by_row = ("batch", None)
+  path, length, next_token = sharding.per_device(
+      verify, (parents, tokens, target), (by_row,) * 3, (by_row, ("batch",), ("batch",)),
+      {"batch": b})
+  return TreeAcceptance(path=path, num_accepted=length, next_token=next_token,
                         beta=jnp.zeros((b, d), jnp.float32))
 
 
