@@ -38,13 +38,18 @@ def test_a_phase_out_of_time_is_logged_and_the_next_one_runs(tmp_path):
   assert (tmp_path / "device.txt").exists()
 
 
-def test_the_dispatch_phase_writes_one_table_per_shape(tmp_path):
-  env = dict(os.environ, SPECJAX_DISPATCH_ARGS="--shape=tiny --dtype=float32 --impls=cpu,reference "
-             "--batch_sizes=1 --tokens=1,4 --contexts=16 --repeats=1")
-  out = subprocess.run([SCRIPT, str(tmp_path), "dispatch"], capture_output=True, text=True,
-                       env=env)
+def _phase(out_dir, phase: str, **env) -> None:
+  """Runs one phase with extra environment; it must succeed and be logged as such."""
+  out = subprocess.run([SCRIPT, str(out_dir), phase], capture_output=True, text=True,
+                       env=dict(os.environ, **env))
   assert out.returncode == 0, out.stderr
-  assert re.fullmatch(r"phase dispatch: \d+ s, exit 0", (tmp_path / "phases.log").read_text().strip())
+  log = (out_dir / "phases.log").read_text().strip()
+  assert re.fullmatch(rf"phase {phase}: \d+ s, exit 0", log), log
+
+
+def test_the_dispatch_phase_writes_one_table_per_shape(tmp_path):
+  _phase(tmp_path, "dispatch", SPECJAX_DISPATCH_ARGS="--shape=tiny --dtype=float32 "
+         "--impls=cpu,reference --batch_sizes=1 --tokens=1,4 --contexts=16 --repeats=1")
   for shape in ("smollm2_135m", "llama3_8b"):  # the tiny flag sizes both runs down on CPU
     rows = [l for l in (tmp_path / f"attention_dispatch_{shape}.md").read_text().splitlines()
             if l.startswith("| 16 |")]
@@ -52,11 +57,8 @@ def test_the_dispatch_phase_writes_one_table_per_shape(tmp_path):
 
 
 def test_the_verify_phase_writes_the_curve_and_a_labelled_prediction(tmp_path):
-  env = dict(os.environ, SPECJAX_VERIFY_ARGS="--shape=tiny --dtype=float32 --batch_sizes=1,2 "
-             "--tokens=1,2,4 --repeats=1")
-  out = subprocess.run([SCRIPT, str(tmp_path), "verify"], capture_output=True, text=True,
-                       env=env)
-  assert out.returncode == 0, out.stderr
+  _phase(tmp_path, "verify", SPECJAX_VERIFY_ARGS="--shape=tiny --dtype=float32 "
+         "--batch_sizes=1,2 --tokens=1,2,4 --repeats=1")
   text = (tmp_path / "verify_curve.md").read_text()
   assert "a prediction, not a measurement" in text
   rows = [l for l in text.splitlines() if re.match(r"\| [12] \| ", l)]

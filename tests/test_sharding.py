@@ -131,16 +131,30 @@ def _check(report: dict, meshes: str, sampled: bool = True):
     assert {"cpu", "pallas_gpu_interpret"} <= set(kernels), (name, kernels)
     for impl, k in kernels.items():
       assert k["max_diff"] <= 1e-6 and not k["cache_gathered"], (name, impl, k)
+    # Greedy tree verification's kernels under shard_map: one device's paths, exactly.
+    verify = r["tree_verify_kernels"]
+    assert "pallas_gpu_interpret" in verify and all(verify.values()), (name, verify)
 
 
 def test_simulated_meshes_tiny_model():
-  report = _run_simulated("tiny", "1x8,2x4,4x2,8x1", timeout=900)
-  _check(report, "1x8,2x4,4x2,8x1")
+  """Two of the four meshes, one with both axes split and one all data (the default run);
+  the other two are the heavy test below."""
+  report = _run_simulated("tiny", "2x4,8x1", timeout=900)
+  _check(report, "2x4,8x1")
   # the TPU interpreter's kernel runs wherever the mesh splits the block (see
   # sharded_decoding._attention_kernels for 1x8)
-  for mesh in ("2x4", "4x2", "8x1"):
+  for mesh in ("2x4", "8x1"):
     assert "pallas_tpu_interpret" in report["meshes"][mesh]["attention_kernels"]
+  assert "pallas_tpu_interpret" in report["meshes"]["8x1"]["tree_verify_kernels"]
   # The model axis really splits the weights where it is > 1.
+  assert "P(None, 'model')" in report["meshes"]["2x4"]["params_sharded"]
+
+
+@pytest.mark.heavy
+def test_simulated_meshes_tiny_model_all_model_and_4x2():
+  report = _run_simulated("tiny", "1x8,4x2", timeout=900)
+  _check(report, "1x8,4x2")
+  assert "pallas_tpu_interpret" in report["meshes"]["4x2"]["attention_kernels"]
   assert "P(None, 'model')" in report["meshes"]["1x8"]["params_sharded"]
 
 
