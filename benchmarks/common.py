@@ -4,6 +4,7 @@ the markdown report. The machine's description and the output-directory probe ar
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import time
@@ -33,15 +34,26 @@ def forward_fn(cfg, params, num_tokens: int, context: int = 200, batch_size: int
                dtype=jnp.float32, attention_impl: str = "auto",
                min_cache: int = 256) -> Callable[[], object]:
   """A warm-callable forward over ``num_tokens`` new tokens per row after ``context`` cached
-  (a ``dtype`` cache of at least ``min_cache`` slots; the forward writes the new tokens' keys
-  and values into it, as decoding does)."""
-  cache = kvc.init_cache(cfg, batch_size, max(min_cache, context + num_tokens),
-                         jnp.dtype(dtype)).with_lengths(
-      jnp.full((batch_size,), context, jnp.int32))
+  (a ``dtype`` cache of at least ``min_cache`` slots). As in decoding, each call writes the
+  new tokens' keys and values into the cache in place: the cache is donated and the
+  returned one (its lengths reset to ``context``) is the next call's, so no call copies it."""
+  size = max(min_cache, context + num_tokens)
+  lengths = jnp.full((batch_size,), context, jnp.int32)
   tok = jnp.ones((batch_size, num_tokens), jnp.int32)
   pos = jnp.broadcast_to(context + jnp.arange(num_tokens), (batch_size, num_tokens))
-  return lambda: forward(params, cfg, tok, pos, cache,
-                         attention_impl=attention_impl).logits.block_until_ready()
+  state = [kvc.init_cache(cfg, batch_size, size, jnp.dtype(dtype)).with_lengths(lengths)]
+
+  def run():
+    state[0], logits = _forward_in_place(params, cfg, tok, pos, state[0], attention_impl)
+    logits.block_until_ready()
+
+  return run
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_impl"), donate_argnames="cache")
+def _forward_in_place(params, cfg, tok, pos, cache, attention_impl):
+  out = forward(params, cfg, tok, pos, cache, attention_impl=attention_impl)
+  return out.cache.with_lengths(cache.lengths), out.logits  # lengths back to the context
 
 
 def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15,
@@ -58,10 +70,25 @@ def provenance() -> str:
           f"jax {jax.__version__}")
 
 
-def write_markdown(path: str, lines: list[str]) -> None:
-  """Prints the report and writes it to ``path``."""
+def write_markdown(path: str, lines: list[str], quiet: bool = False) -> None:
+  """Writes the report to ``path`` (and prints it, unless ``quiet``: a table rewritten
+  after every row, so that a run cut short keeps what it measured)."""
   text = "\n".join(lines) + "\n"
-  print(text)
+  if not quiet:
+    print(text)
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  with open(path, "w") as f:
+  with open(path + ".tmp", "w") as f:
     f.write(text)
+  os.replace(path + ".tmp", path)
+
+
+def int_list(flag) -> list[int]:
+  """A non-empty list flag of integers >= 1, or SystemExit naming the flag (before anything
+  is built)."""
+  try:
+    values = [int(x) for x in flag.value]
+  except ValueError as e:
+    raise SystemExit(f"--{flag.name} takes integers: {e}") from None
+  if not values or min(values) < 1:
+    raise SystemExit(f"--{flag.name} must list integers >= 1, got {flag.value}")
+  return values

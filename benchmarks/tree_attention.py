@@ -25,15 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import median_time, provenance, write_markdown
+from benchmarks.common import int_list, median_time, provenance, write_markdown
 from pallas_kernels.tree_attention import ancestor_mask
+from pallas_kernels.tree_attention.block_sizes import BlockSizes
 from specjax import attention
 
 OUT = flags.DEFINE_string("out", None, "markdown output (default: "
                           "benchmarks/results/tree_attention_<backend>.md)")
 DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "q/k/v dtype")
-REPEATS = flags.DEFINE_integer("repeats", 30, "timed calls per shape (median reported)")
-LAYERS = flags.DEFINE_integer("layers", 16, "attentions per timed call (distinct caches, scanned)")
+REPEATS = flags.DEFINE_integer("repeats", 30, "timed calls per shape (median reported)",
+                               lower_bound=1)
+LAYERS = flags.DEFINE_integer("layers", 16, "attentions per timed call (distinct caches, scanned)",
+                              lower_bound=1)
 SMOKE = flags.DEFINE_bool("smoke", False, "tiny shapes through the interpret-mode kernels (CPU)")
 
 GEOMETRIES = {"smollm2-135m": (3, 3, 64), "llama3-8b-like": (8, 4, 128)}  # (K, G, H)
@@ -65,13 +68,11 @@ def unrolled(attend):
 
 
 def main(_):
-  try:
-    batches, sizes, trees = ([int(x) for x in f.value] for f in (BATCHES, SIZES, TREES))
-  except ValueError as e:
-    raise SystemExit(f"--batch_sizes, --sizes and --trees take integers: {e}") from None
-  if min(batches + sizes + trees) < 1 or any(t > s for t in trees for s in sizes):
-    raise SystemExit(f"--batch_sizes, --sizes and --trees must be positive with every T <= S; "
-                     f"got {batches}, {sizes}, {trees}")
+  batches, sizes, trees = int_list(BATCHES), int_list(SIZES), int_list(TREES)
+  budget = BlockSizes.get_default().max_tree_tokens
+  if max(trees) > min(sizes) or max(trees) > budget:
+    raise SystemExit(f"every T of --trees must be <= every S of --sizes and <= the kernels' "
+                     f"budget of {budget} new tokens; got {trees}, {sizes}")
   backend = jax.default_backend()
   if SMOKE.value:
     kernel_impl = "pallas_tpu_interpret" if backend == "cpu" else "pallas"
@@ -87,6 +88,26 @@ def main(_):
   dtype = jnp.dtype(DTYPE.value)
   ref = unrolled(lambda *a: attention.attention(*a, impl="reference"))
   ker = unrolled(lambda *a: attention.attention(*a, impl=kernel_impl))
+  device = jax.devices()[0].device_kind
+  out = OUT.value or f"benchmarks/results/tree_attention_{backend}.md"
+  header = [
+      f"# Tree attention on {device}: `{resolved}` vs the dense reference",
+      "",
+      f"Command: `python -m benchmarks.tree_attention"
+      f"{' --smoke' if SMOKE.value else ''} --dtype {DTYPE.value}"
+      f"{''.join(f' --geometry={g}' for g in geometries) if not SMOKE.value else ''}"
+      f"{'' if SMOKE.value else f' --layers={layers} --repeats={repeats}'}"
+      f"{'' if SMOKE.value else ''.join(f' --{f.name}=' + ','.join(f.value) for f in (BATCHES, SIZES, TREES))}` "
+      f"({provenance()}). "
+      f"Lengths S - T, random ancestor tree; each call runs {layers} attentions over "
+      f"distinct caches; time per attention = the better of two interleaved medians of "
+      f"{repeats} calls, divided by {layers} (spread: the two medians' largest relative "
+      f"difference); outputs agree to {TOL[DTYPE.value]}."
+      + (" SMOKE RUN in interpret mode: not a measurement." if SMOKE.value else ""),
+      "",
+      "| geometry | B | S | T | reference (us) | kernel (us) | speedup | kernel K+V GB/s | spread |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
   rows = []
   for name, (kh, g, h) in geometries.items():
     for b in batches:
@@ -106,28 +127,9 @@ def main(_):
           rows.append(f"| {name} | {b} | {s} | {t} | {t_ref * 1e6:.1f} | {t_ker * 1e6:.1f} | "
                       f"{t_ref / t_ker:.2f}x | {gbytes / t_ker:.0f} | {spread:.0%} |")
           print(rows[-1], flush=True)
+          write_markdown(out, header + rows, quiet=True)  # a run cut short keeps its rows
           args = None  # free the device buffers before the next shape
-  device = jax.devices()[0].device_kind
-  out = OUT.value or f"benchmarks/results/tree_attention_{backend}.md"
-  write_markdown(out, [
-      f"# Tree attention on {device}: `{resolved}` vs the dense reference",
-      "",
-      f"Command: `python -m benchmarks.tree_attention"
-      f"{' --smoke' if SMOKE.value else ''} --dtype {DTYPE.value}"
-      f"{''.join(f' --geometry={g}' for g in geometries) if not SMOKE.value else ''}"
-      f"{'' if SMOKE.value else f' --layers={layers} --repeats={repeats}'}"
-      f"{'' if SMOKE.value else ''.join(f' --{f.name}=' + ','.join(f.value) for f in (BATCHES, SIZES, TREES))}` "
-      f"({provenance()}). "
-      f"Lengths S - T, random ancestor tree; each call runs {layers} attentions over "
-      f"distinct caches; time per attention = the better of two interleaved medians of "
-      f"{repeats} calls, divided by {layers} (spread: the two medians' largest relative "
-      f"difference); outputs agree to {TOL[DTYPE.value]}."
-      + (" SMOKE RUN in interpret mode: not a measurement." if SMOKE.value else ""),
-      "",
-      "| geometry | B | S | T | reference (us) | kernel (us) | speedup | kernel K+V GB/s | spread |",
-      "|---|---|---|---|---|---|---|---|---|",
-      *rows,
-  ])
+  write_markdown(out, header + rows)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ Departures from maxtext/levanter, and why:
     weights (``kernels.packed``) into plain arrays, whose products GSPMD partitions. The
     attention kernels (CPU FFI, Pallas) are custom calls GSPMD would gather around, so
     on a mesh they run under ``jax.shard_map`` on each device's rows and kv heads
-    (``per_device``); greedy tree verification takes XLA's reference path there.
+    (``per_device``), and greedy tree verification's Pallas kernels on each device's rows.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -279,7 +279,8 @@ def multi_device() -> bool:
 
 
 def per_device(fn, args: Sequence[Any], logical: Sequence[Sequence[Optional[str]]],
-               out_logical: Sequence[Optional[str]], sizes: dict[str, int]) -> Any:
+               out_logical: Union[Sequence[Optional[str]], tuple[Sequence[Optional[str]], ...]],
+               sizes: dict[str, int]) -> Any:
   """``fn(*args)``, run on each device's shards (``jax.shard_map``) under a mesh of more than
   one device: how a custom call (the CPU and Pallas kernels) runs on a mesh, since GSPMD
   cannot partition it and would gather its operands whole.
@@ -289,7 +290,8 @@ def per_device(fn, args: Sequence[Any], logical: Sequence[Sequence[Optional[str]
       rows over local kv heads).
     args: the arrays.
     logical, out_logical: each arg's and the output's logical axes (None: whole); where
-      ``fn`` returns a tuple of arrays, ``out_logical`` is a tuple of their axes.
+      ``fn`` returns a tuple of arrays (a tuple, not a list), ``out_logical`` is a tuple
+      of their axes, e.g. ``(("batch", None), ("batch",))``.
     sizes: each logical axis's size. An axis goes to its mesh axis (by the active rules)
       where that divides the size, else stays whole on every device, for every operand
       alike (so e.g. 3 kv heads on a model axis of 2 are computed whole on each device).

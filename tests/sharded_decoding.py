@@ -212,17 +212,21 @@ def _verify(impl):
 
 def _tree_verify_kernels(mesh, single: list) -> dict:
   """Each greedy tree-verification kernel on this mesh (``jax.shard_map`` over the rows, on
-  data; whole where data is 1): whether it gives one device's path, lengths and tokens."""
+  data; whole where data is 1): whether it gives the path, lengths and tokens of the jnp
+  rule on one device (``single``), and whether it runs under ``shard_map`` (the lowered
+  program holds a ``manual_computation``; without it GSPMD runs the kernel on whole rows)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   tokens, parents, p = _tree_verify_operands()
   (b,) = sharding.spec_for((BATCH,), ("batch",), dict(mesh.shape), sharding.ShardingRules())
   put = lambda a: jax.device_put(a, NamedSharding(mesh, P(b, *([None] * (a.ndim - 1)))))
+  ops = (put(tokens), put(parents), put(p))
   out = {}
   for impl in TREE_VERIFY_KERNELS:
     if impl == "pallas_tpu_interpret" and dict(mesh.shape)["model"] > 1:
       continue  # replicated copies of the TPU interpreter's kernel (see _attention_kernels)
-    got = _verify(impl)(put(tokens), put(parents), put(p))
-    out[impl] = all(np.array_equal(np.asarray(g), w) for g, w in zip(got, single))
+    f = _verify(impl)
+    out[impl] = {"equal": all(np.array_equal(np.asarray(g), w) for g, w in zip(f(*ops), single)),
+                 "per_device": "manual_computation" in f.lower(*ops).as_text()}
   return out
 
 

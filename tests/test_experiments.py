@@ -350,9 +350,12 @@ def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
 
 
 def test_tree_attention_benchmark_rejects_bad_shapes_before_timing():
-  for args, message in ((["--trees=1,64", "--sizes=32"], "every T <= S"),
-                        (["--batch_sizes=0"], "must be positive"),
-                        (["--trees=a"], "take integers")):
+  for args, message in ((["--trees=1,64", "--sizes=32"], "must be <= every S of --sizes"),
+                        (["--trees=256"], "budget of 128 new tokens"),
+                        (["--batch_sizes=0"], "--batch_sizes must list integers >= 1"),
+                        (["--trees="], "--trees must list integers >= 1"),
+                        (["--layers=0"], "flag --layers=0"),
+                        (["--trees=a"], "--trees takes integers")):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.tree_attention", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
@@ -360,10 +363,13 @@ def test_tree_attention_benchmark_rejects_bad_shapes_before_timing():
 
 def test_attention_dispatch_benchmark_rejects_bad_flags_before_building():
   for args, message in ((["--impls=cpu,cpu"], "two different implementations"),
+                        (["--impls=reference"], "takes two implementations"),
                         (["--impls=auto,reference"], "'auto' is what is being chosen"),
                         (["--impls=pallas,reference"], "no Pallas attention kernel for backend"),
                         (["--contexts=0"], "integers >= 1"),
-                        (["--tokens=x"], "takes integers")):
+                        (["--tokens="], "--tokens must list integers >= 1"),
+                        (["--repeats=0"], "flag --repeats=0"),
+                        (["--tokens=x"], "--tokens takes integers")):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.attention_dispatch", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
