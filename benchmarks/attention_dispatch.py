@@ -28,8 +28,8 @@ from absl import app, flags
 from benchmarks.common import forward_fn, int_list, median_time, provenance, write_markdown
 from benchmarks.shapes import SHAPES
 from experiments.machine import probe_output_dir
-from specjax import attention, validation
 from pallas_kernels.tree_attention.block_sizes import BlockSizes
+from specjax import attention, validation
 from specjax.model import init_params
 
 SHAPE = flags.DEFINE_enum("shape", "smollm2_135m", list(SHAPES), "target shape")

@@ -331,48 +331,44 @@ def test_cli_rejects_bad_flags_before_loading_models(tmp_path, args, message):
   assert "loading target" not in proc.stderr
 
 
-def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path):
-  for args, message in ((["--gamma", "0"], "flag --gamma=0"),
-                        (["--num_prompts", "0"], "flag --num_prompts=0"),
-                        ([f"--out={tmp_path}"], "is a directory")):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.peer", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+def _refuses(module: str, *cases) -> None:
+  """``python -m benchmarks.<module> ARGS`` fails with MESSAGE in stderr, for each case."""
+  for args, message in cases:
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path):
+  _refuses("peer", (["--gamma", "0"], "flag --gamma=0"),
+           (["--num_prompts", "0"], "flag --num_prompts=0"),
+           ([f"--out={tmp_path}"], "is a directory"))
 
 
 def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
-  for args, message in ((["--slots=0"], "slot counts must be >= 1"),
-                        (["--budget_spread=2"], "flag --budget_spread=2"),
-                        (["--prefill_chunk=0"], "flag --prefill_chunk=0")):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.continuous_batching", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+  _refuses("continuous_batching", (["--slots=0"], "slot counts must be >= 1"),
+           (["--budget_spread=2"], "flag --budget_spread=2"),
+           (["--prefill_chunk=0"], "flag --prefill_chunk=0"))
 
 
 def test_tree_attention_benchmark_rejects_bad_shapes_before_timing():
-  for args, message in ((["--trees=1,64", "--sizes=32"], "must be <= every S of --sizes"),
-                        (["--trees=256"], "budget of 128 new tokens"),
-                        (["--batch_sizes=0"], "--batch_sizes must list integers >= 1"),
-                        (["--trees="], "--trees must list integers >= 1"),
-                        (["--layers=0"], "flag --layers=0"),
-                        (["--trees=a"], "--trees takes integers")):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.tree_attention", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+  _refuses("tree_attention", (["--trees=1,64", "--sizes=32"], "must be <= every S of --sizes"),
+           (["--trees=256"], "budget of 128 new tokens"),
+           (["--batch_sizes=0"], "--batch_sizes must list integers >= 1"),
+           (["--trees="], "--trees must list integers >= 1"),
+           (["--layers=0"], "flag --layers=0"),
+           (["--trees=a"], "--trees takes integers"))
 
 
 def test_attention_dispatch_benchmark_rejects_bad_flags_before_building():
-  for args, message in ((["--impls=cpu,cpu"], "two different implementations"),
-                        (["--impls=reference"], "takes two implementations"),
-                        (["--impls=auto,reference"], "'auto' is what is being chosen"),
-                        (["--impls=pallas,reference"], "no Pallas attention kernel for backend"),
-                        (["--contexts=0"], "integers >= 1"),
-                        (["--tokens="], "--tokens must list integers >= 1"),
-                        (["--repeats=0"], "flag --repeats=0"),
-                        (["--tokens=x"], "--tokens takes integers")):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.attention_dispatch", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+  _refuses("attention_dispatch", (["--impls=cpu,cpu"], "two different implementations"),
+           (["--impls=reference"], "takes two implementations"),
+           (["--impls=auto,reference"], "'auto' is what is being chosen"),
+           (["--impls=pallas,reference"], "no Pallas attention kernel for backend"),
+           (["--contexts=0"], "integers >= 1"),
+           (["--tokens="], "--tokens must list integers >= 1"),
+           (["--repeats=0"], "flag --repeats=0"),
+           (["--tokens=x"], "--tokens takes integers"))
 
 
 @pytest.mark.heavy
