@@ -12,13 +12,14 @@
 // registers while k runs over K; the weight vectors loaded for one k serve all
 // R rows. The tile shapes depend on the instruction set (ISA below):
 //   AVX-512 (32 zmm, 16 lanes): R <= 6 rows x the whole panel (4 vectors).
-//   AVX2/FMA (16 ymm, 8 lanes): 3 x 4 blocks below 24 rows, 6 x 2 from 24
-//     on, remainders 1 x 8, 2 x 4, 4 x 2, 5 x 2 (at most 12 accumulators
-//     beside the weight vectors and a broadcast), k unrolled 4x; the panel's
-//     columns are walked in chunks of C vectors. A chunk of 16 or 32
-//     floats is one or two whole cache lines of every panel row, so the
-//     chunks touch disjoint lines and the panel still streams from memory
-//     once; further row blocks re-read it from L2.
+//   AVX2/FMA (16 ymm, 8 lanes): below 24 rows, row 0 alone over the whole
+//     panel (1 x 8, one contiguous stream from memory), then the other rows
+//     in 3 x 4 blocks from L2; from 24 rows on, 6 x 2 blocks; remainders
+//     1 x 8, 2 x 4, 4 x 2, 5 x 2 (at most 12 accumulators beside the weight
+//     vectors and a broadcast), k unrolled 4x; the panel's columns are
+//     walked in chunks of C vectors. A chunk of 16 or 32 floats is one or
+//     two whole cache lines of every panel row, so the chunks touch
+//     disjoint lines; further passes re-read the panel from L2.
 //   portable (GCC vector extensions): as AVX-512, the compiler splits vectors.
 //
 // Prefetch (the ``prefetch`` attribute): for M > 1 a panel is read several
@@ -216,8 +217,21 @@ constexpr int kUnroll = 1;       // unmeasured on AVX-512 since the AVX2 path's 
 
 void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
            const float* next) {
-  if (M >= kLargeM) Rows<6, kUnroll>(x, M, K, panel, y, ldy, next);
-  else Rows<3, kUnroll>(x, M, K, panel, y, ldy, next);
+  if (M >= kLargeM) {
+    Rows<6, kUnroll>(x, M, K, panel, y, ldy, next);
+    return;
+  }
+#if defined(SPECJAX_AVX2)
+  // Row 0 alone (1 x 8) streams the whole panel from memory contiguously; the other rows
+  // then reuse it from L2 in 3 x 4 blocks. Letting a 3 x 4 block stream it instead (half
+  // of every 256-byte panel row per pass) measured 6-17% slower for M = 3..17 on an AVX2
+  // EPYC (Zen 3): benchmarks/kernel_variants/README.md.
+  Prefetch first;
+  RowBlock<1, kVecs, kUnroll>(x, K, panel, y, ldy, first);
+  if (M > 1) Rows<3, kUnroll>(x + K, M - 1, K, panel, y + ldy, ldy, next);
+#else
+  Rows<3, kUnroll>(x, M, K, panel, y, ldy, next);
+#endif
 }
 
 ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
