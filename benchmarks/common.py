@@ -5,10 +5,13 @@ the markdown report. The machine's description and the output-directory probe ar
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import re
 import subprocess
+import tempfile
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +51,9 @@ def forward_fn(cfg, params, num_tokens: int, context: int = 200, batch_size: int
     state[0], logits = _forward_in_place(params, cfg, tok, pos, state[0], attention_impl)
     logits.block_until_ready()
 
+  # The compiled program's text, for ``op_times`` (which custom call each thunk runs).
+  run.hlo_text = lambda: _forward_in_place.lower(  # type: ignore[attr-defined]
+      params, cfg, tok, pos, state[0], attention_impl).compile().as_text()
   return run
 
 
@@ -55,6 +61,39 @@ def forward_fn(cfg, params, num_tokens: int, context: int = 200, batch_size: int
 def _forward_in_place(params, cfg, tok, pos, cache, attention_impl):
   out = forward(params, cfg, tok, pos, cache, attention_impl=attention_impl)
   return out.cache.with_lengths(cache.lengths), out.logits  # lengths back to the context
+
+
+def op_times(fn: Callable[[], object], hlo_text: str, repeats: int = 5,
+             trace_dir: Optional[str] = None) -> dict[str, float]:
+  """Seconds per call of ``fn`` (one jitted program, warm) spent in each kind of operation,
+  from a ``jax.profiler`` trace of ``repeats`` calls: each custom call under its target's
+  name (the CPU kernels), "XLA ops" for the rest of the program's thunks, and "between
+  ops" for the executor's time outside any of them. ``hlo_text``: the compiled program
+  (``forward_fn(...).hlo_text()``), which names each custom call's target."""
+  target = dict(re.findall(r"%?([^\s%]+) = [^\n]*custom_call_target=\"([^\"]+)\"", hlo_text))
+  with tempfile.TemporaryDirectory() as tmp:
+    directory = trace_dir or tmp
+    with jax.profiler.trace(directory):
+      for _ in range(repeats):
+        fn()
+    path = max(glob.glob(f"{directory}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
+    data = jax.profiler.ProfileData.from_file(path)
+  totals: dict[str, float] = {}
+  executed = 0.0
+  for plane in data.planes:
+    for line in plane.lines:  # the executor's thread: its runs and the thunks inside them
+      events = list(line.events)
+      if not any(e.name == "ThunkExecutor::Execute" for e in events):
+        continue
+      for event in events:
+        op = dict(event.stats).get("hlo_op")
+        if event.name == "ThunkExecutor::Execute":
+          executed += event.duration_ns
+        elif op is not None and not event.name.startswith("end: "):
+          kind = target.get(op, "XLA ops")
+          totals[kind] = totals.get(kind, 0.0) + event.duration_ns
+  totals["between ops"] = max(0.0, executed - sum(totals.values()))
+  return {k: v / repeats / 1e9 for k, v in totals.items()}
 
 
 def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15,
