@@ -371,6 +371,53 @@ def test_attention_dispatch_benchmark_rejects_bad_flags_before_building():
            (["--tokens=x"], "--tokens takes integers"))
 
 
+def test_roofline_benchmark_rejects_bad_flags_before_loading():
+  _refuses("roofline", (["--tokens=2,4"], "--tokens must include 1"),
+           (["--tokens=0,1"], "--tokens must list integers >= 1"),
+           (["--context=-1"], "--context must be >= 0"),
+           (["--bandwidth_mib=0"], "--bandwidth_mib >= 1"))
+
+
+def test_roofline_counts_every_weight_once():
+  from benchmarks import roofline
+  from benchmarks.shapes import SHAPES
+  for cfg in (SHAPES["smollm2_135m"], dataclasses.replace(SHAPES["smollm2_135m"],
+                                                          tie_embeddings=False)):
+    norms = (2 * cfg.num_layers + 1) * cfg.dim
+    lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # an embedding read by rows
+    assert roofline.matrix_params(cfg) + norms + lookup == cfg.num_params
+    # T tokens read the weights once: bytes grow only by the embedding rows and the cache.
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    assert (roofline.forward_bytes(cfg, 5, 200) - roofline.forward_bytes(cfg, 1, 200)
+            == 4 * 4 * (cfg.dim + 2 * kv))
+    # without context the matrices' 2 flops per parameter and token dominate, quadratic rest
+    matmul = 2 * roofline.matrix_params(cfg)
+    assert roofline.forward_flops(cfg, 3, 0) - 3 * matmul == 9 * (
+        roofline.forward_flops(cfg, 1, 0) - matmul)
+  assert roofline.roofline_seconds(8e9, 1e9, 4e9, 1e9) == (2.0, "memory")
+  assert roofline.roofline_seconds(1e9, 3e9, 1e9, 1e9) == (3.0, "compute")
+
+
+def test_roofline_benchmark_runs_on_a_tiny_model(tmp_path):
+  out = tmp_path / "roofline.md"
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--target=tiny",
+                         "--tokens=1,2,5", "--repeats=2", "--bandwidth_mib=8", f"--out={out}"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  text = out.read_text()
+  roofline, profile = text.split("Where a forward's time goes")
+  rows = [l for l in roofline.splitlines() if l.startswith("| ") and l[2].isdigit()]
+  assert [r.split(" | ")[0] for r in rows] == ["| 1", "| 2", "| 5"], rows
+  assert rows[0].endswith("| 1.00 | 1.00 | 1.00 |")  # T = 1 is the unit of both costs
+  assert "GB/s" in text and "GFLOP/s" in text and "Verify of T = 2–5 tokens" in text
+  # the profile's table: a row per T, attention's custom call named, a positive total
+  profile = profile.splitlines()
+  header = next(l for l in profile if l.startswith("| T |"))
+  assert "CPU attention kernel" in header or "XLA ops" in header, header
+  totals = [float(l.rsplit("|", 2)[1]) for l in profile if l[:4] in ("| 1 ", "| 2 ", "| 5 ")]
+  assert len(totals) == 3 and min(totals) > 0, profile
+
+
 @pytest.mark.heavy
 def test_continuous_batching_benchmark_runs_on_tiny_models(tmp_path):
   out = tmp_path / "cb.md"
