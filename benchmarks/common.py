@@ -33,6 +33,21 @@ def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
   return float(np.median(times))
 
 
+def interleaved_times(fns: dict, repeats: int) -> dict:
+  """{key: [seconds of each call]} of ``repeats`` rounds that call every ``fns[key]()`` in
+  turn, after one warm-up call each (compilation), so that load from elsewhere on the
+  machine hits them alike."""
+  for f in fns.values():
+    f()
+  runs = {key: [] for key in fns}
+  for _ in range(repeats):
+    for key, f in fns.items():
+      start = time.perf_counter()
+      f()
+      runs[key].append(time.perf_counter() - start)
+  return runs
+
+
 def forward_fn(cfg, params, num_tokens: int, context: int = 200, batch_size: int = 1, *,
                dtype=jnp.float32, attention_impl: str = "auto",
                min_cache: int = 256) -> Callable[[], object]:

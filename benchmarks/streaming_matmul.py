@@ -16,12 +16,10 @@ the number speculative decoding's speedup divides by.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import forward_fn, provenance, write_markdown
+from benchmarks.common import forward_fn, interleaved_times, provenance, write_markdown
 from specjax.kernels import streaming_matmul as sm
 from specjax.kernels.packed import PackedWeight
 from specjax.loaders import load_model
@@ -44,14 +42,7 @@ def main(_):
   times = {}
   for b, t in SHAPES:
     fns = {name: forward_fn(cfg, p, t, CONTEXT, b) for name, p in paths.items()}
-    for f in fns.values():
-      f()  # compile and warm up
-    runs = {name: [] for name in fns}
-    for _ in range(REPEATS.value):
-      for name, f in fns.items():
-        start = time.perf_counter()
-        f()
-        runs[name].append(time.perf_counter() - start)
+    runs = interleaved_times(fns, REPEATS.value)
     times[b, t] = {name: (float(np.median(r)), max(r) / min(r)) for name, r in runs.items()}
     print(b, t, {k: round(v[0] * 1e3, 1) for k, v in times[b, t].items()}, flush=True)
   rows = []

@@ -375,12 +375,21 @@ def test_roofline_benchmark_rejects_bad_flags_before_loading():
   _refuses("roofline", (["--tokens=2,4"], "--tokens must include 1"),
            (["--tokens=0,1"], "--tokens must list integers >= 1"),
            (["--context=-1"], "--context must be >= 0"),
-           (["--bandwidth_mib=0"], "--bandwidth_mib >= 1"))
+           (["--repeats=0"], "--repeats must be >= 1"),
+           (["--bandwidth_mib=0"], "--bandwidth_mib must be >= 1"))
 
 
 def test_roofline_counts_every_weight_once():
   from benchmarks import roofline
   from benchmarks.shapes import SHAPES
+  from specjax.model import init_params
+  # the matrices a forward multiplies by, counted from real parameters: every 2-D leaf (the
+  # layers' projections, and the embedding read whole as the tied LM head)
+  tiny = dataclasses.replace(SHAPES["tiny"], tie_embeddings=True)
+  leaves = jax.tree_util.tree_leaves(init_params(tiny, jax.random.PRNGKey(0)))
+  matrices = sum(x.size for x in leaves if x.ndim >= 2)
+  assert roofline.matrix_params(tiny) == matrices, (roofline.matrix_params(tiny), matrices)
+  assert roofline.matrix_params(SHAPES["smollm2_135m"]) == 134_479_872
   for cfg in (SHAPES["smollm2_135m"], dataclasses.replace(SHAPES["smollm2_135m"],
                                                           tie_embeddings=False)):
     norms = (2 * cfg.num_layers + 1) * cfg.dim
@@ -413,7 +422,9 @@ def test_roofline_benchmark_runs_on_a_tiny_model(tmp_path):
   # the profile's table: a row per T, attention's custom call named, a positive total
   profile = profile.splitlines()
   header = next(l for l in profile if l.startswith("| T |"))
-  assert "CPU attention kernel" in header or "XLA ops" in header, header
+  from specjax.kernels import cpu_attention
+  assert "XLA ops" in header, header
+  assert ("CPU attention kernel" in header) == cpu_attention.available(), header
   totals = [float(l.rsplit("|", 2)[1]) for l in profile if l[:4] in ("| 1 ", "| 2 ", "| 5 ")]
   assert len(totals) == 3 and min(totals) > 0, profile
 

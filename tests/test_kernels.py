@@ -207,9 +207,9 @@ def test_policy_prefetches_only_where_the_prefetching_kernel_was_faster():
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-# AVX2: row 0's pass, then 2, 2 and 4 prefetching passes below 24 rows (a lone second row
-# has one pass, which never prefetches); 20 passes of 6 x 2 blocks at 30 rows.
-@pytest.mark.parametrize("rows", [3, 4, 7, 30])
+# AVX2: row 0's pass, then 1, 2, 2 and 4 prefetching passes from cache below 24 rows; 20
+# passes of 6 x 2 blocks at 30 rows.
+@pytest.mark.parametrize("rows", [2, 3, 4, 7, 30])
 def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, variant):
   w = _rand((200, 64 * 9 + 5), rows)
   panels = jnp.asarray(sm.to_panels(w))
@@ -218,6 +218,13 @@ def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, variant):
   b = np.asarray(sm.streaming_matmul(x, panels, variant, prefetch=True))
   np.testing.assert_array_equal(a, b)
   np.testing.assert_allclose(b, np.asarray(sm.reference(x, panels)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_zero_rows_give_an_empty_result(variant):
+  panels = jnp.asarray(sm.to_panels(_rand((16, 64), 0)))
+  out = sm.streaming_matmul(jnp.zeros((0, 16), jnp.float32), panels, variant, prefetch=True)
+  assert out.shape == (0, 64)
 
 
 def test_policy_cache_key_changes_with_cpu_flags_and_shapes():

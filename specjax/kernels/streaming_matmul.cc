@@ -25,7 +25,8 @@
 // Prefetch (the ``prefetch`` attribute): for M > 1 a panel is read several
 // times (row blocks x column chunks); while it is computed from cache, each
 // pass also software-prefetches a share of the lines of the panel this thread
-// will probably claim next into L2. Whether that pays depends on the host (it
+// will probably claim next into L2 (on AVX2 below 24 rows: every pass after
+// row 0's, which streams the panel and prefetches nothing). Whether that pays depends on the host (it
 // was 12-22% faster on one AVX2 EPYC and 5-40% slower on another:
 // benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
 // kernel itself and turns it on per M.
@@ -117,13 +118,14 @@ struct Prefetch {
   const float* next = nullptr;  // the next panel this thread will likely compute, or null
   int pass = 0;                 // passes over the current panel so far
   int passes = 1;               // passes in all (row blocks x column chunks)
+  bool cached = false;          // an earlier pass streamed the panel: all passes are from cache
   // Lines [lo, hi) of each next-panel row fall to this pass.
   void Lines(int* lo, int* hi) const {
     constexpr int kLines = kPanel / 16;
     const int per = (kLines + passes - 1) / passes;  // every line falls to some pass
     *lo = std::min(pass * per, kLines);
     *hi = std::min(*lo + per, kLines);
-    if (next == nullptr || passes < 2) *lo = *hi = 0;
+    if (next == nullptr || (passes < 2 && !cached)) *lo = *hi = 0;
   }
 };
 
@@ -174,7 +176,7 @@ inline void RowBlock(const float* x, int64_t K, const float* panel, float* y, in
 // AVX-512 and portable: blocks of 6 rows x the whole panel.
 template <int B, int U>
 void Rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
-          const float* next) {
+          const float* next, bool cached) {
 #if defined(SPECJAX_AVX2)
 #define SPECJAX_ROWS(R, C) RowBlock<R, C, U>(xr, K, panel, yr, ldy, pf)
   constexpr int kChunks = B == 6 ? kVecs / 2 : kVecs / 4;
@@ -186,6 +188,7 @@ void Rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, in
 #endif
   Prefetch pf;
   pf.next = next;
+  pf.cached = cached;
   pf.passes = (M / B) * kChunks + kRemChunks[M % B];
   int64_t m = 0;
   for (; m + B <= M; m += B) {
@@ -218,19 +221,19 @@ constexpr int kUnroll = 1;       // unmeasured on AVX-512 since the AVX2 path's 
 void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
            const float* next) {
   if (M >= kLargeM) {
-    Rows<6, kUnroll>(x, M, K, panel, y, ldy, next);
+    Rows<6, kUnroll>(x, M, K, panel, y, ldy, next, false);
     return;
   }
 #if defined(SPECJAX_AVX2)
   // Row 0 alone (1 x 8) streams the whole panel from memory contiguously; the other rows
-  // then reuse it from L2 in 3 x 4 blocks. Letting a 3 x 4 block stream it instead (half
-  // of every 256-byte panel row per pass) measured 6-17% slower for M = 3..17 on an AVX2
-  // EPYC (Zen 3): benchmarks/kernel_variants/README.md.
+  // then reuse it from L2 in 3 x 4 blocks. This was 3-17% faster for M = 2..17 on an AVX2
+  // EPYC (Zen 3) than letting the first 3 x 4 block stream it (half of every 256-byte
+  // panel row per pass): benchmarks/kernel_variants/README.md.
   Prefetch first;
   RowBlock<1, kVecs, kUnroll>(x, K, panel, y, ldy, first);
-  if (M > 1) Rows<3, kUnroll>(x + K, M - 1, K, panel, y + ldy, ldy, next);
+  if (M > 1) Rows<3, kUnroll>(x + K, M - 1, K, panel, y + ldy, ldy, next, true);
 #else
-  Rows<3, kUnroll>(x, M, K, panel, y, ldy, next);
+  Rows<3, kUnroll>(x, M, K, panel, y, ldy, next, false);
 #endif
 }
 
@@ -248,6 +251,7 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* ps = panels.typed_data();
   float* ys = y->typed_data();
   const int64_t M = xd[0], K = xd[1], P = pd[0];
+  if (M == 0) return ffi::Error::Success();  // nothing to read or write
   const int64_t workers = specjax::Workers(pool, P);
   specjax::ParallelFor(pool, P, [=](int64_t p) {
     const int64_t guess = p + workers;  // claims alternate between workers
