@@ -10,7 +10,9 @@ Batch 1, SmolLM2-135M-Instruct in f32, every output forced to ``new_tokens``
   shipped draft exported as an HF Llama directory (greedy, constant γ);
   HF prompt lookup (greedy, γ tokens); specjax autoregressive greedy and
   sampled; specjax speculative with the shipped draft (greedy and T = 1), with
-  the shipped EAGLE-3 drafter (greedy and T = 1; HF has no counterpart) and
+  the shipped EAGLE-3 drafter (greedy and T = 1; HF has no counterpart), both
+  drafts also at T = 1 with block verification (Sun et al. 2024) instead of
+  token-wise rejection, and
   with prompt lookup (greedy); the shipped Medusa-1 heads on the tree their
   held-out accuracies give and the shipped trained early exit (greedy and T = 1;
   HF has neither); the draft-free methods, Jacobi decoding (window
@@ -114,9 +116,9 @@ def main(argv):
   def sj_ar(sampler):
     return lambda p: specjax.generate(params, cfg, [p], n, sampler, eos_ids=(), cache_size=cache)
 
-  def sj_spec(d, d_params, sampler, tree=None, name=None):
+  def sj_spec(d, d_params, sampler, tree=None, name=None, verification="tokenwise"):
     dec = SpeculativeDecoder(cfg, d, gamma=None if tree else g, tree=tree, sampler=sampler,
-                             eos_ids=())
+                             eos_ids=(), verification=verification)
 
     def run(p):
       out = dec.generate(params, d_params, [p], n, cache_size=cache)
@@ -132,10 +134,14 @@ def main(argv):
   spec_rows = {
       f"specjax speculative, shipped draft, greedy (γ={g})": (drafter, dp, Greedy(), None),
       f"specjax speculative, shipped draft, T=1 (γ={g})": (drafter, dp, Sampling(1.0), None),
+      f"specjax speculative, shipped draft, T=1, block verification (γ={g})": (
+          drafter, dp, Sampling(1.0), None),
       f"specjax speculative, shipped draft, {tree_name}, greedy": (drafter, dp, Greedy(), dyn),
       f"specjax speculative, shipped draft, {tree_name}, T=1": (drafter, dp, Sampling(1.0), dyn),
       f"specjax speculative, EAGLE-3 drafter, greedy (γ={g})": (eagle, eagle_dp, Greedy(), None),
       f"specjax speculative, EAGLE-3 drafter, T=1 (γ={g})": (eagle, eagle_dp, Sampling(1.0), None),
+      f"specjax speculative, EAGLE-3 drafter, T=1, block verification (γ={g})": (
+          eagle, eagle_dp, Sampling(1.0), None),
       f"specjax speculative, EAGLE-3 drafter, {tree_name}, greedy": (eagle, eagle_dp, Greedy(), dyn),
       f"specjax speculative, EAGLE-3 drafter, {tree_name}, T=1": (
           eagle, eagle_dp, Sampling(1.0), dyn),
@@ -164,7 +170,8 @@ def main(argv):
       "specjax autoregressive, T=1": _timed(sj_ar(Sampling(1.0)), prompts),
   }
   for name, (d, d_params, sampler, tree) in spec_rows.items():
-    times[name] = _timed(sj_spec(d, d_params, sampler, tree, name), prompts)
+    verification = "block" if "block verification" in name else "tokenwise"
+    times[name] = _timed(sj_spec(d, d_params, sampler, tree, name, verification), prompts)
     calls[name] = calls[name][1:]  # drop the warm-up call's count
 
   import torch
