@@ -11,7 +11,7 @@ import re
 import subprocess
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +24,7 @@ from specjax.model import forward
 
 def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
   """Median seconds of ``fn()`` after one warm-up call."""
-  fn()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
+  return float(np.median(interleaved_times({0: fn}, repeats)[0]))
 
 
 def interleaved_times(fns: dict, repeats: int) -> dict:
@@ -78,16 +72,14 @@ def _forward_in_place(params, cfg, tok, pos, cache, attention_impl):
   return out.cache.with_lengths(cache.lengths), out.logits  # lengths back to the context
 
 
-def op_times(fn: Callable[[], object], hlo_text: str, repeats: int = 5,
-             trace_dir: Optional[str] = None) -> dict[str, float]:
+def op_times(fn: Callable[[], object], hlo_text: str, repeats: int = 5) -> dict[str, float]:
   """Seconds per call of ``fn`` (one jitted program, warm) spent in each kind of operation,
   from a ``jax.profiler`` trace of ``repeats`` calls: each custom call under its target's
   name (the CPU kernels), "XLA ops" for the rest of the program's thunks, and "between
   ops" for the executor's time outside any of them. ``hlo_text``: the compiled program
   (``forward_fn(...).hlo_text()``), which names each custom call's target."""
   target = dict(re.findall(r"%?([^\s%]+) = [^\n]*custom_call_target=\"([^\"]+)\"", hlo_text))
-  with tempfile.TemporaryDirectory() as tmp:
-    directory = trace_dir or tmp
+  with tempfile.TemporaryDirectory() as directory:
     with jax.profiler.trace(directory):
       for _ in range(repeats):
         fn()

@@ -135,13 +135,13 @@ def main(argv):
       f"specjax speculative, shipped draft, greedy (γ={g})": (drafter, dp, Greedy(), None),
       f"specjax speculative, shipped draft, T=1 (γ={g})": (drafter, dp, Sampling(1.0), None),
       f"specjax speculative, shipped draft, T=1, block verification (γ={g})": (
-          drafter, dp, Sampling(1.0), None),
+          drafter, dp, Sampling(1.0), None, "block"),
       f"specjax speculative, shipped draft, {tree_name}, greedy": (drafter, dp, Greedy(), dyn),
       f"specjax speculative, shipped draft, {tree_name}, T=1": (drafter, dp, Sampling(1.0), dyn),
       f"specjax speculative, EAGLE-3 drafter, greedy (γ={g})": (eagle, eagle_dp, Greedy(), None),
       f"specjax speculative, EAGLE-3 drafter, T=1 (γ={g})": (eagle, eagle_dp, Sampling(1.0), None),
       f"specjax speculative, EAGLE-3 drafter, T=1, block verification (γ={g})": (
-          eagle, eagle_dp, Sampling(1.0), None),
+          eagle, eagle_dp, Sampling(1.0), None, "block"),
       f"specjax speculative, EAGLE-3 drafter, {tree_name}, greedy": (eagle, eagle_dp, Greedy(), dyn),
       f"specjax speculative, EAGLE-3 drafter, {tree_name}, T=1": (
           eagle, eagle_dp, Sampling(1.0), dyn),
@@ -169,9 +169,8 @@ def main(argv):
       "specjax autoregressive, greedy": _timed(sj_ar(Greedy()), prompts),
       "specjax autoregressive, T=1": _timed(sj_ar(Sampling(1.0)), prompts),
   }
-  for name, (d, d_params, sampler, tree) in spec_rows.items():
-    verification = "block" if "block verification" in name else "tokenwise"
-    times[name] = _timed(sj_spec(d, d_params, sampler, tree, name, verification), prompts)
+  for name, (d, d_params, sampler, tree, *verification) in spec_rows.items():
+    times[name] = _timed(sj_spec(d, d_params, sampler, tree, name, *verification), prompts)
     calls[name] = calls[name][1:]  # drop the warm-up call's count
 
   import torch

@@ -39,7 +39,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -105,13 +104,7 @@ def roofline_seconds(nbytes: float, flops: float, bandwidth: float, peak: float
 
 def _best(fn, repeats: int) -> float:
   """Fastest of ``repeats`` calls after a warm-up (a bound wants the best, not the median)."""
-  fn()
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    best = min(best, time.perf_counter() - start)
-  return best
+  return min(interleaved_times({0: fn}, repeats)[0])
 
 
 def measure_bandwidth(mib: int, repeats: int = 5) -> dict[str, float]:
