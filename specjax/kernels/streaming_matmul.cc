@@ -26,10 +26,10 @@
 // times (row blocks x column chunks); while it is computed from cache, each
 // pass also software-prefetches a share of the lines of the panel this thread
 // will probably claim next into L2 (on AVX2 below 24 rows: every pass after
-// row 0's, which streams the panel and prefetches nothing). Whether that pays depends on the host (it
-// was 12-22% faster on one AVX2 EPYC and 5-40% slower on another:
-// benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
-// kernel itself and turns it on per M.
+// row 0's, which streams the panel and prefetches nothing). Whether that pays
+// depends on the host (it was 12-22% faster on one AVX2 EPYC and 5-40% slower
+// on another: benchmarks/kernel_variants/README.md), so ``policy.py`` times it
+// like the kernel itself and turns it on per M.
 //
 // Each (row, column) accumulates over k = 0..K-1 in order with one fused
 // multiply-add per step, whatever the tile, M, panel split, prefetch or thread count:
