@@ -42,7 +42,7 @@ OUT = flags.DEFINE_string("out", "benchmarks/results/kernel_ab.md", "markdown ou
 
 def build(source: str, name: str, workdir: str):
   """Compiles ``source`` and registers it as FFI target ``name``; returns its
-  matmul(x, panels, prefetch)."""
+  matmul(x, panels, prefetch) and its panel width (64 for sources that do not say)."""
   lib_path = os.path.join(workdir, f"{name}.so")
   try:
     sm.build_library(lib_path, "native", source)  # the library's own compiler and flags
@@ -50,12 +50,13 @@ def build(source: str, name: str, workdir: str):
     raise SystemExit(f"building {source} failed:\n{e}") from None
   lib = ctypes.cdll.LoadLibrary(lib_path)
   jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
+  width = lib.SpecjaxStreamingMatmulPanel() if hasattr(lib, "SpecjaxStreamingMatmulPanel") else 64
 
   def matmul(x, panels, prefetch=False):
-    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 64), jnp.float32)
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * width), jnp.float32)
     return jax.ffi.ffi_call(name, out)(x, panels, prefetch=np.int32(prefetch))
 
-  return matmul
+  return matmul, width
 
 
 def main(_):
@@ -70,24 +71,26 @@ def main(_):
   weights = pol.projection_weights(unpack_params(params, cfg.tie_embeddings),
                                    cfg.tie_embeddings, num_layers=cfg.num_layers)
   ks = [w.shape[0] for w in weights]
-  panels = [jnp.asarray(sm.to_panels(w)) for w in weights]
   with tempfile.TemporaryDirectory() as tmp:
     built = {path: build(path, f"specjax_ab_{i}", tmp)
              for i, path in enumerate(dict.fromkeys(path for path, _ in entries))}
-    fns = [pol._chain(functools.partial(built[path], prefetch=pf), ks) for path, pf in entries]
+    widths = sorted({width for _, width in built.values()})
+    packed = {c: [jnp.asarray(sm.to_panels(w, width=c)) for w in weights] for c in widths}
+    fns = [pol._chain(functools.partial(built[path][0], prefetch=pf), ks) for path, pf in entries]
+    panels = [packed[built[path][1]] for path, _ in entries]
     rng = np.random.default_rng(0)
     xs = {m: jnp.asarray(rng.standard_normal((m, ks[0]), dtype=np.float32)) for m in rows}
     for m in rows:  # compile, and check the contract
-      base = np.asarray(fns[0](panels, xs[m]))
-      for s, f in zip(SOURCES.value[1:], fns[1:]):
-        if not np.array_equal(base, np.asarray(f(panels, xs[m]))):
+      base = np.asarray(fns[0](panels[0], xs[m]))
+      for s, f, p in zip(SOURCES.value[1:], fns[1:], panels[1:]):
+        if not np.array_equal(base, np.asarray(f(p, xs[m]))):
           raise SystemExit(f"{s} is not bit-identical to {SOURCES.value[0]} at M = {m}")
     times = {m: [[] for _ in fns] for m in rows}
     for _ in range(REPEATS.value):
       for m in rows:
         for i, f in enumerate(fns):
           t = time.perf_counter()
-          f(panels, xs[m]).block_until_ready()
+          f(panels[i], xs[m]).block_until_ready()
           times[m][i].append(time.perf_counter() - t)
   names = [os.path.basename(path) + (" +prefetch" if pf else "") for path, pf in entries]
   mb = sum(w.nbytes for w in weights) / 1e6

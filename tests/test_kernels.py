@@ -37,6 +37,10 @@ def test_native_variant_reports_its_instruction_set():
     assert sm.isa() == "avx512"
   elif {"avx2", "fma"} <= flags:
     assert sm.isa() == "avx2" and sm.isa("avx2") == "avx2"
+  # Panels of four vectors on AVX-512 and the portable path, one cache line (two ymm) on AVX2.
+  widths = {"avx512": 64, "portable": 64, "avx2": 16}
+  for variant in VARIANTS:
+    assert sm.panel_width(variant) == widths[sm.isa(variant)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -44,11 +48,11 @@ def test_native_variant_reports_its_instruction_set():
 @pytest.mark.parametrize("k,n", [(3, 64), (64, 192), (100, 100), (576, 960)])
 def test_kernel_matches_reference_and_numpy(m, k, n, variant):
   x, w = _rand((m, k), 0), _rand((k, n), 1)
-  panels = jnp.asarray(sm.to_panels(w))
+  panels = jnp.asarray(sm.to_panels(w, variant))
   got = np.asarray(jax.jit(sm.streaming_matmul, static_argnums=2)(jnp.asarray(x), panels,
                                                                   variant))
   ref = np.asarray(sm.reference(jnp.asarray(x), panels))
-  assert got.shape == (m, panels.shape[0] * sm.PANEL)
+  assert got.shape == (m, panels.shape[0] * sm.panel_width(variant))
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
   np.testing.assert_allclose(got[:, :n], x.astype(np.float64) @ w, rtol=1e-5,
                              atol=1e-5 * np.sqrt(k))
@@ -60,7 +64,7 @@ def test_each_row_is_bit_identical_whatever_else_is_in_the_call(variant):
   """What makes a verify step agree exactly with decode steps on the same rows (every
   register-block shape: 1-6 rows and the large-M blocks from 24 rows on)."""
   x, w = _rand((30, 576), 2), _rand((576, 256), 3)
-  panels = jnp.asarray(sm.to_panels(w))
+  panels = jnp.asarray(sm.to_panels(w, variant))
   f = jax.jit(sm.streaming_matmul, static_argnums=2)
   full = np.asarray(f(jnp.asarray(x), panels, variant))
   for r in range(13):
@@ -74,7 +78,8 @@ def test_each_row_is_bit_identical_whatever_else_is_in_the_call(variant):
 def test_pack_unpack_round_trip_and_dense():
   w = _rand((40, 130), 4)
   pw = pk.pack(w)
-  assert pw.shape == (40, 130) and pw.panels.shape == (3, 40, 64)
+  width = sm.panel_width()
+  assert pw.shape == (40, 130) and pw.panels.shape == (-(-130 // width), 40, width)
   np.testing.assert_array_equal(np.asarray(pw.unpack()), w)
   np.testing.assert_array_equal(np.asarray(pk.unpacked(pw)), w)
   for rows in (1, 3 * 7, 200):
@@ -90,6 +95,10 @@ def test_bad_inputs_are_refused():
   panels = jnp.asarray(sm.to_panels(_rand((8, 64), 0)))
   with pytest.raises(ValueError, match="panels"):
     sm.streaming_matmul(jnp.ones((2, 9)), panels)
+  other = 32 if sm.panel_width() != 32 else 16  # packed for another kernel's width
+  with pytest.raises(ValueError, match="panel width"):
+    sm.streaming_matmul(jnp.ones((2, 8)), jnp.asarray(sm.to_panels(_rand((8, 64), 0),
+                                                                   width=other)))
   with pytest.raises(ValueError, match="float32"):
     sm.streaming_matmul(jnp.ones((2, 8), jnp.bfloat16), panels)
 
@@ -207,12 +216,12 @@ def test_policy_prefetches_only_where_the_prefetching_kernel_was_faster():
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-# AVX2: row 0's pass, then 1, 2, 2 and 4 prefetching passes from cache below 24 rows; 20
-# passes of 6 x 2 blocks at 30 rows.
-@pytest.mark.parametrize("rows", [2, 3, 4, 7, 30])
+# One pass over each panel up to 6 rows (no prefetch), then one per block of 6 rows: 2 passes
+# at 7 and 12 rows, 5 at 30.
+@pytest.mark.parametrize("rows", [2, 6, 7, 12, 30])
 def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, variant):
   w = _rand((200, 64 * 9 + 5), rows)
-  panels = jnp.asarray(sm.to_panels(w))
+  panels = jnp.asarray(sm.to_panels(w, variant))
   x = jnp.asarray(_rand((rows, 200), rows + 1))
   a = np.asarray(sm.streaming_matmul(x, panels, variant))
   b = np.asarray(sm.streaming_matmul(x, panels, variant, prefetch=True))
@@ -222,7 +231,7 @@ def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_zero_rows_give_an_empty_result(variant):
-  panels = jnp.asarray(sm.to_panels(_rand((16, 64), 0)))
+  panels = jnp.asarray(sm.to_panels(_rand((16, 64), 0), variant))
   out = sm.streaming_matmul(jnp.zeros((0, 16), jnp.float32), panels, variant, prefetch=True)
   assert out.shape == (0, 64)
 

@@ -28,10 +28,11 @@ PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-  """A [K, N] weight as [ceil(N/64), K, 64] column panels for the streaming kernel.
+  """A [K, N] weight as [ceil(N/W), K, W] column panels for the streaming kernel.
 
   Attributes:
-    panels: [ceil(N/64), K, 64] the columns in panels of 64, zero-padded.
+    panels: [ceil(N/W), K, W] the columns in panels of W (the kernel's ``panel_width``),
+      zero-padded.
     n: the true N.
     plain: the [K, N] matrix for XLA's dot where ``policy`` does not take the
       kernel (None when it always does, or for a tied head: ``lm_head`` then

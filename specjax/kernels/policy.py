@@ -175,7 +175,7 @@ def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repea
   """
   ks = [w.shape[0] for w in weights]
   plain = [jnp.asarray(w) for w in weights]
-  panels = [jnp.asarray(sm.to_panels(w)) for w in weights]
+  panels = [jnp.asarray(sm.to_panels(w, variant)) for w in weights]
   fns = (_chain(lambda x, w: x @ w, ks),
          _chain(functools.partial(sm.streaming_matmul, variant=variant), ks),
          _chain(functools.partial(sm.streaming_matmul, variant=variant, prefetch=True), ks))

@@ -1,7 +1,10 @@
 """Streaming small-M matmul for CPU decode and verify steps, beside its reference.
 
 ``streaming_matmul(x, panels)`` computes ``x @ w`` for x [M, K] and a weight
-stored as column panels ``panels[p] = w[:, 64p : 64p + 64]`` ([P, K, 64]).
+stored as column panels ``panels[p] = w[:, Wp : Wp + W]`` ([P, K, W]). The panel
+width W is the built library's (``panel_width``): 64 floats on AVX-512 and the
+portable path, 16 (one cache line per panel row) on AVX2; ``to_panels`` packs
+for it.
 Decode (M = batch) and verify (M = batch x (γ + 1)) steps are dominated by such
 products; XLA's CPU GEMM packs its operands and costs 2-3x the M = 1 GEMV for
 M = 2..16, which by itself erases speculative decoding's gain. The kernel
@@ -38,7 +41,6 @@ import numpy as np
 from specjax.kernels import build
 from specjax.kernels.build import cache_dir, cpu_flags, cpu_model, cpu_signature, cpuinfo_field  # noqa: F401  (re-exported)
 
-PANEL = 64
 _TARGET = "specjax_streaming_matmul"
 # Compiler flags per variant; "avx2" defines SPECJAX_ISA_AVX2 (see the .cc header).
 VARIANTS = {
@@ -48,8 +50,12 @@ VARIANTS = {
 _SOURCE = os.path.join(os.path.dirname(__file__), "streaming_matmul.cc")
 
 
+# The width packing uses where no kernel is built (the reference contraction takes any).
+DEFAULT_PANEL = 64
+
+
 def reference(x: jax.Array, panels: jax.Array) -> jax.Array:
-  """x [M, K] @ panels [P, K, 64] -> [M, P * 64] float32, in plain jnp."""
+  """x [M, K] @ panels [P, K, W] -> [M, P * W] float32, in plain jnp."""
   y = jnp.einsum("mk,pkc->mpc", x, panels, preferred_element_type=jnp.float32)
   return y.reshape(x.shape[0], -1)
 
@@ -68,6 +74,7 @@ def build_library(path: str, variant: str, source: str = _SOURCE) -> None:
 
 
 _ISA: dict[str, str] = {}
+_PANEL: dict[str, int] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +97,8 @@ def _register(variant: str = "native") -> Optional[str]:
                                 jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
     lib.SpecjaxStreamingMatmulIsa.restype = ctypes.c_char_p
     _ISA[variant] = lib.SpecjaxStreamingMatmulIsa().decode()
+    lib.SpecjaxStreamingMatmulPanel.restype = ctypes.c_int
+    _PANEL[variant] = int(lib.SpecjaxStreamingMatmulPanel())
   except (OSError, RuntimeError, AttributeError) as e:
     return f"could not build the streaming matmul kernel: {e}"
   return None
@@ -113,9 +122,16 @@ def isa(variant: str = "native") -> Optional[str]:
   return _ISA.get(variant) if available(variant) else None
 
 
+def panel_width(variant: str = "native") -> int:
+  """Columns per panel the variant's kernel takes (``DEFAULT_PANEL`` where none is built)."""
+  return _PANEL[variant] if available(variant) else DEFAULT_PANEL
+
+
 def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
                      prefetch: bool = False) -> jax.Array:
-  """x [M, K] float32 @ panels [P, K, 64] float32 -> [M, P * 64] float32 (CPU kernel).
+  """x [M, K] float32 @ panels [P, K, W] float32 -> [M, P * W] float32 (CPU kernel).
+
+  W must be the variant's ``panel_width``: pack with ``to_panels(w, variant)``.
 
   ``prefetch``: software-prefetch the next panel while one is computed from cache
   (M > 1); the same bits either way, only the speed differs by host.
@@ -123,21 +139,27 @@ def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
   reason = _register(variant)
   if reason is not None:
     raise RuntimeError(reason)
-  if x.ndim != 2 or panels.ndim != 3 or panels.shape[1:] != (x.shape[1], PANEL):
-    raise ValueError(f"want x [M, K] and panels [P, K, {PANEL}], got {x.shape} and "
-                     f"{panels.shape}")
+  width = _PANEL[variant]
+  if x.ndim != 2 or panels.ndim != 3 or panels.shape[1:] != (x.shape[1], width):
+    raise ValueError(f"want x [M, K] and panels [P, K, {width}] (the {variant} kernel's "
+                     f"panel width), got {x.shape} and {panels.shape}")
   if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
     raise ValueError(f"streaming_matmul is float32 only, got {x.dtype} and {panels.dtype}")
-  out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
+  out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * width), jnp.float32)
   return jax.ffi.ffi_call(_target(variant), out, vmap_method="sequential")(
       x, panels, prefetch=np.int32(bool(prefetch)))
 
 
-def to_panels(w: np.ndarray | jax.Array) -> np.ndarray:
-  """[K, N] -> [ceil(N / 64), K, 64] column panels, zero-padded on the right."""
+def to_panels(w: np.ndarray | jax.Array, variant: str = "native",
+              width: Optional[int] = None) -> np.ndarray:
+  """[K, N] -> [ceil(N / W), K, W] column panels, zero-padded on the right.
+
+  W is ``width`` if given, else the variant's ``panel_width``.
+  """
+  width = panel_width(variant) if width is None else width
   w = np.asarray(w)
   k, n = w.shape
-  pad = -n % PANEL
+  pad = -n % width
   if pad:
     w = np.pad(w, ((0, 0), (0, pad)))
-  return np.ascontiguousarray(w.reshape(k, -1, PANEL).transpose(1, 0, 2))
+  return np.ascontiguousarray(w.reshape(k, -1, width).transpose(1, 0, 2))
