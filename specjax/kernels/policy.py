@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -130,8 +131,9 @@ def choose(timings: dict[int, tuple[float, ...]], source: str = "measured") -> M
   the kernel only where one of its modes was faster than XLA, prefetching where that
   mode was the faster of the two."""
   grid = tuple(sorted(timings))
-  # One row is one pass over each panel: nothing runs from cache to prefetch during.
-  prefetch = tuple(m > 1 and len(timings[m]) > 2 and timings[m][2] < timings[m][1]
+  # Up to ONE_PASS_ROWS rows the kernel reads each panel once: nothing runs from cache to
+  # prefetch during, and a difference measured there is noise.
+  prefetch = tuple(m > sm.ONE_PASS_ROWS and len(timings[m]) > 2 and timings[m][2] < timings[m][1]
                    for m in grid)
   best = {m: timings[m][2 if p else 1] for m, p in zip(grid, prefetch)}  # the mode that runs
   return MatmulPolicy(grid=grid, kernel=tuple(best[m] < timings[m][0] for m in grid),
@@ -196,10 +198,11 @@ def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repea
 
 
 def cache_key(weight_shapes: Sequence[tuple[int, int]], cpu: Optional[str] = None) -> str:
-  """What a measured decision is valid for: CPU model and flags, jaxlib, kernel source, shapes."""
+  """What a measured decision is valid for: CPU model and flags, jaxlib, kernel source, shapes,
+  and the rule that turns timings into a decision (``choose``'s own source)."""
   cpu = sm.cpu_signature() if cpu is None else cpu
   parts = (cpu, jax.lib.__version__, sm.source_hash(), repr(tuple(map(tuple, weight_shapes))),
-           repr(ROW_GRID))
+           repr(ROW_GRID), inspect.getsource(choose))
   return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

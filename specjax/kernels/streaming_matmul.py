@@ -52,6 +52,9 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "streaming_matmul.cc")
 
 # The width packing uses where no kernel is built (the reference contraction takes any).
 DEFAULT_PANEL = 64
+# Up to this many rows the kernel reads each panel in one pass (one register block of rows
+# over the whole panel row), so there is no pass from cache for ``prefetch`` to work in.
+ONE_PASS_ROWS = 6
 
 
 def reference(x: jax.Array, panels: jax.Array) -> jax.Array:
