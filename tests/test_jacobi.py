@@ -99,8 +99,11 @@ def test_update_takes_the_predictions_past_the_accepted_prefix():
   np.testing.assert_array_equal(q.argmax(-1), drafts)
 
 
-@pytest.mark.parametrize("fill", ["random", "prompt_lookup"])
-@pytest.mark.parametrize("verification", ["tokenwise", "block"])
+# Each fill and each verification rule once by default; the other pairing is heavy.
+@pytest.mark.parametrize("fill, verification", [
+    ("random", "tokenwise"), ("prompt_lookup", "block"),
+    pytest.param("prompt_lookup", "tokenwise", marks=pytest.mark.heavy),
+    pytest.param("random", "block", marks=pytest.mark.heavy)])
 def test_sampling_matches_target(fill, verification):
   target = tiny_model(seed=0, vocab_size=8, scale=1.0)
   sampler = Sampling(temperature=0.9, top_k=6)

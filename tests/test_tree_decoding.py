@@ -365,7 +365,7 @@ def small_models():
 @pytest.mark.parametrize("draw,sampler", [
     ("point_mass", Sampling(temperature=1.0)),
     ("without_replacement", Sampling(temperature=1.0)),
-    ("point_mass", Sampling(temperature=0.7, top_k=4)),
+    pytest.param("point_mass", Sampling(temperature=0.7, top_k=4), marks=pytest.mark.heavy),
     ("without_replacement", Sampling(temperature=1.2, top_p=0.8)),
 ], ids=["point_mass-t1", "without_replacement-t1", "point_mass-topk4", "without_replacement-topp"])
 def test_tree_decoding_samples_the_exact_joint(small_models, draw, sampler):
