@@ -59,7 +59,7 @@ def main(_):
       f"{sm.isa()}). f32, {CONTEXT} cached tokens, median of {REPEATS.value} calls per path "
       "after a warm-up, the three paths timed alternately; in parentheses the spread "
       "(slowest / fastest call). Same model, same jit; only the weights' storage differs: "
-      "plain [K, N] arrays, [N/64, K, 64] column panels for the kernel at every M, and what "
+      "plain [K, N] arrays, [N/W, K, W] column panels for the kernel at every M, and what "
       "`load_model()` chose on this machine:",
       "",
       f"> {chosen}",

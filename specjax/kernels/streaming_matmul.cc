@@ -20,9 +20,9 @@
 // reports W (``SpecjaxStreamingMatmulPanel``) and packing follows it.
 //
 // Prefetch (the ``prefetch`` attribute): for M > 6 a panel is read several
-// times (one pass per row block); while it is computed from cache, each pass
-// after the first also software-prefetches a share of the lines of the panel
-// this thread will probably claim next into L2. Whether that pays depends on
+// times (one pass per row block); the passes share out the lines of each row of
+// the panel this thread will probably claim next and software-prefetch them into
+// L2 (on AVX2 a panel row is one line: all in the first pass). Whether that pays depends on
 // the host (it was 12-22% faster on one AVX2 EPYC and 5-40% slower on another:
 // benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
 // kernel itself and turns it on per M.
