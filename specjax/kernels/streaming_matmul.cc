@@ -22,8 +22,8 @@
 // Prefetch (the ``prefetch`` attribute): for M > 6 a panel is read several
 // times (one pass per row block); the passes share out the lines of each row of
 // the panel this thread will probably claim next and software-prefetch them into
-// L2 (on AVX2 a panel row is one line: all in the first pass). Whether that pays depends on
-// the host (it was 12-22% faster on one AVX2 EPYC and 5-40% slower on another:
+// L2 (on AVX2 a panel row is one line: all in the first pass). Whether that pays
+// depends on the host (it was 12-22% faster on one AVX2 EPYC and 5-40% slower on another:
 // benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
 // kernel itself and turns it on per M.
 //
@@ -173,7 +173,7 @@ inline void Tile(const float* __restrict x, int64_t K, const float* __restrict p
 // over the whole panel (the first from memory, the others from cache).
 void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
            const float* next) {
-  constexpr int B = 6;
+  constexpr int B = 6;  // ONE_PASS_ROWS in streaming_matmul.py
   Prefetch pf;
   pf.next = next;
   pf.ahead = M > 1;

@@ -54,6 +54,7 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "streaming_matmul.cc")
 DEFAULT_PANEL = 64
 # Up to this many rows the kernel reads each panel in one pass (one register block of rows
 # over the whole panel row), so there is no pass from cache for ``prefetch`` to work in.
+# The kernel's row block B in ``Panel`` (streaming_matmul.cc).
 ONE_PASS_ROWS = 6
 
 
