@@ -42,7 +42,8 @@ OUT = flags.DEFINE_string("out", "benchmarks/results/kernel_ab.md", "markdown ou
 
 def build(source: str, name: str, workdir: str):
   """Compiles ``source`` and registers it as FFI target ``name``; returns its
-  matmul(x, panels, prefetch) and its panel width (64 for sources that do not say)."""
+  matmul(x, panels, prefetch) and its panel width (``DEFAULT_PANEL`` for sources that do not
+  say)."""
   lib_path = os.path.join(workdir, f"{name}.so")
   try:
     sm.build_library(lib_path, "native", source)  # the library's own compiler and flags
@@ -50,7 +51,8 @@ def build(source: str, name: str, workdir: str):
     raise SystemExit(f"building {source} failed:\n{e}") from None
   lib = ctypes.cdll.LoadLibrary(lib_path)
   jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
-  width = lib.SpecjaxStreamingMatmulPanel() if hasattr(lib, "SpecjaxStreamingMatmulPanel") else 64
+  width = (lib.SpecjaxStreamingMatmulPanel() if hasattr(lib, "SpecjaxStreamingMatmulPanel")
+           else sm.DEFAULT_PANEL)  # sources from before the width was the library's
 
   def matmul(x, panels, prefetch=False):
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * width), jnp.float32)

@@ -138,7 +138,8 @@ def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
   W must be the variant's ``panel_width``: pack with ``to_panels(w, variant)``.
 
   ``prefetch``: software-prefetch the next panel while one is computed from cache
-  (M > 1); the same bits either way, only the speed differs by host.
+  (M > ONE_PASS_ROWS; below, it does nothing); the same bits either way, only the speed
+  differs by host.
   """
   reason = _register(variant)
   if reason is not None:
