@@ -65,6 +65,9 @@ class ExperimentConfig:
     cost_steps: speculative steps timed phase by phase (after one warm step)
       for the bookkeeping phase and the per-call figures; c and the verify phase
       are timed in a fused loop (``phase_timing``).
+    phase_seconds: the least time one run of that fused loop lasts: its trip count n
+      grows until n repeats of a phase take this long, and c and the verify cost are
+      medians of 7 slopes (t(2n) − t(n)) / n. Shorter is faster and noisier.
     repeats: interleaved timing rounds per setting; each round times plain then
       speculative decoding on every batch, and figures are medians over rounds.
     extra_rounds: up to this many rounds are added, one at a time, while some
@@ -105,6 +108,7 @@ class ExperimentConfig:
   alpha_drafts: tuple[str, ...] = ("default", "medusa", "unigram", "bigram", "early_exit",
                                    "trained_exit", "prompt_lookup", "jacobi", "lookahead")
   cost_steps: int = 8
+  phase_seconds: float = 0.1
   repeats: int = 2
   extra_rounds: int = 1
   stop_at_eos: bool = False
@@ -158,6 +162,8 @@ class ExperimentConfig:
     from specjax.validation import COMPUTE_DTYPES
     if self.dtype not in COMPUTE_DTYPES:
       raise ValueError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
+    if not (math.isfinite(self.phase_seconds) and self.phase_seconds > 0):
+      raise ValueError(f"--phase_seconds must be a finite number > 0, got {self.phase_seconds}")
     if self.extra_rounds < 0:
       raise ValueError(f"--extra_rounds must be >= 0, got {self.extra_rounds}")
     if self.max_new_tokens < 2:

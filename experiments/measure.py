@@ -496,7 +496,8 @@ class Bench:
       times = [t]
     stream_costs = {k: float(np.median([t[k] for t in times]))
                     for k in ("draft", "verify", "other")}
-    fused = fused_phase_seconds(dec, self.target.params, draft.params, warm)
+    fused = fused_phase_seconds(dec, self.target.params, draft.params, warm,
+                                min_seconds=self.config.phase_seconds)
     return dict(draft=fused["draft"], verify=fused["verify"], other=stream_costs["other"],
                 stream_draft=stream_costs["draft"], stream_verify=stream_costs["verify"],
                 draft_spread=checks.quartile_spread(fused["draft_samples"]))

@@ -58,6 +58,9 @@ flags.DEFINE_string("alpha_drafts", ",".join(DEFAULT.alpha_drafts),
                     "Drafts whose α is measured beside --draft in drafts_alpha.")
 flags.DEFINE_integer("cost_steps", DEFAULT.cost_steps,
                      "Steps timed phase by phase (bookkeeping; c is timed in a fused loop).")
+flags.DEFINE_float("phase_seconds", DEFAULT.phase_seconds,
+                   "Least seconds one fused draft- or verify-phase timing loop runs (c and the "
+                   "verify cost are medians of 7 slopes); shorter is faster and noisier.")
 flags.DEFINE_integer("repeats", DEFAULT.repeats,
                      "Interleaved timing rounds per setting (plain then "
                      "speculative on every batch); the median round is reported with the "
@@ -100,7 +103,8 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       out=FLAGS.out, temperature_gamma=FLAGS.temperature_gamma, alpha_gamma=FLAGS.alpha_gamma,
       early_exit_layers=FLAGS.early_exit_layers,
       alpha_drafts=tuple(s.strip() for s in FLAGS.alpha_drafts.split(",") if s.strip()),
-      cost_steps=FLAGS.cost_steps, repeats=FLAGS.repeats, extra_rounds=FLAGS.extra_rounds,
+      cost_steps=FLAGS.cost_steps, phase_seconds=FLAGS.phase_seconds, repeats=FLAGS.repeats,
+      extra_rounds=FLAGS.extra_rounds,
       stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh,
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
       calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),

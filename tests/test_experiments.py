@@ -253,12 +253,47 @@ def test_untimed_batches_group_rows_by_prompt_length():
   assert [len(ids) for ids in merged[2].ids] == [90, 90]  # padded with a real row
 
 
+@pytest.fixture
+def fresh_split():
+  """The built-in prompt split forgotten before and after the test (it is built once per
+  process), so a test's stand-in prompts never reach another test."""
+  prompts._split.cache_clear()
+  yield
+  prompts._split.cache_clear()
+
+
+def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, monkeypatch,
+                                                                        fresh_split):
+  from specjax.distill import data
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  made = [data.Prompt(c, f"{c}:{i}", f"{c} prompt {i}") for i in range(40)
+          for c in data.CATEGORIES]
+  builds = []
+  monkeypatch.setattr(data, "build_prompts", lambda seed: builds.append(seed) or made)
+  want = data.split_by_source(made)
+  assert want[1] and prompts._split() == want and builds == [0]
+  path = prompts._split_cache_path()
+  assert os.path.dirname(path) == str(tmp_path / "prompts")
+  prompts._split.cache_clear()  # a new process: read from disk, nothing built
+  assert prompts._split() == want and builds == [0]
+  assert [p.text for p in prompts.default_prompts(3)] == [
+      p.text for p in data.interleave_categories(want[1])[:3]]
+  with open(path, "w") as f:  # a write cut off: rebuilt, not an error
+    f.write('[[{"category": "co')
+  prompts._split.cache_clear()
+  assert prompts._split() == want and builds == [0, 0]
+  monkeypatch.setattr(prompts.sys, "version", "another build")  # another Python: its own file
+  assert prompts._split_cache_path() != path
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(gammas=(0,)), "--gammas must be integers >= 1"),
     (dict(gammas=(2, 2)), "--gammas lists a value twice"),
     (dict(experiments=("nope",)), "unknown experiments"),
     (dict(repeats=0), "--repeats must be >= 1"),
     (dict(extra_rounds=-1), "--extra_rounds must be >= 0"),
+    (dict(phase_seconds=0.0), "--phase_seconds must be a finite number > 0, got 0.0"),
+    (dict(phase_seconds=float("nan")), "--phase_seconds must be a finite number > 0"),
     (dict(num_prompts=0), "--num_prompts must be >= 1"),
     (dict(temperatures=(0.0, float("inf"))), r"--temperatures must be finite numbers >= 0, "
                                              r"got \[inf\]"),
@@ -487,8 +522,8 @@ def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
                       lambda source, dtype: dataclasses.replace(target, cfg=cfg))
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=3, gammas=(2,),
                             temperatures=(0.0,), max_new_tokens=NEW, batch_size=1,
-                            experiments=("gamma_sweep",), cost_steps=2, stop_at_eos=True,
-                            out=str(tmp_path))
+                            experiments=("gamma_sweep",), cost_steps=2, phase_seconds=0.01,
+                            stop_at_eos=True, out=str(tmp_path))
   results = experiment.run(config, command="stop_at_eos test")
   rows = [r for r in results["rows"] if r["temperature"] == 0.0]
   assert rows and all(r["greedy_match"] == 1.0 for r in rows)
@@ -509,8 +544,8 @@ def test_block_verification_runs_the_chains_and_says_so(tmp_path, monkeypatch):
                       lambda self, *a, **k: built.append(decoder(self, *a, **k)) or built[-1])
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=2, gammas=(2,),
                             temperatures=(0.0, 1.0), max_new_tokens=6, batch_size=1,
-                            experiments=("gamma_sweep",), cost_steps=2, repeats=1,
-                            extra_rounds=0, verification="block", out=str(tmp_path))
+                            experiments=("gamma_sweep",), cost_steps=2, phase_seconds=0.01,
+                            repeats=1, extra_rounds=0, verification="block", out=str(tmp_path))
   results = experiment.run(config, command="block verification test")
   assert built and all(d.verification == "block" for d in built)
   assert all(r["greedy_match"] == 1.0 for r in results["rows"] if r["temperature"] == 0.0)
@@ -523,7 +558,8 @@ def test_jacobi_drafts_get_real_alpha_runs(tmp_path):
   config = ExperimentConfig(target="tiny", draft="jacobi_random", num_prompts=2, gammas=(2,),
                             temperatures=(0.0, 1.0), max_new_tokens=6, batch_size=1,
                             experiments=("drafts_alpha",), alpha_gamma=3, cost_steps=2,
-                            alpha_drafts=("jacobi", "prompt_lookup"), out=str(tmp_path))
+                            phase_seconds=0.01, alpha_drafts=("jacobi", "prompt_lookup"),
+                            out=str(tmp_path))
   rows = [r for r in experiment.run(config, command="jacobi test")["rows"]
           if r["experiment"] == "drafts_alpha" and r["category"] == "all"]
   by = {(r["draft"], r["temperature"]): r for r in rows}
@@ -542,7 +578,7 @@ def test_draft_free_methods_are_timed_on_their_own_shapes(tmp_path):
   config = ExperimentConfig(target="tiny", draft="lookahead", num_prompts=2, gammas=(2,),
                             temperatures=(0.0,), max_new_tokens=6, batch_size=1,
                             experiments=("drafts_alpha", "draft_free"), alpha_gamma=3,
-                            cost_steps=2, repeats=1, extra_rounds=0,
+                            cost_steps=2, phase_seconds=0.01, repeats=1, extra_rounds=0,
                             alpha_drafts=("jacobi", "prompt_lookup", "unigram"),
                             out=str(tmp_path))
   results = experiment.run(config, command="draft-free test")
@@ -574,7 +610,7 @@ def test_medusa_heads_get_table3_rows_on_their_own_tree(tmp_path):
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=2, gammas=(2,),
                             temperatures=(0.0, 1.0), max_new_tokens=6, batch_size=1,
                             experiments=("drafts_alpha",), alpha_gamma=2, cost_steps=2,
-                            alpha_drafts=("medusa",), out=str(tmp_path))
+                            phase_seconds=0.01, alpha_drafts=("medusa",), out=str(tmp_path))
   target = load_target("tiny")
   medusa = load_draft("medusa", target, lambda: [])
   tree = medusa.drafter.default_tree()
