@@ -96,10 +96,20 @@ def test_greedy_equals_plain_decoding(target, shape):
     assert 1.0 <= got.metrics()["tokens_per_call"] <= d.default_tree().max_depth + 1
 
 
-def _argmax_after(cfg, params, context):
-  c = jnp.asarray([context])
-  out = forward(params, cfg, c, jnp.arange(len(context))[None], kvc.init_cache(cfg, 1, c.shape[1]))
-  return int(jnp.argmax(out.logits[0, -1]))
+def _argmax_after(cfg, params, size):
+  """context -> the target's greedy next token after it (a full forward, no cache), the
+  context zero-padded to ``size`` (later positions do not reach its logits): one compile."""
+  @jax.jit
+  def argmax(padded, length):
+    out = forward(params, cfg, padded[None], jnp.arange(size)[None],
+                  kvc.init_cache(cfg, 1, size), num_valid=length[None])
+    return jnp.argmax(out.logits[0, length - 1])
+
+  def after(context):
+    assert len(context) <= size
+    return int(argmax(jnp.asarray(context + [0] * (size - len(context))),
+                      jnp.asarray(len(context))))
+  return after
 
 
 def _reference_lookahead(cfg, params, d: LookaheadDrafter, prompt, budget, window0):
@@ -116,6 +126,7 @@ def _reference_lookahead(cfg, params, d: LookaheadDrafter, prompt, budget, windo
       lst.pop(0)
     lst.append(gram)
 
+  argmax_after = _argmax_after(cfg, params, len(prompt) + budget + 2 * (w + n))
   seq, window, calls, its = list(prompt), [list(r) for r in window0], 0, 0
   for e in range(n - 1, len(seq)):
     insert(seq[e - n + 1], tuple(seq[e - n + 2:e + 1]))
@@ -133,8 +144,8 @@ def _reference_lookahead(cfg, params, d: LookaheadDrafter, prompt, budget, windo
     truth = want[len(seq) - len(prompt):]
     hit = max([next((i for i, (a, b) in enumerate(zip(p, truth)) if a != b), len(p))
                for p in paths] + [0])
-    fresh = [_argmax_after(cfg, params, seq + window[0][1:j + 1] +
-                           [window[k][j] for k in range(1, n - 1)]) for j in range(w)]
+    fresh = [argmax_after(seq + window[0][1:j + 1] + [window[k][j] for k in range(1, n - 1)])
+             for j in range(w)]
     if its >= n - 2:
       for j in range(w):
         insert(window[0][j], tuple([window[k][j] for k in range(1, n - 1)] + [fresh[j]]))
