@@ -116,10 +116,12 @@ def smoke(tmp_path_factory):
 
 
 def _smoke_run(out: str) -> dict:
+  # Phases timed for 0.03 s, not the default 0.1: enough on a busy machine for a draft phase
+  # above zero, which test_predictions_follow_the_theory_from_measured_alpha_and_c needs.
   from experiments import experiment
   from experiments.config import EXPERIMENTS, ExperimentConfig
   cfg = ExperimentConfig(experiments=EXPERIMENTS, target="tiny", draft="tiny", num_prompts=3,
                          gammas=(2,), temperatures=(0.0, 1.0), max_new_tokens=8, batch_size=2,
                          alpha_gamma=2, alpha_drafts=("prompt_lookup",), cost_steps=2,
-                         phase_seconds=0.01, tree_budgets=(4,), calibration_prompts=2, out=out)
+                         phase_seconds=0.03, tree_budgets=(4,), calibration_prompts=2, out=out)
   return experiment.run(cfg, command="smoke test")

@@ -224,3 +224,19 @@ def test_untimed_greedy_runs_are_replayed_with_the_real_runs_tokens_and_counters
   for got, want in zip(greedy.counters, real["counters"]):
     for name in want:
       np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_a_draft_phase_timed_at_or_below_zero_is_flagged_and_predicts_nothing(tmp_path,
+                                                                              monkeypatch):
+  """Slopes lost in timer noise can put the fused draft phase's median at or below zero
+  (seen with --phase_seconds=0.01 on a busy machine): the setting is re-measured and flagged,
+  and its row has no c or prediction instead of the run stopping in the theory's check."""
+  from experiments import experiment
+  fused = lambda *a, **k: dict(draft=-1e-5, verify=1e-3, draft_samples=[-1e-5, 2e-6] * 4)
+  monkeypatch.setattr("experiments.measure.fused_phase_seconds", fused)
+  results = experiment.run(dataclasses.replace(_two_gamma_config(tmp_path), gammas=(2,)))
+  row = next(r for r in results["rows"] if r["experiment"] == "gamma_sweep"
+             and r["category"] == "all")
+  assert row["speedup"] is not None and row["alpha"] is not None
+  assert row["c"] is None and row["predicted_speedup"] is None
+  assert row["remeasured"] and any("draft-phase spread" in f for f in row["flags"])
