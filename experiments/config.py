@@ -66,8 +66,8 @@ class ExperimentConfig:
       for the bookkeeping phase and the per-call figures; c and the verify phase
       are timed in a fused loop (``phase_timing``).
     phase_seconds: the least time one run of that fused loop lasts: its trip count n
-      grows until n repeats of a phase take this long, and c and the verify cost are
-      medians of 7 slopes (t(2n) − t(n)) / n. Shorter is faster and noisier.
+      grows until n repeats of a phase take this long, and the draft phase behind c is the
+      median of 7 slopes (t(2n) − t(n)) / n. Shorter is faster and noisier.
     repeats: interleaved timing rounds per setting; each round times plain then
       speculative decoding on every batch, and figures are medians over rounds.
     extra_rounds: up to this many rounds are added, one at a time, while some

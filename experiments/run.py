@@ -59,8 +59,8 @@ flags.DEFINE_string("alpha_drafts", ",".join(DEFAULT.alpha_drafts),
 flags.DEFINE_integer("cost_steps", DEFAULT.cost_steps,
                      "Steps timed phase by phase (bookkeeping; c is timed in a fused loop).")
 flags.DEFINE_float("phase_seconds", DEFAULT.phase_seconds,
-                   "Least seconds one fused draft- or verify-phase timing loop runs (c and the "
-                   "verify cost are medians of 7 slopes); shorter is faster and noisier.")
+                   "Least seconds one fused draft- or verify-phase timing loop runs (the draft "
+                   "phase behind c is a median of 7 slopes); shorter is faster and noisier.")
 flags.DEFINE_integer("repeats", DEFAULT.repeats,
                      "Interleaved timing rounds per setting (plain then "
                      "speculative on every batch); the median round is reported with the "

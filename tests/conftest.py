@@ -116,8 +116,9 @@ def smoke(tmp_path_factory):
 
 
 def _smoke_run(out: str) -> dict:
-  # Phases timed for 0.03 s, not the default 0.1: enough on a busy machine for a draft phase
-  # above zero, which test_predictions_follow_the_theory_from_measured_alpha_and_c needs.
+  # Phases timed for 0.03 s (the default is 0.1; other tests take 0.01): a draft phase timed
+  # at or below zero predicts nothing, and test_predictions_follow_the_theory_from_measured_
+  # alpha_and_c needs some prediction.
   from experiments import experiment
   from experiments.config import EXPERIMENTS, ExperimentConfig
   cfg = ExperimentConfig(experiments=EXPERIMENTS, target="tiny", draft="tiny", num_prompts=3,
