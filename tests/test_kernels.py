@@ -1,6 +1,9 @@
 """The CPU streaming matmul against its jnp reference, and packed weights in the model."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -245,6 +248,20 @@ def test_policy_cache_key_changes_with_cpu_flags_and_shapes():
   assert pol.cache_key(shapes, cpu="x86_64|EPYC|avx avx2 avx512f fma") != base
   assert pol.cache_key(shapes, cpu="x86_64|Xeon|avx avx2 fma") != base
   assert pol.cache_key([(576, 960)], cpu="x86_64|EPYC|avx avx2 fma") != base
+
+
+def test_policy_cache_key_is_the_same_in_every_process_and_follows_the_rule(monkeypatch):
+  """A cached decision is found again by the next process (a key holding a code object's
+  repr, with its memory address, never was), and a new decision rule gets a new key."""
+  shapes, cpu = [(576, 960)], "x86_64|EPYC|avx avx2 fma"
+  code = ("from specjax.kernels import policy; "
+          f"print(policy.cache_key({shapes!r}, cpu={cpu!r}))")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  keys = {subprocess.run([sys.executable, "-c", code], cwd=root, check=True, text=True,
+                         capture_output=True).stdout.strip() for _ in range(2)}
+  assert keys == {pol.cache_key(shapes, cpu=cpu)}
+  monkeypatch.setattr(pol, "choose", lambda timings, source="": pol.XLA)
+  assert pol.cache_key(shapes, cpu=cpu) not in keys
 
 
 def test_source_hash_covers_the_local_headers_a_kernel_includes(tmp_path):

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+import types
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -196,13 +197,22 @@ def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repea
   return {m: tuple(float(np.median(ti)) for ti in t) for m, t in times.items()}
 
 
+def _code_fingerprint(code: types.CodeType) -> tuple:
+  """What a function computes, as a value stable across processes: its bytecode, names and
+  constants, nested code objects (comprehensions, lambdas) by their own fingerprint, since a
+  code object's repr holds its memory address and file path. Line numbers are left out."""
+  consts = tuple(_code_fingerprint(c) if isinstance(c, types.CodeType) else repr(c)
+                 for c in code.co_consts)
+  return code.co_code, code.co_names, consts
+
+
 def cache_key(weight_shapes: Sequence[tuple[int, int]], cpu: Optional[str] = None) -> str:
   """What a measured decision is valid for: CPU model and flags, jaxlib, kernel source, shapes,
   and the rule that turns timings into a decision (``choose``'s compiled code: no source file
   needed, and comment edits do not invalidate the cache)."""
   cpu = sm.cpu_signature() if cpu is None else cpu
   parts = (cpu, jax.lib.__version__, sm.source_hash(), repr(tuple(map(tuple, weight_shapes))),
-           repr(ROW_GRID), repr((choose.__code__.co_code, choose.__code__.co_consts)))
+           repr(ROW_GRID), repr(_code_fingerprint(choose.__code__)))
   return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
