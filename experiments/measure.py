@@ -216,8 +216,10 @@ def median_known(values: Sequence[Optional[float]]) -> float:
 def costs(run: SpecRun) -> tuple[Optional[float], Optional[float]]:
   """(c, verify cost T(γ+1)/T(1)) of a timed run, relative to t₁; the verify cost is as
   measured (possibly impossible: see ``checks``). None for a tree, whose draft phase is
-  not γ single-token forwards."""
-  if run.costs is None or not run.step_seconds or run.tree is not None:
+  not γ single-token forwards, and for a draft phase timed at or below zero (its slopes
+  lost in timer noise; its draft-phase spread flags it), which gives neither."""
+  if (run.costs is None or not run.step_seconds or run.tree is not None
+      or run.costs["draft"] <= 0):
     return None, None
   t1 = median_known(run.plain_step_seconds)
   c = run.costs["draft"] / (run.costs["gamma"] * run.costs["t1"])

@@ -117,9 +117,7 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
   # row reports its measured speedup and tokens per call only.
   cc, verify = costs(run) if run.tree is None else (None, None)
   row["flags"] = run_flags(run, sel)
-  # A draft phase timed at <= 0 (slopes lost in timer noise) is impossible, like a verify
-  # cost outside (0, γ + 1]: its draft-phase spread flags it, and it predicts nothing.
-  if cc is not None and cc > 0 and row["alpha"] is not None:
+  if cc is not None and row["alpha"] is not None:
     a = min(row["alpha"], 1.0)
     row.update(c=cc, spec_step_seconds=median_known(run.step_seconds),
                predicted_speedup=theory.walltime_improvement(a, g, cc))
