@@ -84,6 +84,30 @@ def chi_square_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
   return float(stats.chisquare(obs, exp).pvalue)
 
 
+def greedy_predictions(cfg: ModelConfig, params: Params, size: int):
+  """``ids -> [len(ids)]`` the target's argmax after every prefix of ``ids`` (a full forward,
+  no cache), for hand-written reference loops. The ids are zero-padded to ``size`` (later
+  positions do not reach earlier ones' logits), so every length runs one compiled program
+  instead of eager ops compiled anew per length."""
+  import jax.numpy as jnp
+
+  from specjax import kv_cache as kvc
+  from specjax.model import forward
+
+  @jax.jit
+  def argmax(padded, length):
+    out = forward(params, cfg, padded[None], jnp.arange(size)[None],
+                  kvc.init_cache(cfg, 1, size), num_valid=length[None])
+    return jnp.argmax(out.logits[0], -1)
+
+  def predictions(ids: Sequence[int]) -> list[int]:
+    if len(ids) > size:
+      raise ValueError(f"{len(ids)} ids do not fit the padded size {size}")
+    out = argmax(jnp.asarray(list(ids) + [0] * (size - len(ids))), jnp.asarray(len(ids)))
+    return np.asarray(out)[:len(ids)].tolist()
+  return predictions
+
+
 def exact_joint(cfg: ModelConfig, params: Params, sampler, prompt: Sequence[int]) -> np.ndarray:
   """[V, V] the warped target's exact law of the first two tokens after ``prompt``."""
   import jax.numpy as jnp

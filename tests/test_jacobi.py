@@ -6,15 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import kv_cache as kvc
 from specjax.drafters import JacobiDrafter, PromptLookupDrafter
 from specjax.generate import generate
-from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder, TreeTopology
 from specjax.speculative.replay import replay_greedy
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint,
-                             new_compiles_across_batches, tiny_model)
+                             greedy_predictions, new_compiles_across_batches, tiny_model)
 
 PROMPTS = [[5, 6, 7, 8, 5, 6], [9, 3]]
 
@@ -40,26 +38,18 @@ def test_greedy_equals_plain_decoding(target, fill, gamma):
 
 def _reference_jacobi(cfg, params, prompt, budget, m, max_ngram=3):
   """Greedy Jacobi written out plainly: a full forward per iteration, no cache carried
-  between them. Returns (tokens, iterations). Sequences are zero-padded to one length
-  (later positions do not reach earlier ones' logits), so each function compiles once."""
+  between them. Returns (tokens, iterations). Sequences are zero-padded to one length, so
+  each function compiles once (``greedy_predictions``)."""
   lookup = PromptLookupDrafter(cfg.vocab_size, max_ngram)
   size = len(prompt) + budget + 2 * m + 1
-
-  @jax.jit
-  def predictions(block, length):  # the target's argmax at every position of the block
-    logits = forward(params, cfg, block[None], jnp.arange(size)[None],
-                     kvc.init_cache(cfg, 1, size), num_valid=length[None]).logits
-    return jnp.argmax(logits[0], -1)
-
+  predictions = greedy_predictions(cfg, params, size)
   propose = jax.jit(lambda buf, length: lookup.lookup(buf[None], length[None], m)[0])
-  pad = lambda ids: jnp.asarray(ids + [0] * (size - len(ids)))
   seq, carried, iterations = list(prompt), [], 0
   while len(seq) - len(prompt) < budget:
-    fresh = np.asarray(propose(pad(seq), jnp.asarray(len(seq)))).tolist()
+    buf = jnp.asarray(seq + [0] * (size - len(seq)))
+    fresh = np.asarray(propose(buf, jnp.asarray(len(seq)))).tolist()
     window = carried + fresh[len(carried):]
-    block = seq + window
-    pred = np.asarray(predictions(pad(block), jnp.asarray(len(block))))
-    pred = pred[len(seq) - 1:len(block)].tolist()  # m + 1 entries
+    pred = predictions(seq + window)[len(seq) - 1:]  # m + 1 entries
     n = 0
     while n < m and window[n] == pred[n]:
       n += 1

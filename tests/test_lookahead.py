@@ -8,17 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import kv_cache as kvc
 from specjax.drafters import LookaheadDrafter
 from specjax.drafters.ngram_pool import NgramPool
 from specjax.generate import generate
-from specjax.model import forward
 from specjax.sampling import Greedy, Sampling, sample_from
 from specjax.speculative import SpeculativeDecoder, TreeTopology
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree_acceptance import TreeAcceptance
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint,
-                             new_compiles_across_batches, tiny_model)
+                             greedy_predictions, new_compiles_across_batches, tiny_model)
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 9, 5, 6], [9, 3]]
 SHAPES = [(1, 2, 1), (5, 4, 5), (3, 3, 2), (4, 2, 3), (2, 5, 1)]  # (W, N, G)
@@ -96,22 +94,6 @@ def test_greedy_equals_plain_decoding(target, shape):
     assert 1.0 <= got.metrics()["tokens_per_call"] <= d.default_tree().max_depth + 1
 
 
-def _argmax_after(cfg, params, size):
-  """context -> the target's greedy next token after it (a full forward, no cache), the
-  context zero-padded to ``size`` (later positions do not reach its logits): one compile."""
-  @jax.jit
-  def argmax(padded, length):
-    out = forward(params, cfg, padded[None], jnp.arange(size)[None],
-                  kvc.init_cache(cfg, 1, size), num_valid=length[None])
-    return jnp.argmax(out.logits[0, length - 1])
-
-  def after(context):
-    assert len(context) <= size
-    return int(argmax(jnp.asarray(context + [0] * (size - len(context))),
-                      jnp.asarray(len(context))))
-  return after
-
-
 def _reference_lookahead(cfg, params, d: LookaheadDrafter, prompt, budget, window0):
   """Greedy lookahead written out plainly (a dict of LRU lists, full forwards, no cache):
   returns (generated tokens, target calls)."""
@@ -126,7 +108,7 @@ def _reference_lookahead(cfg, params, d: LookaheadDrafter, prompt, budget, windo
       lst.pop(0)
     lst.append(gram)
 
-  argmax_after = _argmax_after(cfg, params, len(prompt) + budget + 2 * (w + n))
+  predictions = greedy_predictions(cfg, params, len(prompt) + budget + 2 * (w + n))
   seq, window, calls, its = list(prompt), [list(r) for r in window0], 0, 0
   for e in range(n - 1, len(seq)):
     insert(seq[e - n + 1], tuple(seq[e - n + 2:e + 1]))
@@ -144,7 +126,7 @@ def _reference_lookahead(cfg, params, d: LookaheadDrafter, prompt, budget, windo
     truth = want[len(seq) - len(prompt):]
     hit = max([next((i for i, (a, b) in enumerate(zip(p, truth)) if a != b), len(p))
                for p in paths] + [0])
-    fresh = [argmax_after(seq + window[0][1:j + 1] + [window[k][j] for k in range(1, n - 1)])
+    fresh = [predictions(seq + window[0][1:j + 1] + [window[k][j] for k in range(1, n - 1)])[-1]
              for j in range(w)]
     if its >= n - 2:
       for j in range(w):
