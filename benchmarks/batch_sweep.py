@@ -41,6 +41,7 @@ from absl import app, flags
 
 import specjax
 from specjax import sharding
+from specjax import files
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
@@ -258,9 +259,7 @@ def _sweep(cells, store, done, target, draft, batches, temps, gammas, trees):
         _log(f"B={batch} T={temp:g}: done before, kept")
         continue
       cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees))
-      with open(store + ".tmp", "w") as f:
-        json.dump(cells, f, indent=1)
-      os.replace(store + ".tmp", store)
+      files.write_text(store, json.dumps(cells, indent=1))
   cells = [c for c in cells if c["batch"] in batches and c["temperature"] in temps]
   command = " ".join(["python -m benchmarks.batch_sweep", *sys.argv[1:]])
   write_markdown(OUT.value, _report(cells, gammas, command,

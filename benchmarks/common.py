@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.machine import cpu_info, describe_cpu
+from specjax import files
 from specjax import kv_cache as kvc
 from specjax.model import forward
 
@@ -123,10 +124,7 @@ def write_markdown(path: str, lines: list[str], quiet: bool = False) -> None:
   text = "\n".join(lines) + "\n"
   if not quiet:
     print(text)
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
+  files.write_text(path, text)
 
 
 def int_list(flag) -> list[int]:

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 import specjax
+from specjax import files
 from specjax.sampling import Greedy, Sampling
 
 from experiments.models import Target
@@ -80,9 +81,7 @@ def load_or_build(target: Target) -> Corpus:
                            eos_ids=())
     seqs += [np.asarray(out.generated(r), np.int32) for r in range(len(ids))]
   corpus = Corpus(tuple(seqs), time.perf_counter() - start, False)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.{os.getpid()}.tmp.npz"
-  np.savez(tmp, count=len(seqs), build_seconds=corpus.build_seconds,
-           **{f"s{i}": s for i, s in enumerate(seqs)})
-  os.replace(tmp, path)
+  with files.atomic_path(path, ".npz") as tmp:
+    np.savez(tmp, count=len(seqs), build_seconds=corpus.build_seconds,
+             **{f"s{i}": s for i, s in enumerate(seqs)})
   return corpus

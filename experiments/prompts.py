@@ -28,6 +28,8 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from specjax import files
+
 DEFAULT_CATEGORY = "uncategorised"
 
 # Used only when specjax.distill.data is unavailable; one per category.
@@ -157,11 +159,8 @@ def _split():
   except (OSError, ValueError, TypeError):
     pass  # absent or unreadable (a cut-off write): build it
   split = data.split_by_source(data.build_prompts(seed=0))
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "w") as f:
-    json.dump([[dataclasses.asdict(p) for p in side] for side in split], f)
-  os.replace(tmp, path)  # atomic: concurrent workers each write a whole file
+  # atomic: concurrent workers each write a whole file
+  files.write_text(path, json.dumps([[dataclasses.asdict(p) for p in side] for side in split]))
   return split
 
 

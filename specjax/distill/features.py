@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import files
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.loaders.hf import CheckpointError
@@ -98,10 +99,9 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
                               progress=bar.update, layers=layers)
     bar.close()
     flat = np.concatenate(feats, axis=0)
-    np.save(path + ".tmp.npy", flat)
-    os.replace(path + ".tmp.npy", path + ".npy")
-    with open(path + ".json", "w") as f:
-      json.dump(meta, f)
+    with files.atomic_path(path + ".npy", ".npy") as tmp:
+      np.save(tmp, flat)
+    files.write_text(path + ".json", json.dumps(meta))
   offs = np.concatenate([[0], np.cumsum(lens)])
   for i, r in enumerate(records):
     r["features"] = flat[offs[i]:offs[i + 1]]

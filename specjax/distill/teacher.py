@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import files
 from specjax.config import ModelConfig
 from specjax.generate import DecodeState, init_decode_state, last_tokens
 from specjax.model import Params, forward
@@ -135,9 +136,8 @@ def save_shard(path: str, records: Sequence[dict], meta: Sequence[dict]) -> None
     arrays[field] = np.concatenate([r[field] for r in records], axis=0)
     arrays[field + "_len"] = np.array([len(r[field]) for r in records], np.int64)
   arrays["meta"] = np.array(json.dumps(list(meta)))
-  tmp = path + ".tmp.npz"
-  np.savez(tmp, **arrays)
-  os.replace(tmp, path)
+  with files.atomic_path(path, ".npz") as tmp:
+    np.savez(tmp, **arrays)
 
 
 def load_shard(path: str) -> list[dict]:

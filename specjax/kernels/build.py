@@ -16,10 +16,11 @@ import platform
 import re
 import shutil
 import subprocess
-import tempfile
 from typing import Optional, Sequence
 
 import jax
+
+from specjax import files
 
 
 def cpuinfo_field(name: str, path: str = "/proc/cpuinfo") -> Optional[str]:
@@ -100,12 +101,9 @@ def build_library(path: str, flags: Sequence[str], source: str) -> None:
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None:
     raise RuntimeError("no C++ compiler (g++/c++ or $CXX) on PATH")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
-    out = os.path.join(tmp, "lib.so")
+  with files.atomic_path(path) as out:  # concurrent builders never load a partial library
     cmd = [compiler, "-O3", *flags, "-ffp-contract=fast", "-std=c++17", "-shared",
            "-fPIC", "-w", "-I", KERNELS_DIR, "-I", jax.ffi.include_dir(), source, "-o", out]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
       raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    os.replace(out, path)  # atomic: concurrent builders never see a partial file

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import files
 from specjax.kernels import streaming_matmul as sm
 
 ENV = "SPECJAX_MATMUL"
@@ -255,10 +256,6 @@ def policy_for(params: dict, tie_embeddings: bool,
   _log.warning("specjax: timing the streaming kernel against XLA's dot on this CPU (%s, "
                "kernel path %s); once per machine, cached in %s", sm.cpu_model(), sm.isa(), path)
   policy = choose(measure_fn(weights), source=f"measured on {sm.cpu_model()}, {sm.isa()}")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(policy.to_json(), f)
-  os.replace(tmp, path)  # atomic: concurrent processes never read a partial file
+  files.write_text(path, json.dumps(policy.to_json()))  # concurrent processes: whole files
   _log.warning("specjax matmul: %s", policy.describe())
   return policy

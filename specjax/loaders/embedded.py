@@ -15,6 +15,7 @@ import os
 
 import jax.numpy as jnp
 
+from specjax import files
 from specjax.config import ModelConfig
 from specjax.loaders.gguf_loader import gguf_config, load_gguf
 from specjax.loaders.hf import CheckpointError, config_from_hf_dict, config_to_hf_dict
@@ -96,10 +97,7 @@ def load_smollm2(dtype=jnp.float32, use_cache: bool = True) -> tuple[ModelConfig
       pass  # a corrupt cache is rebuilt below
   cfg, params, _ = load_gguf(gguf_path, dtype)
   if use_cache:
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = base + ".tmp"
-    save_file(params_to_hf(cfg, params), tmp)
-    os.replace(tmp, base + ".safetensors")
-    with open(base + ".json", "w") as f:
-      json.dump(config_to_hf_dict(cfg), f)
+    with files.atomic_path(base + ".safetensors") as tmp:
+      save_file(params_to_hf(cfg, params), tmp)
+    files.write_text(base + ".json", json.dumps(config_to_hf_dict(cfg)))
   return cfg, params
