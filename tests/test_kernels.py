@@ -220,6 +220,18 @@ def test_policy_prefetches_only_where_the_prefetching_kernel_was_faster():
     pol.MatmulPolicy(grid=(1, 2), kernel=(True, True), prefetch=(True,))
 
 
+def test_one_pass_rows_is_read_from_the_kernels_row_block(tmp_path):
+  # The policy's no-prefetch bound is the C++ Panel's row block itself, not a copy of it.
+  assert sm.ONE_PASS_ROWS == sm._one_pass_rows()
+  edited = tmp_path / "kernel.cc"
+  edited.write_text(open(sm._SOURCE).read().replace("constexpr int B = 6;",
+                                                    "constexpr int B = 4;"))
+  assert sm._one_pass_rows(str(edited)) == 4
+  edited.write_text("void Panel() {}")
+  with pytest.raises(RuntimeError, match="found 0"):
+    sm._one_pass_rows(str(edited))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 # One pass over each panel up to 6 rows (no prefetch), then one per block of 6 rows: 2 passes
 # at 7 and 12 rows, 5 at 30.

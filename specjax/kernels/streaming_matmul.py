@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 from typing import Optional
 
 import jax
@@ -52,10 +53,22 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "streaming_matmul.cc")
 
 # The width packing uses where no kernel is built (the reference contraction takes any).
 DEFAULT_PANEL = 64
-# Up to this many rows the kernel reads each panel in one pass (one register block of rows
-# over the whole panel row), so there is no pass from cache for ``prefetch`` to work in.
-# The kernel's row block B in ``Panel`` (streaming_matmul.cc).
-ONE_PASS_ROWS = 6
+
+
+def _one_pass_rows(source: str = _SOURCE) -> int:
+  """The kernel's row block ``B`` in ``Panel`` (streaming_matmul.cc), read from the source so
+  that the two cannot part: up to this many rows the kernel reads each panel in one pass
+  (one register block of rows over the whole panel row), so there is no pass from cache
+  for ``prefetch`` to work in."""
+  with open(source) as f:
+    found = re.findall(r"constexpr int B = (\d+);", f.read())
+  if len(found) != 1:
+    raise RuntimeError(f"{source}: expected one 'constexpr int B = <rows>;' (Panel's row "
+                       f"block), found {len(found)}")
+  return int(found[0])
+
+
+ONE_PASS_ROWS = _one_pass_rows()
 
 
 def reference(x: jax.Array, panels: jax.Array) -> jax.Array:
