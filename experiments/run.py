@@ -21,10 +21,9 @@ from experiments import config as config_lib
 FLAGS = flags.FLAGS
 DEFAULT = config_lib.ExperimentConfig()  # the flags' defaults are the config's own
 _ints = lambda values: ",".join(str(v) for v in values)
-flags.DEFINE_string("experiment", "default", "gamma_sweep, temperature_sweep, drafts_alpha, "
-                    "tree_sweep, draft_free (prompt lookup, Jacobi and lookahead timed), "
-                    "default (the first three), all "
-                    "(or a comma-separated list).")
+flags.DEFINE_string("experiment", "default", f"{', '.join(config_lib.EXPERIMENTS)}, default ("
+                    f"{', '.join(config_lib.DEFAULT_EXPERIMENTS)}) or all, or a comma-separated "
+                    "list (draft_free times prompt lookup, Jacobi and lookahead).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
                     "(the shipped distilled token draft) | early_exit:K | trained_exit (the "
