@@ -40,8 +40,8 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from specjax import sharding
 from specjax import files
+from specjax import sharding
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target

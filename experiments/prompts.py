@@ -159,7 +159,6 @@ def _split():
   except (OSError, ValueError, TypeError):
     pass  # absent or unreadable (a cut-off write): build it
   split = data.split_by_source(data.build_prompts(seed=0))
-  # atomic: concurrent workers each write a whole file
   files.write_text(path, json.dumps([[dataclasses.asdict(p) for p in side] for side in split]))
   return split
 
