@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.model import Params, init_params
+from specjax.model import Params, compute_dtype, forward, init_params
 
 
 def tiny_config(vocab_size: int = 64, num_layers: int = 2, dim: int = 32, num_heads: int = 4,
@@ -84,36 +87,30 @@ def chi_square_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
   return float(stats.chisquare(obs, exp).pvalue)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _argmax_after_each_prefix(params: Params, cfg: ModelConfig, ids: jax.Array) -> jax.Array:
+  size = ids.shape[0]
+  out = forward(params, cfg, ids[None], jnp.arange(size)[None], kvc.init_cache(cfg, 1, size))
+  return jnp.argmax(out.logits[0], -1)
+
+
 def greedy_predictions(cfg: ModelConfig, params: Params, size: int):
   """``ids -> [len(ids)]`` the target's argmax after every prefix of ``ids`` (a full forward,
   no cache), for hand-written reference loops. The ids are zero-padded to ``size`` (later
   positions do not reach earlier ones' logits), so every length runs one compiled program
-  instead of eager ops compiled anew per length."""
-  import jax.numpy as jnp
-
-  from specjax import kv_cache as kvc
-  from specjax.model import forward
-
-  @jax.jit
-  def argmax(padded, length):
-    out = forward(params, cfg, padded[None], jnp.arange(size)[None],
-                  kvc.init_cache(cfg, 1, size), num_valid=length[None])
-    return jnp.argmax(out.logits[0], -1)
+  (one per model config and size, shared by every caller) instead of eager ops compiled
+  anew per length."""
 
   def predictions(ids: Sequence[int]) -> list[int]:
     if len(ids) > size:
       raise ValueError(f"{len(ids)} ids do not fit the padded size {size}")
-    out = argmax(jnp.asarray(list(ids) + [0] * (size - len(ids))), jnp.asarray(len(ids)))
+    out = _argmax_after_each_prefix(params, cfg, jnp.asarray(list(ids) + [0] * (size - len(ids))))
     return np.asarray(out)[:len(ids)].tolist()
   return predictions
 
 
 def exact_joint(cfg: ModelConfig, params: Params, sampler, prompt: Sequence[int]) -> np.ndarray:
   """[V, V] the warped target's exact law of the first two tokens after ``prompt``."""
-  import jax.numpy as jnp
-
-  from specjax import kv_cache as kvc
-  from specjax.model import compute_dtype, forward
 
   def next_probs(seqs):
     seqs = jnp.asarray(seqs)
