@@ -98,7 +98,7 @@ def _measure(target, draft, prompts, budgets, slots: int, temp: float) -> dict:
   """One (slots, temperature) cell: every method once to compile, then timed rounds."""
   sampler = make_sampler(temp)
   dec = SpeculativeDecoder(target.cfg, draft.drafter, gamma=GAMMA.value, sampler=sampler)
-  cache = max(len(p) for p in prompts) + NEW.value + dec.tree.cache_headroom + 16
+  cache = max(len(p) for p in prompts) + NEW.value + dec.cache_headroom + 16
   groups = [(prompts[i:i + slots], budgets[i:i + slots]) for i in range(0, len(prompts), slots)]
 
   def plain():

@@ -57,11 +57,9 @@ import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.calibration import loop_step_seconds
+from specjax.speculative.calibration import loop_step_seconds, measure_rank_accept
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
-from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
-                                               full_tree_counts)
 
 from experiments import checks
 from experiments.config import ExperimentConfig
@@ -511,18 +509,11 @@ class Bench:
     Decodes ``prompts`` (training-side, never the evaluated ones) one at a
     time with ``config.calibration_tree``; returns the table and its counts.
     """
-    branching = self.config.calibration_tree
-    tree = full_tree(branching)
-    dec = SpeculativeDecoder(self.target.cfg, draft.drafter, tree=tree,
-                             sampler=make_sampler(temperature), eos_ids=self.eos_ids)
-    outs = [dec.generate(self.target.params, draft.params, [p], self.config.max_new_tokens,
-                         seed=self.config.seed + i, cache_size=self.cache_size)
-            for i, p in enumerate(prompts)]
-    accepted, offered = full_tree_counts(
-        branching, sum(o.per_row["accepted_rank"][0] for o in outs),
-        sum(o.per_row["accept_len_hist"][0] for o in outs))
-    return dict(table=estimate_rank_accept(accepted, offered), accepted=accepted,
-                offered=offered, branching=branching, prompts=len(prompts))
+    template = SpeculativeDecoder(self.target.cfg, draft.drafter,
+                                  sampler=make_sampler(temperature), eos_ids=self.eos_ids)
+    return measure_rank_accept(template, self.target.params, draft.params, prompts,
+                               self.config.calibration_tree, self.config.max_new_tokens,
+                               seed=self.config.seed, cache_size=self.cache_size)
 
   def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
                 temperature: float) -> bool:

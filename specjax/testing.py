@@ -130,7 +130,7 @@ def empirical_joint(dec, target: tuple[ModelConfig, Params], draft_params, promp
   cfg, params = target
   v = cfg.vocab_size
   out = dec.generate(params, draft_params, [list(prompt)] * rows, 2, seed=seed,
-                     cache_size=len(prompt) + 2 + dec.tree.cache_headroom)
+                     cache_size=len(prompt) + 2 + dec.cache_headroom)
   gen = out.tokens[:, len(prompt):len(prompt) + 2]
   assert np.all(out.num_generated == 2)
   return np.bincount(gen[:, 0] * v + gen[:, 1], minlength=v * v).reshape(v, v)

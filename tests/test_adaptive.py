@@ -1,6 +1,8 @@
-"""Adaptive γ (``speculative.adaptive``): the policy's arithmetic, lossless switching inside the
-loop (greedy equality, the exact law, a peeking policy rejected), drafters catching up after
-skipped steps, no recompilation, the measured costs and bad input."""
+"""Adaptive γ and tree budgets (``speculative.adaptive``): the policy's arithmetic (chains in
+closed form, trees priced from a scaled acceptance table), lossless switching inside the loop
+among chains, static and dynamic trees and plain steps (greedy equality, the exact law, a
+peeking policy rejected), drafters catching up after skipped steps, no recompilation, the
+measured costs and bad input."""
 
 import dataclasses
 import functools
@@ -18,8 +20,10 @@ from specjax.generate import prefill
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma, PolicyState
-from specjax.speculative.calibration import calibrate, measure_step_costs
+from specjax.speculative.calibration import calibrate, measure_rank_accept, measure_step_costs
 from specjax.speculative.replay import replay_greedy
+from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree_builders import best_static_tree, expected_tokens_per_step
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint, make_drafter,
                              new_compiles_across_batches, tiny_model)
 
@@ -29,6 +33,15 @@ CORPUS = [[1, 2, 5, 3, 3, 7, 1, 2, 5, 0], [4, 4, 1, 2, 6]]
 # moves between plain steps and several draft lengths within a few dozen tokens.
 SWITCHING = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.2, 1.3, 1.5),
                           prior_alpha=0.6, decay=0.7)
+# A measured-looking table (depths 1-3, ranks 0-2) and a policy over plain steps, a γ = 1
+# chain, a static tree of depth 2 and a dynamic tree of depth 3: each choice has a depth of
+# its own, so ``depth_hist`` tells which ran.
+TABLE = ((0.55, 0.1, 0.04), (0.5, 0.1, 0.0), (0.6, 0.1, 0.0))
+FORK = TreeTopology.from_choices([(0,), (1,), (0, 0), (0, 1)])
+WITH_TREES = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.1),
+                           trees=(FORK, DynamicTree(top_k=2, depth=3, num_nodes=4)),
+                           tree_costs=(1.15, 1.25), rank_accept=TABLE, prior_alpha=0.6,
+                           decay=0.7)
 
 
 def _state(policy, successes, failures):
@@ -104,9 +117,62 @@ def test_plain_steps_return_the_estimate_to_the_prior_so_drafting_is_tried_again
 def test_policy_sorts_its_set_and_builds_costs_from_theory():
   policy = AdaptiveGamma(gammas=(4, 0, 2), step_costs=(1.5, 1.0, 1.2))
   assert policy.gammas == (0, 2, 4) and policy.step_costs == (1.0, 1.2, 1.5)
-  assert policy.max_gamma == 4 and policy.plain
+  assert policy.max_depth == 4 and policy.plain
   th = AdaptiveGamma.from_theory((0, 1, 3), 0.1, {1: 1.0, 2: 1.1, 4: 1.5})
   assert th.step_costs == pytest.approx((1.0, 0.1 + 1.1, 0.3 + 1.5))
+  curve = theory.VerifyCostCurve({1: 1.0, 2: 1.1, 6: 1.5})
+  tr = AdaptiveGamma.from_theory((0, 1), 0.1, curve, trees=(FORK,), rank_accept=TABLE)
+  assert tr.tree_costs == pytest.approx((2 * 0.1 + float(curve(5)),))  # D c + T(N + 1)
+
+
+def test_a_table_of_constant_rank0_rate_prices_chains_by_the_closed_form():
+  table = ((0.7, 0.2),) * 4
+  policy = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.1, 1.2, 1.4),
+                         rank_accept=table)
+  assert policy.table_alpha == pytest.approx(0.7)  # α_A of a constant column is that α
+  closed = dataclasses.replace(policy, rank_accept=None)
+  alphas = jnp.array([0.05, 0.33, 0.5, 0.7, 0.91])
+  np.testing.assert_allclose(policy.expected_tokens(alphas), closed.expected_tokens(alphas),
+                             atol=2e-3)  # the table's curve, interpolated on the α grid
+
+
+def test_trees_are_priced_by_tree_theory_on_the_scaled_table():
+  dynamic = DynamicTree(top_k=2, depth=3, num_nodes=5)
+  policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.2), trees=(FORK, dynamic),
+                         tree_costs=(1.3, 1.5), rank_accept=TABLE, prior_weight=1e-6)
+  ref = policy.table_alpha  # P = 0.55, 0.275, 0.165: 0.99 / (0.99 + 0.835)
+  assert ref == pytest.approx(0.99 / 1.825)
+  for alpha in (0.3, 0.5, 0.8):  # grid points: the interpolation is exact there
+    scaled = np.minimum(np.asarray(TABLE) * alpha / ref, 1.0)
+    expected = [1.0, expected_tokens_per_step(TreeTopology.chain(2), scaled),
+                expected_tokens_per_step(FORK, scaled),
+                expected_tokens_per_step(best_static_tree(scaled[:, :2], 5, max_depth=3),
+                                         scaled)]
+    state = _state(policy, [alpha * 1e3], [(1 - alpha) * 1e3])
+    scores = policy.scores(state, jnp.ones((1,), bool))
+    np.testing.assert_allclose(scores, np.array(expected) / policy.costs, rtol=1e-4)
+    assert int(policy.choose(state, jnp.ones((1,), bool))) == int(np.argmax(scores))
+  assert policy.costs == (1.0, 1.2, 1.3, 1.5)
+  assert (policy.max_depth, policy.max_children, policy.cache_headroom) == (3, 2, 5)
+  # Low α: plain decoding; high α: the dynamic tree, the widest bet.
+  assert int(policy.choose(_state(policy, [50.0], [950.0]), jnp.ones((1,), bool))) == 0
+  assert int(policy.choose(_state(policy, [950.0], [50.0]), jnp.ones((1,), bool))) == 3
+
+
+def test_a_tree_step_counts_its_first_ranked_chain():
+  short = TreeTopology((-1, -1, 1))  # the rank-0 child is a leaf; rank 1 has a child
+  policy = AdaptiveGamma(gammas=(0, 3), step_costs=(1.0, 1.3),
+                         trees=(FORK, short, DynamicTree(top_k=2, depth=3, num_nodes=4)),
+                         tree_costs=(1.2, 1.2, 1.3), rank_accept=TABLE, decay=0.5)
+  assert policy.first_chain_depths == (0, 3, 2, 1, 3)
+  state, on = _state(policy, [0.0, 0.0], [0.0, 0.0]), jnp.ones((2,), bool)
+  # Rank-0 drafts accepted from the root: 2 (FORK's whole first chain), 1 (stopped short).
+  fork = policy.observe(state, jnp.int32(2), jnp.array([2, 1]), on)
+  np.testing.assert_allclose(fork.failures, [0.0, 1.0])
+  np.testing.assert_allclose(fork.successes, [2.0, 1.0])
+  # ``short``'s first chain ends after one draft: accepting it is censored, not a failure.
+  np.testing.assert_allclose(policy.observe(state, jnp.int32(3), jnp.array([1, 0]), on)
+                             .failures, [0.0, 1.0])
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -123,6 +189,18 @@ def test_policy_sorts_its_set_and_builds_costs_from_theory():
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prior_alpha=1.0), "prior_alpha"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prior_weight=0.0), "prior_weight"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), decay=0.0), "decay"),
+    (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(1.2,)), "rank_accept"),
+    (dict(gammas=(0, 4), step_costs=(1.0, 1.3), rank_accept=TABLE), "deepest choice drafts 4"),
+    (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(1.2,),
+          rank_accept=((0.0, 0.5), (0.5, 0.1))), "rank-0 acceptance at depth 1"),
+    (dict(gammas=(0,), step_costs=(1.0,), trees=((-1, 0),), tree_costs=(1.2,),
+          rank_accept=TABLE), "TreeTopology or DynamicTree"),
+    (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK, FORK), tree_costs=(1.2, 1.2),
+          rank_accept=TABLE), "distinct"),
+    (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(),
+          rank_accept=TABLE), "0 tree_costs for 1 trees"),
+    (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(1.2,),
+          rank_accept=((0.5, 1.5), (0.5, 0.1))), "probabilities"),
 ])
 def test_bad_policies_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -163,6 +241,27 @@ def test_greedy_with_a_switching_policy_equals_plain_greedy(models, kind):
   assert out.per_row["accept_len_hist"].sum() == steps_at[1:].sum()  # plain steps excluded
 
 
+@pytest.mark.parametrize("kind", ["model", "eagle"])
+def test_greedy_with_a_policy_switching_among_chains_and_trees_equals_plain_greedy(models,
+                                                                                   kind):
+  target, draft = models
+  cfg, params = target
+  drafter, dp = _drafter(kind, target, draft)
+  ref = specjax.generate(params, cfg, PROMPTS, 40, eos_ids=())
+  dec = SpeculativeDecoder(cfg, drafter, policy=WITH_TREES, eos_ids=())
+  assert dec.cache_headroom == 4 and dec.max_children == 2 and dec.gamma == 3
+  out = dec.generate(params, dp, PROMPTS, 40)
+  for row in range(len(PROMPTS)):
+    assert out.generated(row) == ref.generated(row), row
+  steps_at = out.per_row["depth_hist"].sum(axis=0)  # plain, γ = 1, FORK, the dynamic tree
+  assert np.count_nonzero(steps_at[2:]) >= 1 and np.count_nonzero(steps_at) >= 2, steps_at
+  np.testing.assert_array_equal(out.per_row["depth_hist"].sum(axis=1),
+                                out.per_row["target_calls"])
+  profiled = dec.generate(params, dp, PROMPTS, 40, profile=True)  # the host-side choice
+  np.testing.assert_array_equal(profiled.tokens, out.tokens)
+  np.testing.assert_array_equal(profiled.per_row["depth_hist"], out.per_row["depth_hist"])
+
+
 def test_profiled_twin_and_single_steps_take_the_same_path(models):
   """``stream`` (the policy's choice on the host) and ``step`` (``lax.switch``) make the
   same choices as the fused loop's inner while loops."""
@@ -200,6 +299,7 @@ def test_one_compiled_loop_serves_every_batch(models):
   drafter, dp = _drafter("eagle", target, draft)
   dec = SpeculativeDecoder(target[0], drafter, policy=SWITCHING, sampler=Sampling(1.0))
   assert new_compiles_across_batches(dec, target[1], dp) == 0
+  assert new_compiles_across_batches(dec.with_policy(WITH_TREES), target[1], dp) == 0
 
 
 # Two policies whose first step drafts γ = 3 (prior α = 0.9) and whose second, for rows that
@@ -207,6 +307,14 @@ def test_one_compiled_loop_serves_every_batch(models):
 THEN_PLAIN = AdaptiveGamma(gammas=(0, 1, 3), step_costs=(1.0, 1.3, 1.6), prior_alpha=0.9,
                            prior_weight=0.25)
 THEN_ONE = dataclasses.replace(THEN_PLAIN, step_costs=(1.0, 1.05, 1.6))
+# Trees: the first step is a three-node tree (scores at α̂ = 0.9: tree 3.07 / 1.6, γ = 1
+# 1.9 / 1.3, plain 1); a row whose root rank-0 draft was rejected (α̂ = 0.18) next takes a
+# plain step, or with a cheap γ = 1 a chain (scores 0.80, 1, 1.12).
+TREE3 = TreeTopology.from_choices([(0,), (1,), (0, 0)])
+TREE_THEN_PLAIN = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.3), trees=(TREE3,),
+                                tree_costs=(1.6,), rank_accept=((0.5, 0.2), (0.5, 0.2)),
+                                prior_alpha=0.9, prior_weight=0.25)
+TREE_THEN_ONE = dataclasses.replace(TREE_THEN_PLAIN, step_costs=(1.0, 1.05))
 V, ROWS, PROMPT = 8, 100_000, [1, 2, 5]
 
 
@@ -216,16 +324,20 @@ def small_models():
           tiny_model(seed=1, vocab_size=V, scale=1.0, num_layers=1))
 
 
-@pytest.mark.parametrize("policy,second,sampler", [
-    (THEN_PLAIN, 0, Sampling(temperature=1.0)),
-    (THEN_ONE, 1, Sampling(temperature=0.8, top_k=5)),
-], ids=["3-then-plain-t1", "3-then-1-topk5"])
-def test_a_switching_policy_samples_the_exact_joint(small_models, policy, second, sampler):
+@pytest.mark.parametrize("policy,first,second,sampler", [
+    (THEN_PLAIN, 3, 0, Sampling(temperature=1.0)),
+    (THEN_ONE, 3, 1, Sampling(temperature=0.8, top_k=5)),
+    (TREE_THEN_PLAIN, 2, 0, Sampling(temperature=1.0)),
+    (TREE_THEN_ONE, 2, 1, Sampling(temperature=0.8, top_p=0.9)),
+], ids=["3-then-plain-t1", "3-then-1-topk5", "tree-then-plain-t1", "tree-then-1-topp"])
+def test_a_switching_policy_samples_the_exact_joint(small_models, policy, first, second,
+                                                    sampler):
   target, (dcfg, dparams) = small_models
   dec = SpeculativeDecoder(target[0], ModelDrafter(dcfg), policy=policy, sampler=sampler,
                            eos_ids=())
   counts, steps_at = _joint_and_steps(dec, target, {"model": dparams})
-  assert steps_at[3] == ROWS and steps_at[second] > 0.1 * ROWS, steps_at  # both were taken
+  # Every row's first step drafts at depth ``first``; many take a second at ``second``.
+  assert steps_at[first] >= ROWS and steps_at[second] > 0.1 * ROWS, steps_at
   exact = exact_joint(*target, sampler, PROMPT)
   assert chi_square_pvalue(counts, exact) > 1e-3
   assert 0.5 * np.abs(counts / ROWS - exact).sum() < 0.02
@@ -266,7 +378,7 @@ def test_a_policy_that_peeks_at_the_verification_is_rejected(small_models):
 def _joint_and_steps(dec, target, dp):
   """The first two tokens' counts over ROWS rows and the steps taken at each γ."""
   cfg, params = target
-  out = dec.generate(params, dp, [PROMPT] * ROWS, 2, cache_size=len(PROMPT) + 2 + dec.gamma)
+  out = dec.generate(params, dp, [PROMPT] * ROWS, 2, cache_size=len(PROMPT) + 2 + dec.cache_headroom)
   gen = out.tokens[:, len(PROMPT):len(PROMPT) + 2]
   assert np.all(out.num_generated == 2)
   counts = np.bincount(gen[:, 0] * V + gen[:, 1], minlength=V * V).reshape(V, V)
@@ -314,6 +426,20 @@ def test_measured_costs_make_a_policy(models):
   policy = calibrate(template, target[1], dp, PROMPTS[:2], (0, 1), max_new_tokens=8, rounds=1,
                      decay=0.8)
   assert policy.gammas == (0, 1) and policy.decay == 0.8
+  costs = measure_step_costs(template, target[1], dp, PROMPTS[:2], (0, 1), max_new_tokens=8,
+                             rounds=1, trees=(FORK,))
+  assert len(costs) == 3 and costs[0] == 1.0 and min(costs) >= 1.0
+  # The target drafting for itself: every rank-0 draft is accepted, so the table prices trees.
+  itself = SpeculativeDecoder(target[0], ModelDrafter(target[0]), eos_ids=())
+  self_dp = itself.drafter.make_params(target[1])
+  with_trees = calibrate(itself, target[1], self_dp, PROMPTS[:2], (0, 1), max_new_tokens=8,
+                         rounds=1, trees=(FORK,))  # the table measured with a full tree
+  table = measure_rank_accept(itself, target[1], self_dp, PROMPTS[:2], (6, 3),
+                              max_new_tokens=8)
+  assert table["table"][:, 0].tolist() == [1.0, 1.0]
+  assert with_trees.rank_accept == tuple(map(tuple, table["table"].tolist()))
+  assert table["offered"][0, 0] == table["offered"][0, 5] > 0  # every root rank offered
+  np.testing.assert_array_less(table["accepted"] - 1, table["offered"])
   with pytest.raises(ValueError, match="gammas"):
     measure_step_costs(template, target[1], dp, PROMPTS[:2], (1, -1))
   with pytest.raises(ValueError, match="rounds"):
@@ -337,6 +463,11 @@ def test_bad_policy_use_is_refused_before_anything_compiles(models):
   with pytest.raises(ValueError, match="adaptive policy"):
     replay_greedy(dec, params, dp, PROMPTS[:1], [[1] * 20], 8)
   assert dec.with_policy(None).gamma == 4  # back to a fixed chain
+  with pytest.raises(ValueError, match="verification='block'"):
+    SpeculativeDecoder(cfg, drafter, policy=WITH_TREES, verification="block")
+  with pytest.raises(ValueError, match="cannot build"):  # Jacobi drafts chains only
+    SpeculativeDecoder(cfg, JacobiDrafter(cfg.vocab_size),
+                       policy=dataclasses.replace(WITH_TREES, gammas=(1,), step_costs=(1.1,)))
 
 
 def test_measured_dips_are_pooled_into_non_decreasing_costs():
@@ -357,8 +488,9 @@ def _cache_copies(compiled_text: str, cache) -> int:
 
 
 def test_the_policy_loop_updates_the_caches_in_place(models):
-  """``run`` gives each choice its own inner loop, and XLA keeps the KV caches in place; the
-  same loop around ``step`` (a ``lax.switch`` over the choices) copies them every step."""
+  """``run`` gives each choice its own inner loop, and XLA keeps the KV caches in place (with
+  trees among the choices too); the same loop around ``step`` (a ``lax.switch`` over the
+  choices) copies them every step."""
   target, draft = models
   cfg, params = target
   drafter, dp = _drafter("model", target, draft)
@@ -370,3 +502,7 @@ def test_the_policy_loop_updates_the_caches_in_place(models):
           params, dp, state).compile().as_text()
   assert _cache_copies(looped, state.target_cache) == 0
   assert _cache_copies(switched, state.target_cache) > 0
+  trees = dec.with_policy(WITH_TREES)  # tree steps compact the cache, in place too
+  state, _ = trees.prepare(params, dp, PROMPTS, 16)
+  assert _cache_copies(trees.run.lower(trees, params, dp, state).compile().as_text(),
+                       state.target_cache) == 0

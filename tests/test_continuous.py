@@ -17,7 +17,7 @@ from specjax.speculative import SpeculativeDecoder
 from specjax.speculative import continuous
 from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.drafter import Drafter
-from specjax.speculative.tree import DynamicTree
+from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.testing import (chi_square_pvalue, exact_joint, make_drafter, tiny_model)
 
 CORPUS = [[1, 2, 5, 3, 3, 7, 1, 2, 5, 0], [4, 4, 1, 2, 6]]
@@ -44,6 +44,14 @@ def _decoder(kind, models, eos_ids=()):
     policy = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.2, 1.3, 1.5),
                            prior_alpha=0.6, decay=0.7)
     return SpeculativeDecoder(cfg, d, policy=policy, eos_ids=eos_ids), d.make_params(dparams)
+  if kind == "model_adaptive_trees":  # plain steps, a chain, a static and a dynamic tree
+    d = ModelDrafter(dcfg)
+    policy = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.1),
+                           trees=(TreeTopology.from_choices([(0,), (1,), (0, 0), (0, 1)]),
+                                  DynamicTree(top_k=2, depth=3, num_nodes=4)),
+                           tree_costs=(1.15, 1.25), prior_alpha=0.6, decay=0.7,
+                           rank_accept=((0.55, 0.1, 0.04), (0.5, 0.1, 0.0), (0.6, 0.1, 0.0)))
+    return SpeculativeDecoder(cfg, d, policy=policy, eos_ids=eos_ids), d.make_params(dparams)
   if kind == "lookahead":
     return SpeculativeDecoder(cfg, LookaheadDrafter(cfg.vocab_size, window=3, ngram=3,
                                                     guesses=2), eos_ids=eos_ids), ()
@@ -53,7 +61,7 @@ def _decoder(kind, models, eos_ids=()):
   return SpeculativeDecoder(cfg, drafter, gamma=gamma, tree=tree, eos_ids=eos_ids), dp
 
 
-KINDS = ["model_chain", "model_adaptive", "eagle", "medusa", "early_exit", "lookahead",
+KINDS = ["model_chain", "model_adaptive", "model_adaptive_trees", "eagle", "medusa", "early_exit", "lookahead",
          "bigram"]
 
 

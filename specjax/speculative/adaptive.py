@@ -1,13 +1,16 @@
-"""Adaptive draft length: each step picks γ from a static set, inside the jitted loop.
+"""Adaptive draft shape: each step picks a chain length or a token tree from a static set,
+inside the jitted loop.
 
 The best fixed γ depends on the acceptance rate α, which varies by prompt and
 along a generation, and on what a step costs on this machine at this batch
 size, which grows with γ (and grows faster at large batches, where a verify
 forward is compute-bound). ``AdaptiveGamma`` holds a small static set of draft
-lengths with the measured cost of a step at each, relative to one plain
-decoding step, and chooses per step the γ of the highest expected speedup
+lengths, and optionally token trees (static ``TreeTopology`` or EAGLE-2
+``DynamicTree``), with the measured cost of a step of each, relative to one
+plain decoding step, and chooses per step the choice of the highest expected
+speedup
 
-    score(γ) = E[tokens | α̂, γ] / cost(γ),   E = 1 + α̂ + … + α̂^γ
+    score = E[tokens | α̂] / cost,   for a chain of γ: E = 1 + α̂ + … + α̂^γ
 
 (the calibrated formula of ``theory``; γ = 0 is plain decoding: one token at
 cost 1). α̂ is a running per-row estimate: discounted counts of accepted drafts
@@ -17,13 +20,29 @@ chosen the counts only decay, so α̂ drifts back to the prior and a draft is
 tried again: the policy keeps exploring at a cost of one short step every
 few dozen.
 
+Trees need a price, so a policy with trees takes the drafter's per-depth,
+per-rank acceptance table (``rank_accept``, as ``tree_builders`` defines it and
+``estimate_rank_accept`` measures it; the experiments' calibration) and prices
+every choice, chains too, from that table scaled to the running estimate:
+A(α̂) = min(1, A · α̂ / α_A), where α_A (``table_alpha``) is what the estimate
+converges to when acceptance follows the table. A chain or static tree is
+worth ``tree_builders.expected_tokens_per_step`` under A(α̂); a dynamic tree
+that of the best static tree of its budget, depth and width, which it can
+always build (its per-step choice usually does better, so it is priced
+conservatively). The curves are tabulated over α at construction and
+interpolated in the loop. On a tree step the estimate counts the drafts
+accepted along the tree's first-ranked chain (the root's rank-0 child, its
+rank-0 child, …) and a failure when that run stopped before the chain's end
+(for a dynamic tree, before its depth).
+
 The decoder (``SpeculativeDecoder(policy=...)``) runs each choice's steps in
 an inner while loop of its own, inside the one jitted loop: no recompilation
 and no host round trip. The choice depends only on steps already taken, never
 on the draft or the target's scores of the step it sizes, so every step is an
 ordinary lossless step: greedy output equals plain decoding and sampled
 output is distributed as the target's (``tests/test_adaptive.py`` pins both,
-and rejects a policy that chooses after seeing the verification).
+with chains and trees, and rejects a policy that chooses after seeing the
+verification).
 
 Example (costs measured by ``calibration.measure_step_costs`` at batch 1)::
 
@@ -31,20 +50,33 @@ Example (costs measured by ``calibration.measure_step_costs`` at batch 1)::
     dec = SpeculativeDecoder(cfg, drafter, policy=policy)
     # α̂ = 0.7: E = 1, 1.7, 2.19, 2.77 → scores 1, 1.48, 1.72, 1.82: γ = 4.
     # α̂ = 0.3: scores 1, 1.13, 1.09, 0.94: γ = 1.
+
+    # With a 4-node dynamic tree, priced from a measured table (rows: depth 1…4):
+    policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.27),
+                           trees=(DynamicTree(top_k=4, depth=4, num_nodes=4),),
+                           tree_costs=(1.35,), rank_accept=table)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Sequence
+from typing import Optional, Sequence, Union
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree_builders import (_check_rank_accept, best_static_tree,
+                                               expected_tokens_per_step)
 from specjax.theory import VerifyCost, VerifyCostCurve
+
+Tree = Union[TreeTopology, DynamicTree]
+
+ALPHA_GRID = 101  # points in [0, 1] at which a table-priced policy tabulates E[tokens | α]
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -52,25 +84,41 @@ class PolicyState:
   """The policy's running estimates.
 
   Attributes:
-    successes: [B] discounted count of accepted drafts.
-    failures: [B] discounted count of steps that rejected a draft (stopped before γ).
+    successes: [B] discounted count of accepted drafts (along the first-ranked chain).
+    failures: [B] discounted count of steps that rejected a draft (stopped before the
+      first-ranked chain's end).
   """
 
   successes: jax.Array
   failures: jax.Array
 
 
+def _costs(costs: Sequence[float], name: str) -> tuple[float, ...]:
+  costs = tuple(costs)
+  if not all(isinstance(c, (int, float, np.floating, np.integer)) and not isinstance(c, bool)
+             and math.isfinite(c) and c > 0 for c in costs):
+    raise ValueError(f"{name} must be finite and > 0, got {costs}")
+  return tuple(float(c) for c in costs)
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptiveGamma:
-  """Chooses each step's draft length from ``gammas`` by expected speedup.
+  """Chooses each step's draft length (or tree) from a static set by expected speedup.
+
+  Choices are indexed in the order ``gammas`` (sorted), then ``trees``.
 
   Attributes:
-    gammas: the draft lengths it may choose (distinct integers >= 0, at least one
-      >= 1; 0 is a plain decoding step, which needs a drafter that
-      ``tolerates_skipped_steps``). Stored sorted.
+    gammas: the chain lengths it may choose (distinct integers >= 0; 0 is a plain
+      decoding step, which needs a drafter that ``tolerates_skipped_steps``). Stored
+      sorted. Without trees, at least one must be >= 1.
     step_costs: the time of a step at each γ over one plain decoding step's,
       measured on this machine at this batch size (``calibration``), in the order of
       ``gammas``; γ = 0 costs 1 by definition.
+    trees: token trees it may choose (distinct ``TreeTopology`` or ``DynamicTree``).
+    tree_costs: the time of a step of each tree over one plain step's, in order.
+    rank_accept: the drafter's [D, K] per-depth, per-rank acceptance table
+      (``tree_builders``), at least as deep as the deepest choice; required with trees,
+      optional for chains (which it then prices per depth). Stored as nested tuples.
     prior_alpha: α the estimate starts from and returns to while plain decoding runs.
     prior_weight: how many steps' worth of evidence the prior counts as (> 0).
     decay: the weight each step's evidence keeps per later step, in (0, 1]; memory
@@ -79,58 +127,181 @@ class AdaptiveGamma:
 
   gammas: tuple[int, ...]
   step_costs: tuple[float, ...]
+  trees: tuple[Tree, ...] = ()
+  tree_costs: tuple[float, ...] = ()
+  rank_accept: Optional[tuple[tuple[float, ...], ...]] = None
   prior_alpha: float = 0.5
   prior_weight: float = 1.0
   decay: float = 0.9
 
   def __post_init__(self):
-    gammas = tuple(self.gammas)
-    costs = tuple(self.step_costs)
-    if not gammas or not all(isinstance(g, (int, np.integer)) and not isinstance(g, bool)
-                             for g in gammas):
-      raise ValueError(f"gammas must be a non-empty sequence of integers, got {self.gammas!r}")
-    if min(gammas) < 0 or len(set(gammas)) != len(gammas) or max(gammas) < 1:
-      raise ValueError(f"gammas must be distinct, >= 0 and include a draft length >= 1, "
-                       f"got {gammas}")
+    gammas, trees = tuple(self.gammas), tuple(self.trees)
+    if not all(isinstance(g, (int, np.integer)) and not isinstance(g, bool) for g in gammas):
+      raise ValueError(f"gammas must be a sequence of integers, got {self.gammas!r}")
+    if not gammas and not trees:
+      raise ValueError("the policy needs choices: gammas must be non-empty (or give trees)")
+    if gammas and (min(gammas) < 0 or len(set(gammas)) != len(gammas)):
+      raise ValueError(f"gammas must be distinct and >= 0, got {gammas}")
+    if not trees and max(gammas) < 1:
+      raise ValueError(f"gammas must include a draft length >= 1 (or give trees), got {gammas}")
+    costs = _costs(self.step_costs, "step_costs")
     if len(costs) != len(gammas):
       raise ValueError(f"{len(costs)} step_costs for {len(gammas)} gammas {gammas}")
-    if not all(isinstance(c, (int, float, np.floating, np.integer)) and math.isfinite(c)
-               and c > 0 for c in costs):
-      raise ValueError(f"step_costs must be finite and > 0, got {costs}")
     order = sorted(range(len(gammas)), key=lambda i: gammas[i])
     gammas = tuple(int(gammas[i]) for i in order)
-    costs = tuple(float(costs[i]) for i in order)
-    if gammas[0] == 0 and costs[0] != 1.0:
+    costs = tuple(costs[i] for i in order)
+    if gammas and gammas[0] == 0 and costs[0] != 1.0:
       raise ValueError(f"a plain decoding step (γ = 0) costs 1 by definition, got {costs[0]}: "
                        "give every cost relative to one plain step")
+    if not all(isinstance(t, (TreeTopology, DynamicTree)) for t in trees):
+      raise ValueError(f"trees must be TreeTopology or DynamicTree instances, got {trees!r}")
+    if len(set(trees)) != len(trees):
+      raise ValueError(f"trees must be distinct, got {trees}")
+    tree_costs = _costs(self.tree_costs, "tree_costs")
+    if len(tree_costs) != len(trees):
+      raise ValueError(f"{len(tree_costs)} tree_costs for {len(trees)} trees")
+    table = self.rank_accept
+    if table is not None:
+      table = _check_rank_accept(table)
+      depth = max(list(gammas) + [t.max_depth for t in trees])
+      if table.shape[0] < depth:
+        raise ValueError(f"rank_accept covers depths 1…{table.shape[0]}, but the policy's "
+                         f"deepest choice drafts {depth} levels: measure a deeper table")
+      if table[0, 0] <= 0.0:
+        raise ValueError("rank_accept's rank-0 acceptance at depth 1 must be > 0: the table "
+                         "is scaled by the running estimate of it (a drafter whose first "
+                         "draft was never accepted cannot price trees; measure on more "
+                         "prompts or leave the trees out)")
+      table = tuple(tuple(float(x) for x in row) for row in table)
+    elif trees:
+      raise ValueError("a policy with trees needs rank_accept, the drafter's per-depth, "
+                       "per-rank acceptance table (tree_builders.estimate_rank_accept), to "
+                       "price them against chains")
     if not 0.0 < self.prior_alpha < 1.0:
       raise ValueError(f"prior_alpha must be in (0, 1), got {self.prior_alpha}")
     if not (math.isfinite(self.prior_weight) and self.prior_weight > 0):
       raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
     if not 0.0 < self.decay <= 1.0:
       raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-    object.__setattr__(self, "gammas", gammas)
-    object.__setattr__(self, "step_costs", costs)
+    for name, value in (("gammas", gammas), ("step_costs", costs), ("trees", trees),
+                        ("tree_costs", tree_costs), ("rank_accept", table)):
+      object.__setattr__(self, name, value)
 
   @classmethod
   def from_theory(cls, gammas: Sequence[int], draft_cost: float, verify_cost: VerifyCost,
-                  **kwargs) -> "AdaptiveGamma":
-    """Step costs from the calibrated formula: γc + T(γ + 1) (1 for γ = 0), with ``c`` the
-    draft's cost per token and ``verify_cost`` a ``VerifyCostCurve`` or its points."""
+                  trees: Sequence[Tree] = (), **kwargs) -> "AdaptiveGamma":
+    """Step costs from the calibrated formula: γc + T(γ + 1) for a chain (1 for γ = 0) and
+    Dc + T(N + 1) for a tree of depth D and N nodes, with ``c`` the draft's cost per
+    forward and ``verify_cost`` a ``VerifyCostCurve`` or its points."""
     curve = verify_cost if callable(verify_cost) else VerifyCostCurve(verify_cost)
     if not (math.isfinite(draft_cost) and draft_cost >= 0):
       raise ValueError(f"draft_cost must be a finite number >= 0, got {draft_cost}")
-    costs = tuple(1.0 if g == 0 else g * draft_cost + float(curve(g + 1)) for g in gammas)
-    return cls(gammas=tuple(gammas), step_costs=costs, **kwargs)
+    cost = lambda depth, nodes: depth * draft_cost + float(curve(nodes + 1))
+    return cls(gammas=tuple(gammas), step_costs=tuple(1.0 if g == 0 else cost(g, g)
+                                                      for g in gammas),
+               trees=tuple(trees),
+               tree_costs=tuple(cost(t.max_depth, t.num_nodes) for t in trees), **kwargs)
+
+  # --- the static set ----------------------------------------------------------------
 
   @property
-  def max_gamma(self) -> int:
-    return self.gammas[-1]
+  def num_choices(self) -> int:
+    return len(self.gammas) + len(self.trees)
+
+  @property
+  def costs(self) -> tuple[float, ...]:
+    """Every choice's step cost, in choice order."""
+    return self.step_costs + self.tree_costs
+
+  def shape(self, index: int) -> Optional[Tree]:
+    """Choice ``index``'s topology: the chain of its γ, its tree, or None (plain decoding)."""
+    if index < len(self.gammas):
+      return TreeTopology.chain(self.gammas[index]) if self.gammas[index] else None
+    return self.trees[index - len(self.gammas)]
+
+  @property
+  def shapes(self) -> tuple[Optional[Tree], ...]:
+    return tuple(self.shape(i) for i in range(self.num_choices))
+
+  @property
+  def max_depth(self) -> int:
+    """The deepest choice's depth: the most drafts one step can accept."""
+    return max(s.max_depth for s in self.shapes if s is not None)
+
+  @property
+  def max_children(self) -> int:
+    """The most children any choice gives a node."""
+    return max(s.max_children for s in self.shapes if s is not None)
+
+  @property
+  def cache_headroom(self) -> int:
+    """Slots past the committed prefix the largest choice writes."""
+    return max(s.cache_headroom for s in self.shapes if s is not None)
 
   @property
   def plain(self) -> bool:
     """Whether plain decoding (γ = 0) is one of the choices."""
-    return self.gammas[0] == 0
+    return bool(self.gammas) and self.gammas[0] == 0
+
+  @property
+  def first_chain_depths(self) -> tuple[int, ...]:
+    """Per choice, the length of its first-ranked chain (the root's rank-0 child, its
+    rank-0 child, …): a step that accepts fewer of those drafts counts as a failure.
+    A dynamic tree's is taken to be its depth; plain decoding's is 0."""
+    out = []
+    for s in self.shapes:
+      if s is None:
+        out.append(0)
+      elif isinstance(s, DynamicTree):
+        out.append(s.max_depth)
+      else:  # follow rank-0 (first) children down from the root
+        first_child: dict[int, int] = {}
+        for i, p in enumerate(s.parents):
+          first_child.setdefault(p, i)
+        node, depth = -1, 0
+        while node in first_child:
+          node, depth = first_child[node], depth + 1
+        out.append(depth)
+    return tuple(out)
+
+  # --- pricing -----------------------------------------------------------------------
+
+  @property
+  def table_alpha(self) -> float:
+    """α_A: what the estimate converges to when the rank-0 drafts are accepted at the
+    table's rates a_1 … a_D along a chain of the table's depth: with P_d = a_1 ⋯ a_d,
+    Σ P_d successes per step against 1 − P_D failures. A table whose rank-0 column is a
+    constant α gives α."""
+    reach = np.cumprod(np.asarray(self.rank_accept)[:, 0])
+    return float(reach.sum() / (reach.sum() + 1.0 - reach[-1]))
+
+  @functools.cached_property
+  def token_curves(self) -> np.ndarray:
+    """[K, ALPHA_GRID] E[tokens per step] of each choice at α on ``np.linspace(0, 1, G)``,
+    from the table scaled to α (the module docstring); None without a table."""
+    if self.rank_accept is None:
+      return None
+    table, ref = np.asarray(self.rank_accept), self.table_alpha
+    out = np.ones((self.num_choices, ALPHA_GRID))
+    for j, alpha in enumerate(np.linspace(0.0, 1.0, ALPHA_GRID)):
+      scaled = np.minimum(table * (alpha / ref), 1.0)
+      for k, s in enumerate(self.shapes):
+        if isinstance(s, DynamicTree):
+          s = best_static_tree(scaled[:, :s.top_k], s.num_nodes, max_depth=s.depth)
+        if s is not None:
+          out[k, j] = expected_tokens_per_step(s, scaled)
+    return out
+
+  def expected_tokens(self, alpha: jax.Array) -> jax.Array:
+    """[B, K] E[tokens per step] of each choice at the rows' estimates ``alpha`` [B]."""
+    if self.rank_accept is None:  # chains only: the closed form
+      powers = alpha[:, None] ** jnp.arange(self.max_depth + 1, dtype=jnp.float32)[None, :]
+      return jnp.cumsum(powers, axis=1)[:, jnp.asarray(self.gammas)]
+    grid = jnp.linspace(0.0, 1.0, ALPHA_GRID, dtype=jnp.float32)
+    curves = jnp.asarray(self.token_curves, jnp.float32)
+    return jnp.stack([jnp.interp(alpha, grid, c) for c in curves], axis=1)
+
+  # --- the running estimate ----------------------------------------------------------
 
   def init(self, batch_size: int) -> PolicyState:
     z = lambda: jnp.zeros((batch_size,), jnp.float32)  # two buffers: the state is donated
@@ -142,24 +313,23 @@ class AdaptiveGamma:
     return (state.successes + w * self.prior_alpha) / (state.successes + state.failures + w)
 
   def scores(self, state: PolicyState, active: jax.Array) -> jax.Array:
-    """[K] expected tokens per step over step cost, per γ, averaged over active rows."""
-    a = self.alpha(state)[:, None]  # [B, 1]
-    powers = a ** jnp.arange(self.max_gamma + 1, dtype=jnp.float32)[None, :]  # [B, Γ + 1]
-    expected = jnp.cumsum(powers, axis=1)[:, jnp.asarray(self.gammas)]  # [B, K]
+    """[K] expected tokens per step over step cost, per choice, averaged over active rows."""
+    expected = self.expected_tokens(self.alpha(state))  # [B, K]
     weight = active.astype(jnp.float32)[:, None]
     mean = jnp.sum(expected * weight, axis=0) / jnp.maximum(jnp.sum(weight), 1.0)
-    return mean / jnp.asarray(self.step_costs, jnp.float32)
+    return mean / jnp.asarray(self.costs, jnp.float32)
 
   def choose(self, state: PolicyState, active: jax.Array) -> jax.Array:
-    """The index (into ``gammas``) of this step's draft length: int32 scalar."""
+    """The index (into the choices) of this step's draft: int32 scalar."""
     return jnp.argmax(self.scores(state, active)).astype(jnp.int32)
 
   def observe(self, state: PolicyState, index: jax.Array, num_accepted: jax.Array,
               active: jax.Array) -> PolicyState:
-    """Folds in a step at ``gammas[index]`` that accepted ``num_accepted`` [B] drafts per row
-    (rows not ``active`` keep their counts)."""
-    gamma = jnp.asarray(self.gammas, jnp.int32)[index]
-    rejected = (num_accepted < gamma).astype(jnp.float32)
+    """Folds in a step of choice ``index`` that accepted ``num_accepted`` [B] drafts along
+    its first-ranked chain (a chain's: all it accepted); rows not ``active`` keep their
+    counts."""
+    length = jnp.asarray(self.first_chain_depths, jnp.int32)[index]
+    rejected = (num_accepted < length).astype(jnp.float32)
     s = self.decay * state.successes + num_accepted.astype(jnp.float32)
     f = self.decay * state.failures + rejected
     return PolicyState(successes=jnp.where(active, s, state.successes),

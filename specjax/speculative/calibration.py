@@ -1,36 +1,49 @@
-"""Measures what a step costs on this machine, to build an ``AdaptiveGamma`` from.
+"""Measures what a step costs on this machine, and how a drafter's trees are accepted, to
+build an ``AdaptiveGamma`` from.
 
-The policy needs the time of a speculative step at each draft length over one
-plain decoding step, at the batch size it will serve: on CPU a verify forward of
-γ + 1 tokens costs 1.0–1.6 plain steps at batch 1 and more at large batches,
-where the forward is compute-bound; on a GPU it stays near 1 far longer. So the
-costs are measured, not assumed: ``measure_step_costs`` times plain decoding and
-a fixed chain of each γ on the same prompts, decode loop only (prefill
-excluded), interleaved, keeps each setting's fastest round, and pools measured
-dips (``monotone_costs``): a longer chain never costs less.
+The policy needs the time of a speculative step at each draft length (and tree)
+over one plain decoding step, at the batch size it will serve: on CPU a verify
+forward of γ + 1 tokens costs 1.0–1.6 plain steps at batch 1 and more at large
+batches, where the forward is compute-bound; on a GPU it stays near 1 far
+longer. So the costs are measured, not assumed: ``measure_step_costs`` times
+plain decoding and a fixed chain of each γ (and each tree) on the same prompts,
+decode loop only (prefill excluded), interleaved, keeps each setting's fastest
+round, and pools measured dips (``monotone_costs``): a longer chain never costs
+less. A policy with trees also needs the drafter's per-depth, per-rank
+acceptance (``measure_rank_accept``: decoding with a full tree and reading its
+counters).
 
 Example::
 
     template = SpeculativeDecoder(cfg, drafter, sampler=sampler)
     policy = calibrate(template, params, draft_params, prompts, gammas=(0, 1, 2, 3, 4))
     out = template.with_policy(policy).generate(params, draft_params, prompts, 128)
+    # Chains and a 4-node EAGLE-2 tree, priced by the measured acceptance table:
+    policy = calibrate(template, params, draft_params, prompts, gammas=(0, 1, 2),
+                       trees=(DynamicTree(top_k=4, depth=4, num_nodes=4),))
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
+
+import numpy as np
 
 from specjax.generate import generate
 from specjax.model import Params
-from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.adaptive import AdaptiveGamma, Tree
 from specjax.speculative.decoder import SpeculativeDecoder
+from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
+                                               full_tree_counts)
 
 
 def measure_step_costs(template: SpeculativeDecoder, target_params: Params, draft_params: Any,
                        prompts: Sequence[Sequence[int]], gammas: Sequence[int],
-                       max_new_tokens: int = 64, rounds: int = 2) -> tuple[float, ...]:
-  """Time of a step at each γ over one plain decoding step's (1.0 for γ = 0).
+                       max_new_tokens: int = 64, rounds: int = 2,
+                       trees: Sequence[Tree] = ()) -> tuple[float, ...]:
+  """Time of a step at each γ, then at each tree, over one plain decoding step's (1.0 for
+  γ = 0; never below 1, and non-decreasing in γ).
 
   Args:
     template: a decoder with the drafter, sampler, EOS ids, attention and verification
@@ -41,29 +54,60 @@ def measure_step_costs(template: SpeculativeDecoder, target_params: Params, draf
     max_new_tokens: tokens per timed call (the first call of each setting compiles and
       is not timed).
     rounds: timed calls per setting, interleaved; the fastest per-step time is kept.
+    trees: token trees (``TreeTopology`` or ``DynamicTree``) to time as well.
   """
   if rounds < 1 or max_new_tokens < 1:
     raise ValueError(f"rounds and max_new_tokens must be >= 1, got {rounds}, {max_new_tokens}")
-  gammas = tuple(gammas)
+  gammas, trees = tuple(gammas), tuple(trees)
   if not gammas or any(isinstance(g, bool) or int(g) != g or g < 0 for g in gammas):
     raise ValueError(f"gammas must be integers >= 0, got {gammas}")
   decoders = {g: dataclasses.replace(template, policy=None, tree=None, gamma=g)
               for g in gammas if g > 0}
-  cache = len(max(prompts, key=len)) + max_new_tokens + max(gammas) + 1
+  decoders.update({t: dataclasses.replace(template, policy=None, tree=t, gamma=None)
+                   for t in trees})  # validates each tree against the drafter
+  headroom = max([d.cache_headroom for d in decoders.values()], default=0)
+  cache = len(max(prompts, key=len)) + max_new_tokens + headroom + 1
 
   plain = lambda: loop_step_seconds([generate(
       target_params, template.target_cfg, prompts, max_new_tokens, template.sampler,
       cache_size=cache, eos_ids=template.eos_ids)])
   spec = lambda dec: loop_step_seconds([dec.generate(target_params, draft_params, prompts,
                                                      max_new_tokens, cache_size=cache)])
-  timers = {0: plain, **{g: (lambda d=d: spec(d)) for g, d in decoders.items()}}
+  timers = {0: plain, **{k: (lambda d=d: spec(d)) for k, d in decoders.items()}}
   for timer in timers.values():
     timer()  # compile and warm
-  best = {g: float("inf") for g in timers}
+  best = {k: float("inf") for k in timers}
   for _ in range(rounds):
-    for g, timer in timers.items():
-      best[g] = min(best[g], timer())
-  return monotone_costs(gammas, [1.0 if g == 0 else best[g] / best[0] for g in gammas])
+    for k, timer in timers.items():
+      best[k] = min(best[k], timer())
+  chains = monotone_costs(gammas, [1.0 if g == 0 else best[g] / best[0] for g in gammas])
+  return chains + tuple(max(best[t] / best[0], 1.0) for t in trees)
+
+
+def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
+                        draft_params: Any, prompts: Sequence[Sequence[int]],
+                        branching: Sequence[int] = (6, 3, 2, 1), max_new_tokens: int = 64,
+                        seed: int = 0, cache_size: Optional[int] = None) -> dict[str, Any]:
+  """The drafter's per-depth, per-rank acceptance (``tree_builders``' ``rank_accept``).
+
+  Decodes each prompt alone with ``full_tree(branching)`` (every node at depth d − 1 has
+  ``branching[d − 1]`` children, so each rank is offered whenever its parent is accepted)
+  and counts which rank was accepted at each depth. Use prompts other than the ones the
+  table will be judged on.
+
+  Returns:
+    dict(table=[D, K] rates, accepted=[D, K] counts, offered=[D, K] counts,
+    branching=the tree's branching, prompts=how many were decoded).
+  """
+  branching = tuple(int(b) for b in branching)
+  dec = dataclasses.replace(template, policy=None, gamma=None, tree=full_tree(branching))
+  outs = [dec.generate(target_params, draft_params, [p], max_new_tokens, seed=seed + i,
+                       cache_size=cache_size) for i, p in enumerate(prompts)]
+  accepted, offered = full_tree_counts(
+      branching, sum(np.asarray(o.per_row["accepted_rank"][0]) for o in outs),
+      sum(np.asarray(o.per_row["accept_len_hist"][0]) for o in outs))
+  return dict(table=estimate_rank_accept(accepted, offered), accepted=accepted,
+              offered=offered, branching=branching, prompts=len(prompts))
 
 
 def loop_step_seconds(outs: Sequence[Any]) -> float:
@@ -97,9 +141,20 @@ def monotone_costs(gammas: Sequence[int], costs: Sequence[float]) -> tuple[float
 
 def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params: Any,
               prompts: Sequence[Sequence[int]], gammas: Sequence[int] = (0, 1, 2, 3, 4),
-              max_new_tokens: int = 64, rounds: int = 2, **policy_kwargs) -> AdaptiveGamma:
-  """An ``AdaptiveGamma`` over ``gammas`` with step costs measured on ``prompts``
-  (``measure_step_costs``); ``policy_kwargs`` go to ``AdaptiveGamma``."""
+              max_new_tokens: int = 64, rounds: int = 2, trees: Sequence[Tree] = (),
+              rank_accept=None, **policy_kwargs) -> AdaptiveGamma:
+  """An ``AdaptiveGamma`` over ``gammas`` and ``trees`` with step costs measured on
+  ``prompts`` (``measure_step_costs``); with trees and no ``rank_accept``, the table is
+  measured on the same prompts, one at a time, with a full tree as deep as the deepest
+  choice (``measure_rank_accept``). ``policy_kwargs`` go to ``AdaptiveGamma``."""
+  trees = tuple(trees)
   costs = measure_step_costs(template, target_params, draft_params, prompts, gammas,
-                             max_new_tokens, rounds)
-  return AdaptiveGamma(gammas=tuple(gammas), step_costs=costs, **policy_kwargs)
+                             max_new_tokens, rounds, trees)
+  if trees and rank_accept is None:
+    depth = max(list(gammas) + [t.max_depth for t in trees])
+    rank_accept = measure_rank_accept(template, target_params, draft_params, prompts,
+                                      ((6, 3, 2) + (1,) * depth)[:depth],
+                                      max_new_tokens)["table"]
+  return AdaptiveGamma(gammas=tuple(gammas), step_costs=costs[:len(gammas)], trees=trees,
+                       tree_costs=costs[len(gammas):], rank_accept=rank_accept,
+                       **policy_kwargs)

@@ -213,7 +213,7 @@ def _install(dec: SpeculativeDecoder, draft_params: Any, queue: Queue,
   spec = st.spec
   rows = dict(tokens=tokens, seq_lens=lens, max_lens=max_lens, done=lens >= max_lens,
               target_cache=st.pending_cache, draft_state=draft_state,
-              counters=SpecCounters.zeros(1, dec.tree.max_depth, dec.tree.max_children),
+              counters=SpecCounters.zeros(1, dec.tree.max_depth, dec.max_children),
               policy=() if dec.policy is None else dec.policy.init(1))
   spec = spec.replace(**{k: _put_row(getattr(spec, k), v, b,
                                      f"{type(dec.drafter).__name__}'s state" if k == "draft_state"
@@ -302,7 +302,7 @@ def pack_queue(dec: SpeculativeDecoder, prompts: Sequence[Sequence[int]],
     raise ValueError("no prompts given")
   budgets = _budgets(max_new_tokens, len(prompts))
   tokens, lens, _ = pack_prompts(prompts, int(budgets.max()), cache_size,
-                                 headroom=dec.tree.cache_headroom, vocab_size=cfg.vocab_size,
+                                 headroom=dec.cache_headroom, vocab_size=cfg.vocab_size,
                                  max_cache_size=cfg.max_cache_size,
                                  max_positions=cfg.max_position_embeddings,
                                  cache_bytes_per_slot=kvc.bytes_per_slot(cfg), cache_rows=slots)
@@ -331,7 +331,7 @@ def initial_serve_state(dec: SpeculativeDecoder, target_params: Params, draft_pa
                                                   drafter_feature_layers(dec.drafter)),
                     out_tokens=jnp.zeros((q, s), jnp.int32), out_lens=zeros(),
                     out_counters=SpecCounters.zeros(q, dec.tree.max_depth,
-                                                    dec.tree.max_children),
+                                                    dec.max_children),
                     admitted_at=zeros(), prefilled_at=zeros(), finished_at=zeros())
 
 

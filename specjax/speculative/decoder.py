@@ -22,9 +22,10 @@ Step, for a row with committed length s (the target cache holds s − 1):
   rollback: both models forget everything past the new committed length.
 
 With an adaptive policy (``adaptive.AdaptiveGamma``) each step is first sized:
-the policy picks a chain length from its static set (0: a plain decoding
-step that skips the drafter) from the acceptance seen so far; ``run`` runs
-each choice's steps in its own inner loop (``run``'s docstring says why).
+the policy picks a chain length or a tree from its static set (γ = 0: a plain
+decoding step that skips the drafter) from the acceptance seen so far;
+``run`` runs each choice's steps in its own inner loop (``steps_while``'s
+docstring says why).
 """
 
 from __future__ import annotations
@@ -136,9 +137,10 @@ class SpeculativeDecoder:
       "typical_lossy" or a ``TypicalAcceptance`` selects Medusa-2's typical acceptance
       (``typical_acceptance``), which is NOT lossless: sampled output leaves the
       target's law; under a greedy sampler the exact greedy rule still applies.
-    policy: an ``AdaptiveGamma`` that picks each step's chain length from its static
-      set inside the jitted loop (γ = 0 is a plain decoding step); give it instead of
-      gamma and tree. The state's depth is then its largest γ.
+    policy: an ``AdaptiveGamma`` that picks each step's chain length or tree from its
+      static set inside the jitted loop (γ = 0 is a plain decoding step); give it instead
+      of gamma and tree. ``tree`` is then the chain of its deepest choice's depth (the
+      state's depth); ``cache_headroom`` and ``max_children`` cover every choice.
 
   Example::
 
@@ -160,7 +162,7 @@ class SpeculativeDecoder:
   def __post_init__(self):
     if self.policy is not None:
       self._check_policy()
-      object.__setattr__(self, "tree", TreeTopology.chain(self.policy.max_gamma))
+      object.__setattr__(self, "tree", TreeTopology.chain(self.policy.max_depth))
     if self.tree is None and self.gamma is None:
       object.__setattr__(self, "tree", self.drafter.default_tree())  # None: a chain
     if self.tree is None:
@@ -187,15 +189,26 @@ class SpeculativeDecoder:
       raise ValueError(
           f"vocabulary mismatch: the drafter proposes over {self.drafter.vocab_size} tokens but "
           f"the target has {self.target_cfg.vocab_size}; speculative decoding needs one vocabulary")
-    if not self.drafter.supports(self.tree):
-      raise ValueError(f"{type(self.drafter).__name__} cannot build {self.tree}: it builds "
-                       f"{self.drafter.buildable()}")
+    for shape in (self.tree,) + (self.policy.trees if self.policy else ()):
+      if not self.drafter.supports(shape):
+        raise ValueError(f"{type(self.drafter).__name__} cannot build {shape}: it builds "
+                         f"{self.drafter.buildable()}")
     validation.layer_indices(self.drafter.target_feature_layers(),
                              f"the target layers {type(self.drafter).__name__} reads",
                              self.target_cfg.num_layers)
     resolve_impl(self.attention_impl)  # unknown names fail here, not at trace time
     eos = self.target_cfg.eos_token_ids if self.eos_ids is None else self.eos_ids
     object.__setattr__(self, "eos_ids", validation.token_ids(eos, "eos_ids"))
+
+  @property
+  def cache_headroom(self) -> int:
+    """Slots past the committed prefix a step may write (the policy's largest choice)."""
+    return (self.tree if self.policy is None else self.policy).cache_headroom
+
+  @property
+  def max_children(self) -> int:
+    """The most children a step's tree gives a node (the counters' rank axis)."""
+    return (self.tree if self.policy is None else self.policy).max_children
 
   def with_policy(self, policy: Optional[AdaptiveGamma]) -> "SpeculativeDecoder":
     """This decoder with an adaptive policy in place of its gamma and tree (None: back to
@@ -211,6 +224,9 @@ class SpeculativeDecoder:
     if self.policy.plain and not self.drafter.tolerates_skipped_steps():
       raise ValueError(f"{type(self.drafter).__name__} cannot skip steps, so the policy cannot "
                        f"choose plain decoding: take 0 out of gammas {self.policy.gammas}")
+    if self.verification == "block" and self.policy.trees:
+      raise ValueError("verification='block' is defined for chains, and the policy may "
+                       f"choose the trees {self.policy.trees}; use 'tokenwise'")
 
   # --- the algorithm's steps -------------------------------------------------
 
@@ -320,25 +336,28 @@ class SpeculativeDecoder:
     return self.observed(state, new, index)
 
   def choice(self, state: SpecState) -> jax.Array:
-    """The policy's choice for the next step: an index into its gammas (int32 scalar)."""
+    """The policy's choice for the next step: an index into its choices (int32 scalar)."""
     return self.policy.choose(state.policy, ~state.done)
 
   def observed(self, before: SpecState, after: SpecState, index: jax.Array) -> SpecState:
-    """``after`` (one step at the policy's ``gammas[index]``) with the policy's estimates
-    updated by that step's acceptance."""
-    accepted = after.counters.accepted - before.counters.accepted
-    return after.replace(policy=self.policy.observe(before.policy, index, accepted,
+    """``after`` (one step of the policy's choice ``index``) with the policy's estimates
+    updated by the drafts that step accepted along its first-ranked chain (for a chain:
+    all it accepted)."""
+    rank0 = after.counters.accepted_rank[:, :, 0] - before.counters.accepted_rank[:, :, 0]
+    leading = jnp.sum(jnp.cumprod(rank0, axis=1), axis=1)  # [B] rank-0 drafts from the root
+    return after.replace(policy=self.policy.observe(before.policy, index, leading,
                                                     ~before.done))
 
   def branch(self, index: int) -> Optional["SpeculativeDecoder"]:
-    """The fixed-chain decoder of the policy's ``gammas[index]`` (None for γ = 0)."""
-    gamma = self.policy.gammas[index]
-    return dataclasses.replace(self, policy=None, gamma=gamma, tree=None) if gamma else None
+    """The fixed decoder of the policy's choice ``index`` (None for γ = 0, plain decoding)."""
+    shape = self.policy.shape(index)
+    return None if shape is None else dataclasses.replace(self, policy=None, gamma=None,
+                                                          tree=shape)
 
   def branch_steps(self) -> list:
-    """One step function per policy choice: ``plain_step`` for γ = 0, else a chain's."""
-    return [self.plain_step if g == 0 else self.branch(i).fixed_step
-            for i, g in enumerate(self.policy.gammas)]
+    """One step function per policy choice: ``plain_step`` for γ = 0, else its shape's."""
+    branches = [self.branch(i) for i in range(self.policy.num_choices)]
+    return [self.plain_step if b is None else b.fixed_step for b in branches]
 
   def plain_step(self, target_params: Params, draft_params: Any, state: SpecState) -> SpecState:
     """A plain decoding step (a policy's γ = 0): the target feeds the last token and samples
@@ -399,8 +418,7 @@ class SpeculativeDecoder:
                       max_lens=max_lens, done=prompt_lens >= max_lens,
                       target_cache=target_cache, draft_state=draft_state, rng=jnp.array(rng),
                       steps=jnp.zeros((), jnp.int32),
-                      counters=SpecCounters.zeros(b, self.tree.max_depth,
-                                                  self.tree.max_children),
+                      counters=SpecCounters.zeros(b, self.tree.max_depth, self.max_children),
                       policy=() if self.policy is None else self.policy.init(b))
     return sharding.constrain(state, b)
 
@@ -445,7 +463,7 @@ class SpeculativeDecoder:
     cfg = self.target_cfg
     # Verification (and tree drafting) writes past the committed prefix.
     tokens, lens, _ = pack_prompts(prompts, max_new_tokens, cache_size,
-                                   headroom=self.tree.cache_headroom,
+                                   headroom=self.cache_headroom,
                                    vocab_size=cfg.vocab_size, max_cache_size=cfg.max_cache_size,
                                    max_positions=cfg.max_position_embeddings,
                                    cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
