@@ -80,8 +80,10 @@ class SpecRun:
   Attributes:
     gamma: the chain's γ, or the tree's depth D.
     tree: the static tree's parents; ("dynamic", k, D, N) for an EAGLE-2
-      dynamic tree; ("adaptive", γ₁ … γ_K, cost₁ … cost_K) for an adaptive policy
-      (``adaptive_setting``; ``gamma`` is then its largest γ); None for a chain.
+      dynamic tree; ("adaptive", γ₁ … γ_K, cost₁ … cost_K) for an adaptive policy over
+      chains, ("adaptive", γs, costs, trees, tree costs, table) for one with trees
+      (``adaptive_setting``; ``gamma`` is then its deepest choice's depth); None for a
+      chain.
     counters: per batch, ``SpecCounters`` arrays of the real rows.
     generated: per batch, generated ids of each real row.
     steps: per batch, speculative steps.
@@ -146,25 +148,44 @@ class SpecRun:
   def from_record(cls, rec: dict[str, Any]) -> "SpecRun":
     rec = dict(rec, counters=[{k: np.asarray(v) for k, v in c.items()} for c in rec["counters"]])
     if rec.get("tree") is not None:
-      rec["tree"] = tuple(rec["tree"])
+      rec["tree"] = as_tuple(rec["tree"])
     return cls(**rec)
 
 
 ADAPTIVE = "adaptive"
 
 
-def adaptive_setting(gammas: Sequence[int], step_costs: Sequence[float]) -> tuple[int, tuple]:
-  """The ``(γ, tree)`` setting of an adaptive policy over ``gammas`` with these step costs."""
-  return max(gammas), (ADAPTIVE, *(int(g) for g in gammas),
-                       *(round(float(c), 4) for c in step_costs))
+def adaptive_setting(gammas: Sequence[int], step_costs: Sequence[float],
+                     trees: Sequence[tuple] = (), tree_costs: Sequence[float] = (),
+                     rank_accept=None) -> tuple[int, tuple]:
+  """The ``(γ, tree)`` setting of an adaptive policy over ``gammas`` with these step costs;
+  with ``trees`` (``SpecRun.tree`` encodings of static or dynamic trees), their costs and the
+  acceptance table that prices them. ``γ`` is the deepest choice's depth."""
+  round4 = lambda xs: tuple(round(float(c), 4) for c in xs)
+  if not trees:
+    return max(gammas), (ADAPTIVE, *(int(g) for g in gammas), *round4(step_costs))
+  table = tuple(round4(row) for row in np.asarray(rank_accept, np.float64))
+  setting = (ADAPTIVE, tuple(int(g) for g in gammas), round4(step_costs),
+             tuple(as_tuple(t) for t in trees), round4(tree_costs), table)
+  return policy_of(setting).max_depth, setting
 
 
 def policy_of(tree: Optional[tuple]) -> Optional[AdaptiveGamma]:
   """The ``AdaptiveGamma`` of an adaptive setting's tree; None for chains and trees."""
   if tree is None or tree[0] != ADAPTIVE:
     return None
+  if isinstance(tree[1], tuple):  # with trees: (ADAPTIVE, γs, costs, trees, costs, table)
+    _, gammas, costs, trees, tree_costs, table = tree
+    return AdaptiveGamma(gammas=gammas, step_costs=costs,
+                         trees=tuple(tree_shape(t, 0) for t in trees), tree_costs=tree_costs,
+                         rank_accept=table)
   k = (len(tree) - 1) // 2
   return AdaptiveGamma(gammas=tuple(int(g) for g in tree[1:1 + k]), step_costs=tree[1 + k:])
+
+
+def as_tuple(x):
+  """Nested lists (a setting read back from JSON) as nested tuples (hashable)."""
+  return tuple(as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def step_cost(run: SpecRun) -> float:
@@ -301,7 +322,8 @@ class Bench:
     if policy is not None:
       return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
                                 eos_ids=self.eos_ids, policy=policy,
-                                verification=self.config.verification)
+                                verification="tokenwise" if policy.trees
+                                else self.config.verification)
     return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
                               eos_ids=self.eos_ids, tree=tree_shape(tree, gamma),
                               verification="tokenwise" if tree else self.config.verification)

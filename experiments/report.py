@@ -13,10 +13,11 @@ import numpy as np
 
 from experiments import checks, paper
 from experiments.machine import cpu_info, describe_cpu, matmul_path
-from experiments.measure import SpecRun, policy_of
+from experiments.measure import SpecRun, as_tuple, policy_of
 from experiments.prompts import ALL
 from specjax.attention import resolve_impl
 from specjax.model import compute_dtype
+from specjax.speculative.tree import DynamicTree
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
                "acceptance_rate", "tokens_per_call", "expected_tokens_per_call", "speedup",
@@ -311,7 +312,7 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
            "decode-only speedup | best fixed γ | adaptive / best fixed | check |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(adaptive, key=lambda r: r["temperature"]):
-    policy = policy_of(tuple(r["tree"]))
+    policy = policy_of(as_tuple(r["tree"]))
     choices, step_costs = policy.gammas, policy.step_costs
     hist = r.get("depth_hist") or []
     steps = " / ".join(f"{g}: {hist[g]}" for g in choices if g < len(hist))
@@ -350,8 +351,9 @@ def _tree_section(results: dict) -> list[str]:
               "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(sub, key=lambda r: (r["shape"], r["num_nodes"])):
       shape = f"chain γ={r['gamma']}" if r["tree"] is None else r["shape"]
+      nodes = "mixed" if r["shape"] == "adaptive" else r["num_nodes"]
       ratio = (r["tokens_per_call"] / best_chain) if best_chain and r["tokens_per_call"] else None
-      lines.append(f"| {shape} | {r['num_nodes']} | {r['gamma']} | {_f(r['tokens_per_call'])} "
+      lines.append(f"| {shape} | {nodes} | {r['gamma']} | {_f(r['tokens_per_call'])} "
                    f"| {_f(ratio)} | **{_f(r['speedup'], suffix='×')}** | "
                    f"{_f(r['speedup_spread'], '{:.0%}')} | "
                    f"{_f(r.get('decode_speedup'), suffix='×')} | {_check(r)} |")
@@ -361,8 +363,22 @@ def _tree_section(results: dict) -> list[str]:
                 "training-side prompts; P(rank r accepted | parent accepted), rows = depth 1…:",
                 "", "```"] + ["  ".join(f"{x:.3f}" for x in row) for row in cal["table"]] + ["```"]
     trees = [r for r in sub if r["shape"] == "best tree"]
-    lines += [""] + [f"- N={r['num_nodes']}: parents {tuple(r['tree'])}" for r in trees] + [""]
+    lines += [""] + [f"- N={r['num_nodes']}: parents {tuple(r['tree'])}" for r in trees]
+    lines += [_adaptive_tree_line(r) for r in sub if r["shape"] == "adaptive"] + [""]
   return lines
+
+
+def _adaptive_tree_line(row: dict) -> str:
+  """What the tree sweep's adaptive policy chose from, at which costs, and how often it took
+  a step of each depth (0 = plain decoding)."""
+  policy = policy_of(as_tuple(row["tree"]))
+  names = [f"γ = {g}" if g else "plain" for g in policy.gammas] + [
+      f"dynamic k={t.top_k} N={t.num_nodes} D={t.depth}" if isinstance(t, DynamicTree)
+      else f"tree N={t.num_nodes} D={t.max_depth}" for t in policy.trees]
+  choices = ", ".join(f"{n} ({c:.2f})" for n, c in zip(names, policy.costs))
+  steps = ", ".join(f"{d}: {n}" for d, n in enumerate(row.get("depth_hist") or []) if n)
+  return (f"- adaptive: each step one of {choices} (in brackets its step cost / t₁), priced "
+          f"by the calibration table above; steps taken at depth {steps}")
 
 
 def _draft_free_section(results: dict) -> list[str]:

@@ -111,8 +111,11 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
   per-depth, per-rank acceptance that ``Bench.calibrate`` measures on
   training-side prompts (so the evaluated prompts never shape the trees). The
   EAGLE-2 dynamic tree of budget N has the static tree's depth D and a
-  frontier of k = min(4, N) (when the drafter builds dynamic trees). Returns
-  the rows and, per temperature, the calibration (table and counts).
+  frontier of k = min(4, N) (when the drafter builds dynamic trees). Last, an
+  adaptive policy chooses among all of them and plain decoding each step, at
+  their measured step costs, priced by the calibration table
+  (``specjax.speculative.adaptive``). Returns the rows and, per temperature,
+  the calibration (table and counts).
   """
   cfg = bench.config
   if not draft.drafter.supports(TreeTopology((-1, -1))):
@@ -133,4 +136,31 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
         jobs.append((d, ("dynamic", k, d, n)))
     logging.info("tree sweep (T=%g): %d settings measured together", t, len(jobs))
     rows += _rows(bench, "tree_sweep", draft, t, jobs)
+    policy = _adaptive_over(bench, draft, t, jobs, cal["table"])
+    if policy is not None:
+      rows += _rows(bench, "tree_sweep", draft, t, [policy])
   return rows, calibration
+
+
+def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
+                   jobs: Sequence[tuple[int, Optional[tuple]]], table) -> Optional[tuple]:
+  """The adaptive setting whose choices are the sweep's chains and trees (and plain decoding
+  where the drafter tolerates skipped steps) at the step costs measured on them, priced by
+  the calibration table; choices deeper than the table are left out (None if no tree is
+  left, or the table accepted no rank-0 draft)."""
+  table = np.asarray(table)
+  if table[0, 0] <= 0.0:  # no rank-0 draft accepted: nothing to scale the prices by
+    logging.warning("tree sweep (T=%g): no adaptive row, the calibration accepted no rank-0 "
+                    "draft at depth 1", temperature)
+    return None
+  jobs = [j for j in jobs if j[0] <= table.shape[0]]
+  runs = bench.spec_many(draft, jobs, temperature)
+  chains = [(g, step_cost(r)) for (g, tree), r in zip(jobs, runs) if tree is None]
+  trees = [(tree, step_cost(r)) for (_, tree), r in zip(jobs, runs) if tree is not None]
+  if not trees:
+    return None
+  plain = [(0, 1.0)] if draft.drafter.tolerates_skipped_steps() else []
+  gammas = tuple(g for g, _ in plain + chains)
+  costs = monotone_costs(gammas, [c for _, c in plain + chains])
+  return adaptive_setting(gammas, costs, [t for t, _ in trees],
+                          [max(c, 1.0) for _, c in trees], table)

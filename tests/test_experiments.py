@@ -13,6 +13,7 @@ import pytest
 
 from experiments import prompts
 from experiments.config import ExperimentConfig
+from experiments.measure import as_tuple, policy_of, tree_shape
 from specjax import theory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +51,11 @@ def test_token_counts_agree_with_accepted_counts(smoke):
     steps_at = np.asarray(r["depth_hist"])  # steps at each γ (a fixed shape: all at g)
     assert steps_at.sum() == r["target_calls"]
     if r["shape"] == "adaptive":  # γ varies by step; its plain steps (γ = 0) draft nothing
-      assert r["drafted"] == (steps_at * np.arange(g + 1)).sum()
+      drafted_at_depth = (steps_at * np.arange(g + 1)).sum()
+      if r["experiment"] == "tree_sweep":  # its trees draft more nodes than their depth
+        assert r["drafted"] >= drafted_at_depth
+      else:
+        assert r["drafted"] == drafted_at_depth
       assert hist.sum() == r["target_calls"] - steps_at[0]
     else:
       assert r["drafted"] == r["num_nodes"] * r["target_calls"]
@@ -68,6 +73,8 @@ def test_token_counts_agree_with_accepted_counts(smoke):
     # included, unless it drafted nothing)
     if r["tree"] is None:
       assert 0.0 <= r["alpha"] <= 1.0
+    elif r["shape"] == "adaptive" and r["experiment"] == "tree_sweep":  # None: trees only
+      assert r["alpha"] is None or 0.0 <= r["alpha"] <= 1.0
     elif r["shape"] == "adaptive":
       assert r["alpha"] is None if r["drafted"] == 0 else 0.0 <= r["alpha"] <= 1.0
     else:
@@ -680,6 +687,35 @@ def test_tree_sweep_rows_and_calibration(smoke):
   assert greedy and all(r["greedy_match"] == 1.0 for r in greedy)
   assert "Token trees vs chains" in open(os.path.join(out, "tables.md")).read()
   assert os.path.exists(os.path.join(out, "trees.png"))
+
+
+def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
+  """The policy's choices are plain decoding and the sweep's chains and trees, at the step
+  costs measured on them, priced by that temperature's calibration table; greedy-exact."""
+  results, out = smoke
+  rows = [r for r in results["rows"] if r["experiment"] == "tree_sweep" and r["category"] == "all"]
+  runs = {(r["gamma"], r["temperature"], r["tree"] and as_tuple(r["tree"])): r
+          for r in results["runs"]}
+  known = lambda xs: np.median([x for x in xs if x is not None])
+  cost = lambda run: known(run["step_seconds"]) / known(run["plain_step_seconds"])
+  adaptive = [r for r in rows if r["shape"] == "adaptive"]
+  assert {r["temperature"] for r in adaptive} == {0.0, 1.0}
+  for r in adaptive:
+    t = r["temperature"]
+    policy = policy_of(as_tuple(r["tree"]))
+    fixed = [f for f in rows if f["temperature"] == t and f["shape"] != "adaptive"]
+    assert policy.gammas == (0, 2) and len(policy.trees) == len(fixed) - 1 >= 1
+    for f in fixed:
+      if f["tree"] is not None:
+        i = policy.trees.index(tree_shape(as_tuple(f["tree"]), f["gamma"]))
+        assert policy.tree_costs[i] == pytest.approx(
+            max(cost(runs[(f["gamma"], t, as_tuple(f["tree"]))]), 1.0), abs=1e-4)
+    table = np.asarray(results["tree_calibration"][f"{t:g}"]["table"])
+    np.testing.assert_allclose(policy.rank_accept, table, atol=1e-4)
+    assert r["speedup"] is not None and sum(r["depth_hist"]) == r["target_calls"]
+    if t == 0:
+      assert r["greedy_match"] == 1.0
+  assert "- adaptive: each step one of plain" in open(os.path.join(out, "tables.md")).read()
 
 
 def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
