@@ -189,7 +189,7 @@ class SpeculativeDecoder:
       raise ValueError(
           f"vocabulary mismatch: the drafter proposes over {self.drafter.vocab_size} tokens but "
           f"the target has {self.target_cfg.vocab_size}; speculative decoding needs one vocabulary")
-    for shape in (self.tree,) + (self.policy.trees if self.policy else ()):
+    for shape in (self.tree,) + (() if self.policy is None else self.policy.trees):
       if not self.drafter.supports(shape):
         raise ValueError(f"{type(self.drafter).__name__} cannot build {shape}: it builds "
                          f"{self.drafter.buildable()}")
