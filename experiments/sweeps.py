@@ -146,14 +146,14 @@ def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
                    jobs: Sequence[tuple[int, Optional[tuple]]], table) -> Optional[tuple]:
   """The adaptive setting whose choices are the sweep's chains and trees (and plain decoding
   where the drafter tolerates skipped steps) at the step costs measured on them, priced by
-  the calibration table; choices deeper than the table are left out (None if no tree is
+  the calibration table; trees deeper than the table are left out (None if no tree is
   left, or the table accepted no rank-0 draft)."""
   table = np.asarray(table)
   if table[0, 0] <= 0.0:  # no rank-0 draft accepted: nothing to scale the prices by
     logging.warning("tree sweep (T=%g): no adaptive row, the calibration accepted no rank-0 "
                     "draft at depth 1", temperature)
     return None
-  jobs = [j for j in jobs if j[0] <= table.shape[0]]
+  jobs = [(g, tree) for g, tree in jobs if tree is None or g <= table.shape[0]]
   runs = bench.spec_many(draft, jobs, temperature)
   chains = [(g, step_cost(r)) for (g, tree), r in zip(jobs, runs) if tree is None]
   trees = [(tree, step_cost(r)) for (_, tree), r in zip(jobs, runs) if tree is not None]

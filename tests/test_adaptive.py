@@ -44,9 +44,12 @@ WITH_TREES = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.1),
                            decay=0.7)
 
 
-def _state(policy, successes, failures):
-  return PolicyState(successes=jnp.asarray(successes, jnp.float32),
-                     failures=jnp.asarray(failures, jnp.float32))
+def _state(policy, successes, failures, tree_successes=None, tree_failures=None):
+  """Counts for both estimates (the trees' default to the chains')."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return PolicyState(successes=f32(successes), failures=f32(failures),
+                     tree_successes=f32(successes if tree_successes is None else tree_successes),
+                     tree_failures=f32(failures if tree_failures is None else tree_failures))
 
 
 # --- 1. the policy's arithmetic -------------------------------------------------------------
@@ -125,15 +128,15 @@ def test_policy_sorts_its_set_and_builds_costs_from_theory():
   assert tr.tree_costs == pytest.approx((2 * 0.1 + float(curve(5)),))  # D c + T(N + 1)
 
 
-def test_a_table_of_constant_rank0_rate_prices_chains_by_the_closed_form():
+def test_a_table_of_constant_rank0_rate_prices_a_chain_shaped_tree_by_the_closed_form():
   table = ((0.7, 0.2),) * 4
-  policy = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.1, 1.2, 1.4),
-                         rank_accept=table)
+  policy = AdaptiveGamma(gammas=(0, 3), step_costs=(1.0, 1.3),
+                         trees=(TreeTopology.chain(3),), tree_costs=(1.3,), rank_accept=table)
   assert policy.table_alpha == pytest.approx(0.7)  # α_A of a constant column is that α
-  closed = dataclasses.replace(policy, rank_accept=None)
   alphas = jnp.array([0.05, 0.33, 0.5, 0.7, 0.91])
-  np.testing.assert_allclose(policy.expected_tokens(alphas), closed.expected_tokens(alphas),
-                             atol=2e-3)  # the table's curve, interpolated on the α grid
+  tokens = policy.expected_tokens(alphas, alphas)  # [B, plain / γ = 3 / the tree]
+  np.testing.assert_allclose(tokens[:, 2], tokens[:, 1], atol=2e-3)  # interpolated on a grid
+  np.testing.assert_allclose(tokens[:, 1], 1 + alphas + alphas ** 2 + alphas ** 3, rtol=1e-6)
 
 
 def test_trees_are_priced_by_tree_theory_on_the_scaled_table():
@@ -144,7 +147,7 @@ def test_trees_are_priced_by_tree_theory_on_the_scaled_table():
   assert ref == pytest.approx(0.99 / 1.825)
   for alpha in (0.3, 0.5, 0.8):  # grid points: the interpolation is exact there
     scaled = np.minimum(np.asarray(TABLE) * alpha / ref, 1.0)
-    expected = [1.0, expected_tokens_per_step(TreeTopology.chain(2), scaled),
+    expected = [1.0, 1 + alpha + alpha ** 2,  # chains: the closed form at their own α̂
                 expected_tokens_per_step(FORK, scaled),
                 expected_tokens_per_step(best_static_tree(scaled[:, :2], 5, max_depth=3),
                                          scaled)]
@@ -159,20 +162,29 @@ def test_trees_are_priced_by_tree_theory_on_the_scaled_table():
   assert int(policy.choose(_state(policy, [950.0], [50.0]), jnp.ones((1,), bool))) == 3
 
 
-def test_a_tree_step_counts_its_first_ranked_chain():
+def test_a_tree_step_counts_its_first_ranked_chain_in_the_trees_estimate():
   short = TreeTopology((-1, -1, 1))  # the rank-0 child is a leaf; rank 1 has a child
   policy = AdaptiveGamma(gammas=(0, 3), step_costs=(1.0, 1.3),
                          trees=(FORK, short, DynamicTree(top_k=2, depth=3, num_nodes=4)),
                          tree_costs=(1.2, 1.2, 1.3), rank_accept=TABLE, decay=0.5)
   assert policy.first_chain_depths == (0, 3, 2, 1, 3)
-  state, on = _state(policy, [0.0, 0.0], [0.0, 0.0]), jnp.ones((2,), bool)
+  state, on = _state(policy, [2.0, 2.0], [2.0, 2.0]), jnp.ones((2,), bool)
   # Rank-0 drafts accepted from the root: 2 (FORK's whole first chain), 1 (stopped short).
   fork = policy.observe(state, jnp.int32(2), jnp.array([2, 1]), on)
-  np.testing.assert_allclose(fork.failures, [0.0, 1.0])
-  np.testing.assert_allclose(fork.successes, [2.0, 1.0])
+  np.testing.assert_allclose(fork.tree_successes, [1.0 + 2, 1.0 + 1])
+  np.testing.assert_allclose(fork.tree_failures, [1.0, 1.0 + 1])
+  np.testing.assert_allclose(fork.successes, [1.0, 1.0])  # the chains' counts only decay
+  np.testing.assert_allclose(fork.failures, [1.0, 1.0])
   # ``short``'s first chain ends after one draft: accepting it is censored, not a failure.
   np.testing.assert_allclose(policy.observe(state, jnp.int32(3), jnp.array([1, 0]), on)
-                             .failures, [0.0, 1.0])
+                             .tree_failures, [1.0, 1.0 + 1])
+  chain = policy.observe(state, jnp.int32(1), jnp.array([3, 0]), on)  # γ = 3
+  np.testing.assert_allclose(chain.successes, [1.0 + 3, 1.0])
+  np.testing.assert_allclose(chain.tree_successes, [1.0, 1.0])
+  # Priors: the chains' is prior_alpha, the trees' the table's own α_A.
+  fresh = policy.init(1)
+  assert float(policy.alpha(fresh)[0]) == pytest.approx(policy.prior_alpha)
+  assert float(policy.tree_alpha(fresh)[0]) == pytest.approx(policy.table_alpha)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -190,7 +202,9 @@ def test_a_tree_step_counts_its_first_ranked_chain():
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prior_weight=0.0), "prior_weight"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), decay=0.0), "decay"),
     (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(1.2,)), "rank_accept"),
-    (dict(gammas=(0, 4), step_costs=(1.0, 1.3), rank_accept=TABLE), "deepest choice drafts 4"),
+    (dict(gammas=(0, 4), step_costs=(1.0, 1.3), rank_accept=TABLE), "has none"),
+    (dict(gammas=(0,), step_costs=(1.0,), trees=(DynamicTree(2, 4, 4),), tree_costs=(1.2,),
+          rank_accept=TABLE), "deepest tree drafts 4"),
     (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(1.2,),
           rank_accept=((0.0, 0.5), (0.5, 0.1))), "rank-0 acceptance at depth 1"),
     (dict(gammas=(0,), step_costs=(1.0,), trees=((-1, 0),), tree_costs=(1.2,),
@@ -307,13 +321,14 @@ def test_one_compiled_loop_serves_every_batch(models):
 THEN_PLAIN = AdaptiveGamma(gammas=(0, 1, 3), step_costs=(1.0, 1.3, 1.6), prior_alpha=0.9,
                            prior_weight=0.25)
 THEN_ONE = dataclasses.replace(THEN_PLAIN, step_costs=(1.0, 1.05, 1.6))
-# Trees: the first step is a three-node tree (scores at α̂ = 0.9: tree 3.07 / 1.6, γ = 1
-# 1.9 / 1.3, plain 1); a row whose root rank-0 draft was rejected (α̂ = 0.18) next takes a
-# plain step, or with a cheap γ = 1 a chain (scores 0.80, 1, 1.12).
+# Trees: the first step is a three-node tree (scores at the table's own α_A = 0.9: tree
+# 3.01 / 1.6; γ = 1 at the chains' prior 0.2: 1.2 / 1.3; plain 1); a row whose root rank-0
+# draft was rejected (α̂_tree = 0.18: 1.27 / 1.6) next takes a plain step, or with a cheap
+# γ = 1 a chain (1.2 / 1.05).
 TREE3 = TreeTopology.from_choices([(0,), (1,), (0, 0)])
 TREE_THEN_PLAIN = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.3), trees=(TREE3,),
-                                tree_costs=(1.6,), rank_accept=((0.5, 0.2), (0.5, 0.2)),
-                                prior_alpha=0.9, prior_weight=0.25)
+                                tree_costs=(1.6,), rank_accept=((0.9, 0.3), (0.9, 0.3)),
+                                prior_alpha=0.2, prior_weight=0.25)
 TREE_THEN_ONE = dataclasses.replace(TREE_THEN_PLAIN, step_costs=(1.0, 1.05))
 V, ROWS, PROMPT = 8, 100_000, [1, 2, 5]
 

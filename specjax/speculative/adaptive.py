@@ -23,17 +23,23 @@ few dozen.
 Trees need a price, so a policy with trees takes the drafter's per-depth,
 per-rank acceptance table (``rank_accept``, as ``tree_builders`` defines it and
 ``estimate_rank_accept`` measures it; the experiments' calibration) and prices
-every choice, chains too, from that table scaled to the running estimate:
-A(α̂) = min(1, A · α̂ / α_A), where α_A (``table_alpha``) is what the estimate
-converges to when acceptance follows the table. A chain or static tree is
-worth ``tree_builders.expected_tokens_per_step`` under A(α̂); a dynamic tree
-that of the best static tree of its budget, depth and width, which it can
-always build (its per-step choice usually does better, so it is priced
-conservatively). The curves are tabulated over α at construction and
-interpolated in the loop. On a tree step the estimate counts the drafts
-accepted along the tree's first-ranked chain (the root's rank-0 child, its
-rank-0 child, …) and a failure when that run stopped before the chain's end
-(for a dynamic tree, before its depth).
+each tree from that table scaled to a second running estimate, α̂_tree:
+A(α̂_tree) = min(1, A · α̂_tree / α_A), where α_A (``table_alpha``) is what
+that estimate converges to when acceptance follows the table (and its prior).
+A static tree is worth ``tree_builders.expected_tokens_per_step`` under A; a
+dynamic tree that of the best static tree of its budget, depth and width,
+which it can always build (its per-step choice usually does better, so it is
+priced conservatively). The curves are tabulated over α at construction and
+interpolated in the loop. A tree step counts the drafts accepted along the
+tree's first-ranked chain (the root's rank-0 child, its rank-0 child, …) and a
+failure when that run stopped before the chain's end (for a dynamic tree,
+before its depth). Chains and trees keep separate estimates because, when
+sampling, they draw differently: a chain samples its drafts from q and
+accepts them with probability min(1, p/q), while a tree's children are the
+draft's top-k as point masses, accepted with probability p(x), less often
+(for the shipped EAGLE-3 drafter at T = 1: 0.28 at depth 1 against the
+chain's 0.45). Every step decays both estimates' counts, so the one not in
+use drifts back to its prior and its choices are tried again.
 
 The decoder (``SpeculativeDecoder(policy=...)``) runs each choice's steps in
 an inner while loop of its own, inside the one jitted loop: no recompilation
@@ -84,13 +90,17 @@ class PolicyState:
   """The policy's running estimates.
 
   Attributes:
-    successes: [B] discounted count of accepted drafts (along the first-ranked chain).
-    failures: [B] discounted count of steps that rejected a draft (stopped before the
-      first-ranked chain's end).
+    successes: [B] discounted count of drafts accepted by chain steps.
+    failures: [B] discounted count of chain steps that rejected a draft (stopped before γ).
+    tree_successes: [B] the same for tree steps, counting the drafts accepted along the
+      tree's first-ranked chain.
+    tree_failures: [B] tree steps that stopped before the first-ranked chain's end.
   """
 
   successes: jax.Array
   failures: jax.Array
+  tree_successes: jax.Array
+  tree_failures: jax.Array
 
 
 def _costs(costs: Sequence[float], name: str) -> tuple[float, ...]:
@@ -117,9 +127,11 @@ class AdaptiveGamma:
     trees: token trees it may choose (distinct ``TreeTopology`` or ``DynamicTree``).
     tree_costs: the time of a step of each tree over one plain step's, in order.
     rank_accept: the drafter's [D, K] per-depth, per-rank acceptance table
-      (``tree_builders``), at least as deep as the deepest choice; required with trees,
-      optional for chains (which it then prices per depth). Stored as nested tuples.
-    prior_alpha: α the estimate starts from and returns to while plain decoding runs.
+      (``tree_builders``), measured with the trees' own draw (the decoder's sampler) and
+      at least as deep as the deepest tree; it prices the trees, and is required with
+      them (only with them). Stored as nested tuples.
+    prior_alpha: α the chains' estimate starts from and returns to while they are not
+      used (the trees' estimate starts from the table's, ``table_alpha``).
     prior_weight: how many steps' worth of evidence the prior counts as (> 0).
     decay: the weight each step's evidence keeps per later step, in (0, 1]; memory
       of about 1 / (1 − decay) steps.
@@ -161,12 +173,14 @@ class AdaptiveGamma:
     if len(tree_costs) != len(trees):
       raise ValueError(f"{len(tree_costs)} tree_costs for {len(trees)} trees")
     table = self.rank_accept
+    if table is not None and not trees:
+      raise ValueError("rank_accept prices trees, and the policy has none: leave it out")
     if table is not None:
       table = _check_rank_accept(table)
-      depth = max(list(gammas) + [t.max_depth for t in trees])
+      depth = max(t.max_depth for t in trees)
       if table.shape[0] < depth:
         raise ValueError(f"rank_accept covers depths 1…{table.shape[0]}, but the policy's "
-                         f"deepest choice drafts {depth} levels: measure a deeper table")
+                         f"deepest tree drafts {depth} levels: measure a deeper table")
       if table[0, 0] <= 0.0:
         raise ValueError("rank_accept's rank-0 acceptance at depth 1 must be > 0: the table "
                          "is scaled by the running estimate of it (a drafter whose first "
@@ -176,7 +190,7 @@ class AdaptiveGamma:
     elif trees:
       raise ValueError("a policy with trees needs rank_accept, the drafter's per-depth, "
                        "per-rank acceptance table (tree_builders.estimate_rank_accept), to "
-                       "price them against chains")
+                       "price them")
     if not 0.0 < self.prior_alpha < 1.0:
       raise ValueError(f"prior_alpha must be in (0, 1), got {self.prior_alpha}")
     if not (math.isfinite(self.prior_weight) and self.prior_weight > 0):
@@ -276,45 +290,56 @@ class AdaptiveGamma:
     return float(reach.sum() / (reach.sum() + 1.0 - reach[-1]))
 
   @functools.cached_property
-  def token_curves(self) -> np.ndarray:
-    """[K, ALPHA_GRID] E[tokens per step] of each choice at α on ``np.linspace(0, 1, G)``,
-    from the table scaled to α (the module docstring); None without a table."""
-    if self.rank_accept is None:
+  def token_curves(self) -> Optional[np.ndarray]:
+    """[trees, ALPHA_GRID] E[tokens per step] of each tree at α on
+    ``np.linspace(0, 1, ALPHA_GRID)``, from the table scaled to α (the module docstring);
+    None without trees."""
+    if not self.trees:
       return None
     table, ref = np.asarray(self.rank_accept), self.table_alpha
-    out = np.ones((self.num_choices, ALPHA_GRID))
+    out = np.ones((len(self.trees), ALPHA_GRID))
     for j, alpha in enumerate(np.linspace(0.0, 1.0, ALPHA_GRID)):
       scaled = np.minimum(table * (alpha / ref), 1.0)
-      for k, s in enumerate(self.shapes):
-        if isinstance(s, DynamicTree):
-          s = best_static_tree(scaled[:, :s.top_k], s.num_nodes, max_depth=s.depth)
-        if s is not None:
-          out[k, j] = expected_tokens_per_step(s, scaled)
+      for k, t in enumerate(self.trees):
+        if isinstance(t, DynamicTree):
+          t = best_static_tree(scaled[:, :t.top_k], t.num_nodes, max_depth=t.depth)
+        out[k, j] = expected_tokens_per_step(t, scaled)
     return out
 
-  def expected_tokens(self, alpha: jax.Array) -> jax.Array:
-    """[B, K] E[tokens per step] of each choice at the rows' estimates ``alpha`` [B]."""
-    if self.rank_accept is None:  # chains only: the closed form
-      powers = alpha[:, None] ** jnp.arange(self.max_depth + 1, dtype=jnp.float32)[None, :]
-      return jnp.cumsum(powers, axis=1)[:, jnp.asarray(self.gammas)]
+  def expected_tokens(self, alpha: jax.Array, tree_alpha: Optional[jax.Array] = None
+                      ) -> jax.Array:
+    """[B, K] E[tokens per step] of each choice: the chains' at the rows' estimates
+    ``alpha`` [B] (closed form), the trees' at ``tree_alpha`` [B] (needed with trees)."""
+    powers = alpha[:, None] ** jnp.arange(max(self.gammas, default=0) + 1,
+                                          dtype=jnp.float32)[None, :]
+    chains = jnp.cumsum(powers, axis=1)[:, jnp.asarray(self.gammas, jnp.int32)]  # [B, G]
+    if not self.trees:
+      return chains
     grid = jnp.linspace(0.0, 1.0, ALPHA_GRID, dtype=jnp.float32)
     curves = jnp.asarray(self.token_curves, jnp.float32)
-    return jnp.stack([jnp.interp(alpha, grid, c) for c in curves], axis=1)
+    trees = jnp.stack([jnp.interp(tree_alpha, grid, c) for c in curves], axis=1)
+    return jnp.concatenate([chains, trees], axis=1)
 
   # --- the running estimate ----------------------------------------------------------
 
   def init(self, batch_size: int) -> PolicyState:
-    z = lambda: jnp.zeros((batch_size,), jnp.float32)  # two buffers: the state is donated
-    return PolicyState(successes=z(), failures=z())
+    z = lambda: jnp.zeros((batch_size,), jnp.float32)  # one buffer each: the state is donated
+    return PolicyState(successes=z(), failures=z(), tree_successes=z(), tree_failures=z())
 
   def alpha(self, state: PolicyState) -> jax.Array:
-    """[B] the running acceptance estimate."""
+    """[B] the chains' running acceptance estimate."""
     w = self.prior_weight
     return (state.successes + w * self.prior_alpha) / (state.successes + state.failures + w)
 
+  def tree_alpha(self, state: PolicyState) -> jax.Array:
+    """[B] the trees' running estimate (rank-0 acceptance; prior: the table's α_A)."""
+    w, prior = self.prior_weight, self.table_alpha if self.trees else self.prior_alpha
+    return ((state.tree_successes + w * prior)
+            / (state.tree_successes + state.tree_failures + w))
+
   def scores(self, state: PolicyState, active: jax.Array) -> jax.Array:
     """[K] expected tokens per step over step cost, per choice, averaged over active rows."""
-    expected = self.expected_tokens(self.alpha(state))  # [B, K]
+    expected = self.expected_tokens(self.alpha(state), self.tree_alpha(state))  # [B, K]
     weight = active.astype(jnp.float32)[:, None]
     mean = jnp.sum(expected * weight, axis=0) / jnp.maximum(jnp.sum(weight), 1.0)
     return mean / jnp.asarray(self.costs, jnp.float32)
@@ -326,11 +351,15 @@ class AdaptiveGamma:
   def observe(self, state: PolicyState, index: jax.Array, num_accepted: jax.Array,
               active: jax.Array) -> PolicyState:
     """Folds in a step of choice ``index`` that accepted ``num_accepted`` [B] drafts along
-    its first-ranked chain (a chain's: all it accepted); rows not ``active`` keep their
-    counts."""
+    its first-ranked chain (a chain's: all it accepted) into its kind's estimate (chains or
+    trees); every count decays. Rows not ``active`` keep their counts."""
     length = jnp.asarray(self.first_chain_depths, jnp.int32)[index]
+    tree = index >= len(self.gammas)
+    accepted = num_accepted.astype(jnp.float32)
     rejected = (num_accepted < length).astype(jnp.float32)
-    s = self.decay * state.successes + num_accepted.astype(jnp.float32)
-    f = self.decay * state.failures + rejected
-    return PolicyState(successes=jnp.where(active, s, state.successes),
-                       failures=jnp.where(active, f, state.failures))
+    d = self.decay
+    new = PolicyState(successes=d * state.successes + jnp.where(tree, 0.0, accepted),
+                      failures=d * state.failures + jnp.where(tree, 0.0, rejected),
+                      tree_successes=d * state.tree_successes + jnp.where(tree, accepted, 0.0),
+                      tree_failures=d * state.tree_failures + jnp.where(tree, rejected, 0.0))
+    return jax.tree.map(lambda n, o: jnp.where(active, n, o), new, state)

@@ -146,12 +146,12 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   """An ``AdaptiveGamma`` over ``gammas`` and ``trees`` with step costs measured on
   ``prompts`` (``measure_step_costs``); with trees and no ``rank_accept``, the table is
   measured on the same prompts, one at a time, with a full tree as deep as the deepest
-  choice (``measure_rank_accept``). ``policy_kwargs`` go to ``AdaptiveGamma``."""
+  tree (``measure_rank_accept``, with the template's sampler: the trees' own draw). ``policy_kwargs`` go to ``AdaptiveGamma``."""
   trees = tuple(trees)
   costs = measure_step_costs(template, target_params, draft_params, prompts, gammas,
                              max_new_tokens, rounds, trees)
   if trees and rank_accept is None:
-    depth = max(list(gammas) + [t.max_depth for t in trees])
+    depth = max(t.max_depth for t in trees)
     rank_accept = measure_rank_accept(template, target_params, draft_params, prompts,
                                       ((6, 3, 2) + (1,) * depth)[:depth],
                                       max_new_tokens)["table"]
