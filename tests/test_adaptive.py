@@ -452,6 +452,9 @@ def test_measured_costs_make_a_policy(models):
   table = measure_rank_accept(itself, target[1], self_dp, PROMPTS[:2], (6, 3),
                               max_new_tokens=8)
   assert table["table"][:, 0].tolist() == [1.0, 1.0]
+  block = dataclasses.replace(itself, verification="block")  # trees are measured token-wise
+  assert len(measure_step_costs(block, target[1], self_dp, PROMPTS[:1], (1,), max_new_tokens=4,
+                                rounds=1, trees=(FORK,))) == 2
   assert with_trees.rank_accept == tuple(map(tuple, table["table"].tolist()))
   assert table["offered"][0, 0] == table["offered"][0, 5] > 0  # every root rank offered
   np.testing.assert_array_less(table["accepted"] - 1, table["offered"])

@@ -63,8 +63,7 @@ def measure_step_costs(template: SpeculativeDecoder, target_params: Params, draf
     raise ValueError(f"gammas must be integers >= 0, got {gammas}")
   decoders = {g: dataclasses.replace(template, policy=None, tree=None, gamma=g)
               for g in gammas if g > 0}
-  decoders.update({t: dataclasses.replace(template, policy=None, tree=t, gamma=None)
-                   for t in trees})  # validates each tree against the drafter
+  decoders.update({t: _tree_decoder(template, t) for t in trees})
   headroom = max([d.cache_headroom for d in decoders.values()], default=0)
   cache = len(max(prompts, key=len)) + max_new_tokens + headroom + 1
 
@@ -100,7 +99,7 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
     branching=the tree's branching, prompts=how many were decoded).
   """
   branching = tuple(int(b) for b in branching)
-  dec = dataclasses.replace(template, policy=None, gamma=None, tree=full_tree(branching))
+  dec = _tree_decoder(template, full_tree(branching))
   outs = [dec.generate(target_params, draft_params, [p], max_new_tokens, seed=seed + i,
                        cache_size=cache_size) for i, p in enumerate(prompts)]
   accepted, offered = full_tree_counts(
@@ -108,6 +107,14 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
       sum(np.asarray(o.per_row["accept_len_hist"][0]) for o in outs))
   return dict(table=estimate_rank_accept(accepted, offered), accepted=accepted,
               offered=offered, branching=branching, prompts=len(prompts))
+
+
+def _tree_decoder(template: SpeculativeDecoder, tree: Tree) -> SpeculativeDecoder:
+  """``template`` on a fixed tree (validated against its drafter); block verification, which
+  is defined for chains only, is measured token-wise (a policy with trees must be too)."""
+  verification = "tokenwise" if template.verification == "block" else template.verification
+  return dataclasses.replace(template, policy=None, gamma=None, tree=tree,
+                             verification=verification)
 
 
 def loop_step_seconds(outs: Sequence[Any]) -> float:
