@@ -100,7 +100,6 @@ def greedy_predictions(cfg: ModelConfig, params: Params, size: int):
   positions do not reach earlier ones' logits), so every length runs one compiled program
   (one per model config and size, shared by every caller) instead of eager ops compiled
   anew per length."""
-
   def predictions(ids: Sequence[int]) -> list[int]:
     if len(ids) > size:
       raise ValueError(f"{len(ids)} ids do not fit the padded size {size}")
@@ -111,7 +110,6 @@ def greedy_predictions(cfg: ModelConfig, params: Params, size: int):
 
 def exact_joint(cfg: ModelConfig, params: Params, sampler, prompt: Sequence[int]) -> np.ndarray:
   """[V, V] the warped target's exact law of the first two tokens after ``prompt``."""
-
   def next_probs(seqs):
     seqs = jnp.asarray(seqs)
     b, t = seqs.shape

@@ -259,24 +259,9 @@ class AdaptiveGamma:
 
   @property
   def first_chain_depths(self) -> tuple[int, ...]:
-    """Per choice, the length of its first-ranked chain (the root's rank-0 child, its
-    rank-0 child, …): a step that accepts fewer of those drafts counts as a failure.
-    A dynamic tree's is taken to be its depth; plain decoding's is 0."""
-    out = []
-    for s in self.shapes:
-      if s is None:
-        out.append(0)
-      elif isinstance(s, DynamicTree):
-        out.append(s.max_depth)
-      else:  # follow rank-0 (first) children down from the root
-        first_child: dict[int, int] = {}
-        for i, p in enumerate(s.parents):
-          first_child.setdefault(p, i)
-        node, depth = -1, 0
-        while node in first_child:
-          node, depth = first_child[node], depth + 1
-        out.append(depth)
-    return tuple(out)
+    """Per choice, the length of its first-ranked chain (``first_chain_depth``): a step
+    that accepts fewer of those drafts counts as a failure. Plain decoding's is 0."""
+    return tuple(0 if s is None else s.first_chain_depth for s in self.shapes)
 
   # --- pricing -----------------------------------------------------------------------
 

@@ -85,20 +85,20 @@ def measure_step_costs(template: SpeculativeDecoder, target_params: Params, draf
 
 def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
                         draft_params: Any, prompts: Sequence[Sequence[int]],
-                        branching: Sequence[int] = (6, 3, 2, 1), max_new_tokens: int = 64,
+                        branching: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
                         seed: int = 0, cache_size: Optional[int] = None) -> dict[str, Any]:
   """The drafter's per-depth, per-rank acceptance (``tree_builders``' ``rank_accept``).
 
   Decodes each prompt alone with ``full_tree(branching)`` (every node at depth d − 1 has
-  ``branching[d − 1]`` children, so each rank is offered whenever its parent is accepted)
-  and counts which rank was accepted at each depth. Use prompts other than the ones the
+  ``branching[d − 1]`` children, so each rank is offered whenever its parent is accepted;
+  default ``default_branching(4)``) and counts which rank was accepted at each depth. Use prompts other than the ones the
   table will be judged on.
 
   Returns:
     dict(table=[D, K] rates, accepted=[D, K] counts, offered=[D, K] counts,
     branching=the tree's branching, prompts=how many were decoded).
   """
-  branching = tuple(int(b) for b in branching)
+  branching = tuple(int(b) for b in (branching or default_branching(4)))
   dec = _tree_decoder(template, full_tree(branching))
   outs = [dec.generate(target_params, draft_params, [p], max_new_tokens, seed=seed + i,
                        cache_size=cache_size) for i, p in enumerate(prompts)]
@@ -107,6 +107,12 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
       sum(np.asarray(o.per_row["accept_len_hist"][0]) for o in outs))
   return dict(table=estimate_rank_accept(accepted, offered), accepted=accepted,
               offered=offered, branching=branching, prompts=len(prompts))
+
+
+def default_branching(depth: int) -> tuple[int, ...]:
+  """The calibration full tree's branching for ``depth`` levels: 6, 3, 2, then 1 per level
+  (96 nodes at depth 4, the experiments' default)."""
+  return ((6, 3, 2) + (1,) * depth)[:depth]
 
 
 def _tree_decoder(template: SpeculativeDecoder, tree: Tree) -> SpeculativeDecoder:
@@ -160,8 +166,7 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   if trees and rank_accept is None:
     depth = max(t.max_depth for t in trees)
     rank_accept = measure_rank_accept(template, target_params, draft_params, prompts,
-                                      ((6, 3, 2) + (1,) * depth)[:depth],
-                                      max_new_tokens)["table"]
+                                      default_branching(depth), max_new_tokens)["table"]
   return AdaptiveGamma(gammas=tuple(gammas), step_costs=costs[:len(gammas)], trees=trees,
                        tree_costs=costs[len(gammas):], rank_accept=rank_accept,
                        **policy_kwargs)

@@ -162,6 +162,14 @@ class TreeTopology:
     """The most children any block entry has (bounds a node's sibling rank)."""
     return max(self.num_children)
 
+  @functools.cached_property
+  def first_chain_depth(self) -> int:
+    """Depth of the first-ranked chain: the root's rank-0 child, its rank-0 child, …"""
+    on: list[bool] = []  # node i is on that chain (breadth-first: parents come first)
+    for p, r in zip(self.parents, self.ranks):
+      on.append(r == 0 and (p < 0 or on[p]))
+    return max(d for d, o in zip(self.depth, on) if o)
+
   @property
   def cache_headroom(self) -> int:
     """Slots past the committed prefix a step writes (the N nodes)."""
@@ -316,6 +324,13 @@ class DynamicTree:
   @property
   def max_children(self) -> int:
     return self.top_k  # every node's children are among its top-k
+
+  @property
+  def first_chain_depth(self) -> int:
+    """D, taken as the depth of the draft's top-1 path. That path loses its deeper nodes
+    only when shallower candidates outscore them; a step that accepted all it kept then
+    counts as stopping short (a small downward bias of the adaptive policy's estimate)."""
+    return self.depth
 
   @property
   def cache_headroom(self) -> int:
