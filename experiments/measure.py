@@ -69,8 +69,8 @@ from experiments.progress import ProgressLog
 from experiments.prompts import ALL, Batch, batch_indices, categories, merge_batches
 
 COUNTERS = ("target_calls", "drafted", "accepted", "emitted", "accepted_at", "accept_len_hist",
-            "depth_hist",
-            "accepted_rank", "beta_sum", "beta_count")
+            "depth_hist", "accepted_rank", "beta_sum", "beta_count", "choice_steps",
+            "choice_estimate")
 
 
 @dataclasses.dataclass

@@ -307,15 +307,19 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
            "running per-row estimate) per unit of step cost, γ = 0 being a plain decoding "
            "step. Its step costs are those the γ sweep measured above (step / t₁ on these "
            "batches), made non-decreasing in γ. Steps at γ counts the steps it took at each of "
-           "its choices (0 = plain decoding).", "",
+           "its choices (0 = plain decoding), with the mean α̂ it chose them on.", "",
            "| T | choices | step costs | steps at γ | tokens/call | measured speedup | spread | "
            "decode-only speedup | best fixed γ | adaptive / best fixed | check |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(adaptive, key=lambda r: r["temperature"]):
     policy = policy_of(as_tuple(r["tree"]))
     choices, step_costs = policy.gammas, policy.step_costs
-    hist = r.get("depth_hist") or []
-    steps = " / ".join(f"{g}: {hist[g]}" for g in choices if g < len(hist))
+    if r.get("choice_steps"):
+      steps = " / ".join(f"{g}: {n}" + (f" (α̂ {e:.2f})" if n else "") for g, n, e
+                         in zip(choices, r["choice_steps"], r["choice_estimate"]))
+    else:  # records before the per-choice counters: a chain's depth is its γ
+      hist = r.get("depth_hist") or []
+      steps = " / ".join(f"{g}: {hist[g]}" for g in choices if g < len(hist))
     fixed = [f for f in rows if f["experiment"] == "gamma_sweep" and f["category"] == ALL
              and f["temperature"] == r["temperature"] and f["speedup"]]
     best = max(fixed, key=lambda f: f["speedup"]) if fixed else None
@@ -376,9 +380,16 @@ def _adaptive_tree_line(row: dict) -> str:
       f"dynamic k={t.top_k} N={t.num_nodes} D={t.depth}" if isinstance(t, DynamicTree)
       else f"tree N={t.num_nodes} D={t.max_depth}" for t in policy.trees]
   choices = ", ".join(f"{n} ({c:.2f})" for n, c in zip(names, policy.costs))
+  line = (f"- adaptive: each step one of {choices} (in brackets its step cost / t₁), priced "
+          f"by the calibration table above; ")
+  if row.get("choice_steps"):  # records before the per-choice counters have depths only
+    taken = [f"{name}: {n} (α̂ {e:.2f})" for name, n, e
+             in zip(names, row["choice_steps"], row["choice_estimate"]) if n]
+    return line + ("steps taken, with the mean running estimate they were chosen on (the "
+                   "chains' for chains and plain steps, the trees' for trees): "
+                   + ", ".join(taken))
   steps = ", ".join(f"{d}: {n}" for d, n in enumerate(row.get("depth_hist") or []) if n)
-  return (f"- adaptive: each step one of {choices} (in brackets its step cost / t₁), priced "
-          f"by the calibration table above; steps taken at depth {steps}")
+  return line + f"steps taken at depth {steps}"
 
 
 def _draft_free_section(results: dict) -> list[str]:

@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from specjax import theory
+from specjax.speculative.metrics import mean_estimates
 
 from experiments import checks
 from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
@@ -94,6 +95,9 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       steps=int(sum(run.steps[i] for i in sel)),
       accept_len_hist=[int(x) for x in c["accept_len_hist"]],
       depth_hist=[int(x) for x in c["depth_hist"]] if "depth_hist" in c else None,
+      choice_steps=[int(x) for x in c["choice_steps"]] if "choice_steps" in c else None,
+      choice_estimate=(mean_estimates(c["choice_estimate"], c["choice_steps"])
+                       if "choice_estimate" in c else None),
       spec_seconds=None, ar_seconds=None, speedup=None, speedup_spread=None, rounds=None,
       decode_speedup=None, ar_prefill_share=None,
       step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,

@@ -185,6 +185,12 @@ def test_a_tree_step_counts_its_first_ranked_chain_in_the_trees_estimate():
   fresh = policy.init(1)
   assert float(policy.alpha(fresh)[0]) == pytest.approx(policy.prior_alpha)
   assert float(policy.tree_alpha(fresh)[0]) == pytest.approx(policy.table_alpha)
+  # The estimate a choice is priced on (and recorded with): its kind's.
+  skewed = _state(policy, [3.0], [1.0], tree_successes=[1.0], tree_failures=[3.0])
+  for index, which in ((0, policy.alpha), (1, policy.alpha), (2, policy.tree_alpha),
+                       (4, policy.tree_alpha)):
+    assert float(policy.estimate(skewed, jnp.int32(index))[0]) == pytest.approx(
+        float(which(skewed)[0])), index
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -271,9 +277,18 @@ def test_greedy_with_a_policy_switching_among_chains_and_trees_equals_plain_gree
   assert np.count_nonzero(steps_at[2:]) >= 1 and np.count_nonzero(steps_at) >= 2, steps_at
   np.testing.assert_array_equal(out.per_row["depth_hist"].sum(axis=1),
                                 out.per_row["target_calls"])
+  # Each choice has a depth of its own, so the per-choice counts are the depth histogram.
+  np.testing.assert_array_equal(out.per_row["choice_steps"], out.per_row["depth_hist"])
+  chosen = out.per_row["choice_steps"] > 0
+  mean = out.per_row["choice_estimate"][chosen] / out.per_row["choice_steps"][chosen]
+  assert np.all((mean > 0) & (mean < 1)), mean
+  assert np.all(out.per_row["choice_estimate"][~chosen] == 0)
   profiled = dec.generate(params, dp, PROMPTS, 40, profile=True)  # the host-side choice
   np.testing.assert_array_equal(profiled.tokens, out.tokens)
-  np.testing.assert_array_equal(profiled.per_row["depth_hist"], out.per_row["depth_hist"])
+  for name in ("depth_hist", "choice_steps"):
+    np.testing.assert_array_equal(profiled.per_row[name], out.per_row[name], err_msg=name)
+  np.testing.assert_allclose(profiled.per_row["choice_estimate"],
+                             out.per_row["choice_estimate"], rtol=1e-6)
 
 
 def test_profiled_twin_and_single_steps_take_the_same_path(models):
@@ -306,6 +321,8 @@ def test_fixed_topologies_count_every_step_at_their_depth(models):
   hist = out.per_row["depth_hist"]
   np.testing.assert_array_equal(hist[:, 3], out.per_row["target_calls"])
   assert hist[:, :3].sum() == 0
+  assert out.per_row["choice_steps"].shape == (len(PROMPTS), 0)  # no policy, no choices
+  assert out.metrics()["choice_steps"] == []
 
 
 def test_one_compiled_loop_serves_every_batch(models):

@@ -713,9 +713,14 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
     table = np.asarray(results["tree_calibration"][f"{t:g}"]["table"])
     np.testing.assert_allclose(policy.rank_accept, table, atol=1e-4)
     assert r["speedup"] is not None and sum(r["depth_hist"]) == r["target_calls"]
+    assert sum(r["choice_steps"]) == r["target_calls"]  # one count per step, per choice
+    assert len(r["choice_steps"]) == len(r["choice_estimate"]) == policy.num_choices
+    assert all((e is None) == (n == 0) and (e is None or 0 < e < 1)
+               for n, e in zip(r["choice_steps"], r["choice_estimate"]))
     if t == 0:
       assert r["greedy_match"] == 1.0
-  assert "- adaptive: each step one of plain" in open(os.path.join(out, "tables.md")).read()
+  tables = open(os.path.join(out, "tables.md")).read()
+  assert "- adaptive: each step one of plain" in tables and "(α̂ 0." in tables
 
 
 def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
@@ -735,6 +740,8 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
     cost = known(sweep["step_seconds"]) / known(sweep["plain_step_seconds"])
     assert tuple(r["tree"][3:]) == pytest.approx(monotone_costs((0, 2), (1.0, cost)), abs=1e-4)
     assert sum(r["depth_hist"]) == r["target_calls"]
+    # The chain-only policy's choices have depths of their own: plain at 0, γ = 2 at 2.
+    assert r["choice_steps"] == [r["depth_hist"][0], r["depth_hist"][2]]
     if r["temperature"] == 0:
       assert r["greedy_match"] == 1.0
   assert "## Adaptive γ" in open(os.path.join(out, "tables.md")).read()

@@ -322,6 +322,11 @@ class AdaptiveGamma:
     return ((state.tree_successes + w * prior)
             / (state.tree_successes + state.tree_failures + w))
 
+  def estimate(self, state: PolicyState, index: jax.Array) -> jax.Array:
+    """[B] the running estimate that prices choice ``index``: the trees' for a tree, else
+    the chains'."""
+    return jnp.where(index >= len(self.gammas), self.tree_alpha(state), self.alpha(state))
+
   def scores(self, state: PolicyState, active: jax.Array) -> jax.Array:
     """[K] expected tokens per step over step cost, per choice, averaged over active rows."""
     expected = self.expected_tokens(self.alpha(state), self.tree_alpha(state))  # [B, K]

@@ -213,7 +213,7 @@ def _install(dec: SpeculativeDecoder, draft_params: Any, queue: Queue,
   spec = st.spec
   rows = dict(tokens=tokens, seq_lens=lens, max_lens=max_lens, done=lens >= max_lens,
               target_cache=st.pending_cache, draft_state=draft_state,
-              counters=SpecCounters.zeros(1, dec.tree.max_depth, dec.max_children),
+              counters=dec.zero_counters(1),
               policy=() if dec.policy is None else dec.policy.init(1))
   spec = spec.replace(**{k: _put_row(getattr(spec, k), v, b,
                                      f"{type(dec.drafter).__name__}'s state" if k == "draft_state"
@@ -330,8 +330,7 @@ def initial_serve_state(dec: SpeculativeDecoder, target_params: Params, draft_pa
                     pending_hidden=feature_buffer(target_params, cfg, 1, s,
                                                   drafter_feature_layers(dec.drafter)),
                     out_tokens=jnp.zeros((q, s), jnp.int32), out_lens=zeros(),
-                    out_counters=SpecCounters.zeros(q, dec.tree.max_depth,
-                                                    dec.max_children),
+                    out_counters=dec.zero_counters(q),
                     admitted_at=zeros(), prefilled_at=zeros(), finished_at=zeros())
 
 

@@ -210,6 +210,11 @@ class SpeculativeDecoder:
     """The most children a step's tree gives a node (the counters' rank axis)."""
     return (self.tree if self.policy is None else self.policy).max_children
 
+  def zero_counters(self, batch_size: int) -> SpecCounters:
+    """Counters of ``batch_size`` rows, shaped for every step this decoder may take."""
+    return SpecCounters.zeros(batch_size, self.tree.max_depth, self.max_children,
+                              0 if self.policy is None else self.policy.num_choices)
+
   def with_policy(self, policy: Optional[AdaptiveGamma]) -> "SpeculativeDecoder":
     """This decoder with an adaptive policy in place of its gamma and tree (None: back to
     a fixed chain of γ = 4 or the drafter's default tree)."""
@@ -345,8 +350,15 @@ class SpeculativeDecoder:
     all it accepted)."""
     rank0 = after.counters.accepted_rank[:, :, 0] - before.counters.accepted_rank[:, :, 0]
     leading = jnp.sum(jnp.cumprod(rank0, axis=1), axis=1)  # [B] rank-0 drafts from the root
-    return after.replace(policy=self.policy.observe(before.policy, index, leading,
-                                                    ~before.done))
+    active = ~before.done
+    hit = jax.nn.one_hot(index, self.policy.num_choices, dtype=jnp.int32) * active[:, None]
+    c = after.counters
+    counters = c.replace(
+        choice_steps=c.choice_steps + hit,
+        choice_estimate=c.choice_estimate
+        + hit * self.policy.estimate(before.policy, index)[:, None])
+    return after.replace(counters=counters,
+                         policy=self.policy.observe(before.policy, index, leading, active))
 
   def branch(self, index: int) -> Optional["SpeculativeDecoder"]:
     """The fixed decoder of the policy's choice ``index`` (None for γ = 0, plain decoding)."""
@@ -418,7 +430,7 @@ class SpeculativeDecoder:
                       max_lens=max_lens, done=prompt_lens >= max_lens,
                       target_cache=target_cache, draft_state=draft_state, rng=jnp.array(rng),
                       steps=jnp.zeros((), jnp.int32),
-                      counters=SpecCounters.zeros(b, self.tree.max_depth, self.max_children),
+                      counters=self.zero_counters(b),
                       policy=() if self.policy is None else self.policy.init(b))
     return sharding.constrain(state, b)
 

@@ -11,6 +11,9 @@ Conventions:
   * ``accepted_at[d]`` counts steps that accepted a node at depth d + 1 and
     ``accepted_rank[d, r]`` those whose accepted depth-(d + 1) node had sibling
     rank r: the per-depth, per-rank acceptance of ``tree_builders``.
+  * ``choice_steps[k]`` counts the steps of an adaptive policy's choice k (the sorted
+    gammas, then the trees) and ``choice_estimate[k]`` the mean running acceptance
+    estimate on which the policy chose it (empty without a policy);
   * ``tokens_per_call`` counts every emitted token, including the corrected or
     bonus token drawn from the target, per target forward: it estimates the
     paper's E[#tokens per iteration] = (1 − α^{γ+1}) / (1 − α) (before EOS or
@@ -86,7 +89,15 @@ def _rates(c: dict[str, np.ndarray]) -> dict[str, Any]:
       "accepted_at": np.asarray(c["accepted_at"]).tolist(),
       "accept_len_hist": np.asarray(c["accept_len_hist"]).tolist(),
       "depth_hist": np.asarray(c["depth_hist"]).tolist(),
+      "choice_steps": np.asarray(c["choice_steps"]).tolist(),
+      "choice_estimate": mean_estimates(c["choice_estimate"], c["choice_steps"]),
   }
+
+
+def mean_estimates(estimate_sum, steps) -> list[Optional[float]]:
+  """The mean running estimate behind each adaptive choice (None for one never taken)."""
+  return [float(e) / float(n) if n else None for e, n in zip(np.asarray(estimate_sum),
+                                                            np.asarray(steps))]
 
 
 def counters_to_host(counters) -> dict[str, np.ndarray]:

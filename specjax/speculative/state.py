@@ -34,6 +34,11 @@ class SpecCounters:
     beta_sum: [B] Σ β over scored positions (positions up to the first
       rejection, whose prefix is a target sample — the paper's E[β] protocol).
     beta_count: [B] number of such positions.
+    choice_steps: [B, K] steps of each of an adaptive policy's K choices (its order:
+      the sorted gammas, then the trees) that served the row; K = 0 without a policy.
+    choice_estimate: [B, K] the sum, over those steps, of the running acceptance estimate
+      the policy chose on (the chains' α̂ for a chain or plain step, the trees' for a
+      tree): divided by ``choice_steps``, the mean estimate behind each choice.
   """
 
   target_calls: jax.Array
@@ -46,16 +51,21 @@ class SpecCounters:
   accepted_rank: jax.Array
   beta_sum: jax.Array
   beta_count: jax.Array
+  choice_steps: jax.Array
+  choice_estimate: jax.Array
 
   @classmethod
-  def zeros(cls, batch_size: int, max_depth: int, max_rank: int = 1) -> "SpecCounters":
+  def zeros(cls, batch_size: int, max_depth: int, max_rank: int = 1,
+            num_choices: int = 0) -> "SpecCounters":
     z = lambda *s: jnp.zeros(s, jnp.int32)
     return cls(target_calls=z(batch_size), drafted=z(batch_size), accepted=z(batch_size),
                emitted=z(batch_size), accepted_at=z(batch_size, max_depth),
                accept_len_hist=z(batch_size, max_depth + 1),
                depth_hist=z(batch_size, max_depth + 1),
                accepted_rank=z(batch_size, max_depth, max_rank),
-               beta_sum=jnp.zeros((batch_size,), jnp.float32), beta_count=z(batch_size))
+               beta_sum=jnp.zeros((batch_size,), jnp.float32), beta_count=z(batch_size),
+               choice_steps=z(batch_size, num_choices),
+               choice_estimate=jnp.zeros((batch_size, num_choices), jnp.float32))
 
 
 @flax.struct.dataclass(kw_only=True)
