@@ -752,3 +752,25 @@ def test_default_run_is_the_papers_tables_and_all_adds_the_tree_sweep():
   assert parse_experiments("default") == DEFAULT_EXPERIMENTS == ExperimentConfig().experiments
   assert "tree_sweep" not in DEFAULT_EXPERIMENTS and "adaptive" in DEFAULT_EXPERIMENTS
   assert parse_experiments("all") == EXPERIMENTS and "tree_sweep" in EXPERIMENTS
+
+
+def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_choices(tmp_path):
+  """benchmarks.policy_decisions takes each temperature's adaptive tree-sweep row from a
+  results.json, holds each of its draft choices fixed beside it (plain decoding needs no run)
+  and adds its chains-only twin; a missing file or temperature is refused before loading."""
+  from benchmarks.policy_decisions import settings, sweep_policies
+  path = "experiments/results/avx2_zen3/trees_adaptive_batch1/results.json"
+  policy = sweep_policies(path, [1.0])[1.0]
+  table = settings(policy)
+  assert list(table)[:2] == ["γ = 1", "γ = 2"] and "plain" not in table
+  assert list(table)[-2:] == ["adaptive", "adaptive, chains only"]
+  fixed = [k for k, (pol, _, _) in table.items() if pol is None]
+  assert len(fixed) == policy.num_choices - 1  # every choice but plain decoding
+  assert [table[k][2] for k in fixed] == list(policy.costs[1:])
+  chains = table["adaptive, chains only"][0]
+  assert chains.trees == () and chains.gammas == policy.gammas
+  assert chains.step_costs == policy.step_costs and chains.decay == policy.decay
+  with pytest.raises(ValueError, match=r"no adaptive tree-sweep row at T = \[0.5\]"):
+    sweep_policies(path, [0.5])
+  with pytest.raises(FileNotFoundError, match="no such file"):
+    sweep_policies(str(tmp_path / "missing.json"), [1.0])

@@ -1,0 +1,161 @@
+"""How well the adaptive policy chooses, without timing noise: its modelled speedup against
+each of its choices held fixed, on held-out prompts over several seeds.
+
+Usage:
+  python -m benchmarks.policy_decisions [--results <tree sweep dir>/results.json]
+      [--temperatures 1] [--prompts 10] [--seeds 3] [--new_tokens 128]
+      [--out benchmarks/results/policy_decisions.md]
+
+The policy is the tree sweep's adaptive row of each temperature (``--results``: its choices,
+the step costs measured on this machine in that run, and the calibration table). Every
+setting decodes each prompt alone (batch 1, as the sweep), to exactly ``new_tokens`` tokens
+(no EOS stop), once per seed:
+
+  * each choice held fixed: a chain of γ or a tree, as a plain ``SpeculativeDecoder``;
+  * the policy, and the policy over its chains only (its trees taken out);
+
+and the table gives each one's **modelled speedup**: generated tokens over the sum of its
+steps' costs in plain decoding steps (a fixed setting: steps × its cost; the policy: the
+per-choice step counts ``choice_steps`` times their costs), prefill excluded. That is the
+speedup the run would measure if every step took its calibrated time; it isolates the
+quality of the choices from the machine's timing noise and from the loop's overhead, which
+the tree sweep's timed row includes. Sampled texts differ between settings at T > 0, so the
+per-seed ratios show the noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+import tqdm
+from absl import app, flags
+
+from benchmarks.common import provenance, write_markdown
+from experiments.machine import probe_output_dir
+from experiments.measure import as_tuple, policy_of
+from experiments.models import load_draft, load_target
+from experiments.prompts import default_prompts
+from specjax.sampling import make_sampler
+from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.tree import DynamicTree
+
+RESULTS = flags.DEFINE_string(
+    "results", "experiments/results/avx2_zen3/trees_adaptive_batch1/results.json",
+    "results.json of a tree sweep with adaptive rows (python -m experiments.run "
+    "--experiment=tree_sweep)")
+TEMPS = flags.DEFINE_list("temperatures", ["1"], "temperatures of the sweep's adaptive rows")
+PROMPTS = flags.DEFINE_integer("prompts", 10, "held-out prompts (round-robin over categories)")
+SEEDS = flags.DEFINE_integer("seeds", 3, "seeds per prompt (>= 1)")
+NEW = flags.DEFINE_integer("new_tokens", 128, "tokens generated per prompt")
+DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_draft spec)")
+OUT = flags.DEFINE_string("out", "benchmarks/results/policy_decisions.md", "markdown output")
+
+
+def sweep_policies(path: str, temperatures: list[float]) -> dict[float, AdaptiveGamma]:
+  """The adaptive policy of each temperature's tree-sweep row in a results.json."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"--results {path}: no such file (a tree sweep's results.json)")
+  with open(path) as f:
+    rows = json.load(f)["rows"]
+  found = {r["temperature"]: policy_of(as_tuple(r["tree"])) for r in rows
+           if r["experiment"] == "tree_sweep" and r["shape"] == "adaptive"
+           and r["category"] == "all"}
+  missing = [t for t in temperatures if t not in found]
+  if missing:
+    raise ValueError(f"--results {path} has no adaptive tree-sweep row at T = {missing} "
+                     f"(it has T = {sorted(found)})")
+  return {t: found[t] for t in temperatures}
+
+
+def choice_name(policy: AdaptiveGamma, index: int) -> str:
+  shape = policy.shape(index)
+  if index < len(policy.gammas):
+    return f"γ = {policy.gammas[index]}" if policy.gammas[index] else "plain"
+  if isinstance(shape, DynamicTree):
+    return f"dynamic k={shape.top_k} N={shape.num_nodes} D={shape.depth}"
+  return f"tree N={shape.num_nodes} D={shape.max_depth}"
+
+
+def settings(policy: AdaptiveGamma) -> dict[str, tuple[AdaptiveGamma | None, dict, float]]:
+  """name -> (policy or None, the decoder's shape keywords, a fixed setting's step cost)."""
+  out = {}
+  for i in range(policy.num_choices):
+    shape = policy.shape(i)
+    if shape is not None:
+      out[choice_name(policy, i)] = (None, dict(tree=shape), policy.costs[i])
+  out["adaptive"] = (policy, {}, 0.0)
+  if policy.trees:
+    chains = AdaptiveGamma(gammas=policy.gammas, step_costs=policy.step_costs,
+                           prior_alpha=policy.prior_alpha, prior_weight=policy.prior_weight,
+                           decay=policy.decay)
+    out["adaptive, chains only"] = (chains, {}, 0.0)
+  return out
+
+
+def main(_):
+  probe_output_dir(os.path.dirname(OUT.value) or ".")
+  temps = [float(t) for t in TEMPS.value]
+  if not temps or min(temps) < 0 or SEEDS.value < 1 or PROMPTS.value < 1 or NEW.value < 1:
+    raise ValueError("--temperatures must be >= 0; --seeds, --prompts, --new_tokens >= 1")
+  policies = sweep_policies(RESULTS.value, temps)
+  target = load_target("smollm2")
+  draft = load_draft(DRAFT.value, target, lambda: [])
+  evals = default_prompts(PROMPTS.value)
+  prompts = [target.encode(p.text) for p in evals]
+  start = time.perf_counter()
+  lines = ["# The adaptive policy's choices, modelled: tokens per unit of calibrated step cost",
+           "", f"{provenance()}; draft `{draft.name}` ({draft.note}); policies and step costs "
+           f"from `{RESULTS.value}`; {len(prompts)} held-out prompts "
+           f"({', '.join(sorted({p.category for p in evals}))}), each alone (batch 1), "
+           f"{NEW.value} new tokens, no EOS stop, seeds 0…{SEEDS.value - 1} (one at T = 0: "
+           "greedy decoding draws nothing).", "",
+           "Modelled speedup = generated tokens / Σ step costs (in plain decoding steps, as "
+           "measured in the sweep), prefill excluded: what a timed run would give if every "
+           "step took its calibrated time. Per seed: the policy's over the best fixed "
+           "setting's, seed by seed (sampled texts differ between settings at T > 0).", ""]
+  for t, policy in policies.items():
+    sampler = make_sampler(t)
+    table = settings(policy)
+    seeds = SEEDS.value if t > 0 else 1  # greedy decoding draws nothing
+    tokens = {k: np.zeros(seeds) for k in table}
+    cost = {k: np.zeros(seeds) for k in table}
+    steps = {k: np.zeros(policy.num_choices, np.int64) for k in table}
+    jobs = [(s, p, k) for s in range(seeds) for p in prompts for k in table]
+    for seed, prompt, name in tqdm.tqdm(jobs, desc=f"T={t:g}", unit="run"):
+      pol, shape, step_cost = table[name]
+      dec = SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler, eos_ids=(),
+                               policy=pol, **shape)
+      out = dec.generate(target.params, draft.params, [prompt], NEW.value, seed=seed)
+      tokens[name][seed] += out.num_generated.sum()
+      if pol is None:
+        cost[name][seed] += out.steps * step_cost
+      else:
+        taken = out.per_row["choice_steps"].sum(axis=0)
+        cost[name][seed] += float(np.dot(taken, pol.costs))
+        steps[name][:len(taken)] += taken
+    speedup = {k: tokens[k].sum() / cost[k].sum() for k in table}
+    fixed = [k for k in table if table[k][0] is None]
+    best = max(fixed, key=speedup.get)
+    per_seed = lambda k: tokens[k] / cost[k] / (tokens[best] / cost[best])
+    lines += [f"## T = {t:g}", "",
+              "| setting | step cost | steps by choice | modelled speedup | / best fixed | "
+              "per seed |", "|---|---|---|---|---|---|"]
+    for k, (pol, _, step_cost) in table.items():
+      taken = (", ".join(f"{choice_name(policy, i)}: {n}" for i, n in enumerate(steps[k]) if n)
+               if pol is not None else "–")
+      lines.append(f"| {k} | {'mixed' if pol is not None else f'{step_cost:.2f}'} | {taken} | "
+                   f"**{speedup[k]:.3f}×** | {speedup[k] / speedup[best]:.1%} | "
+                   f"{', '.join(f'{x:.0%}' for x in per_seed(k))} |")
+    lines.append("")
+    print(f"T={t:g} done ({time.perf_counter() - start:.0f} s)", flush=True)
+  lines.append(f"{time.perf_counter() - start:.0f} s in all.")
+  write_markdown(OUT.value, lines)
+
+
+if __name__ == "__main__":
+  app.run(main)
