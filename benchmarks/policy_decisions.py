@@ -107,6 +107,8 @@ def main(_):
   draft = load_draft(DRAFT.value, target, lambda: [])
   evals = default_prompts(PROMPTS.value)
   prompts = [target.encode(p.text) for p in evals]
+  # One buffer length for every prompt: one compiled loop per setting, not per prompt length.
+  size = max(map(len, prompts)) + NEW.value + 32
   start = time.perf_counter()
   lines = ["# The adaptive policy's choices, modelled: tokens per unit of calibrated step cost",
            "", f"{provenance()}; draft `{draft.name}` ({draft.note}); policies and step costs "
@@ -130,7 +132,8 @@ def main(_):
       pol, shape, step_cost = table[name]
       dec = SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler, eos_ids=(),
                                policy=pol, **shape)
-      out = dec.generate(target.params, draft.params, [prompt], NEW.value, seed=seed)
+      out = dec.generate(target.params, draft.params, [prompt], NEW.value, seed=seed,
+                         cache_size=size)
       tokens[name][seed] += out.num_generated.sum()
       if pol is None:
         cost[name][seed] += out.steps * step_cost
