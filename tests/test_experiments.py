@@ -758,6 +758,10 @@ def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_ch
   """benchmarks.policy_decisions takes each temperature's adaptive tree-sweep row from a
   results.json, holds each of its draft choices fixed beside it (plain decoding needs no run)
   and adds its chains-only twin; a missing file or temperature is refused before loading."""
+  import absl.flags
+  for name in ("results", "temperatures", "prompts", "seeds", "new_tokens", "draft", "out"):
+    if name in absl.flags.FLAGS:  # another benchmark of this process defined it
+      delattr(absl.flags.FLAGS, name)
   from benchmarks.policy_decisions import settings, sweep_policies
   path = "experiments/results/avx2_zen3/trees_adaptive_batch1/results.json"
   policy = sweep_policies(path, [1.0])[1.0]
