@@ -12,7 +12,8 @@ setting decodes each prompt alone (batch 1, as the sweep), to exactly ``new_toke
 (no EOS stop), once per seed:
 
   * each choice held fixed: a chain of γ or a tree, as a plain ``SpeculativeDecoder``;
-  * the policy, and the policy over its chains only (its trees taken out);
+  * the policy, and the policy over its chains only (its trees taken out), with the steps
+    each took of every choice and the mean running estimate it chose them on;
 
 and the table gives each one's **modelled speedup**: generated tokens over the sum of its
 steps' costs in plain decoding steps (a fixed setting: steps × its cost; the policy: the
@@ -36,13 +37,13 @@ from absl import app, flags
 
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
-from experiments.measure import as_tuple, policy_of
+from experiments.measure import as_tuple, choice_names, policy_of
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.tree import DynamicTree
+from specjax.speculative.metrics import mean_estimates
 
 RESULTS = flags.DEFINE_string(
     "results", "experiments/results/avx2_zen3/trees_adaptive_batch1/results.json",
@@ -72,27 +73,14 @@ def sweep_policies(path: str, temperatures: list[float]) -> dict[float, Adaptive
   return {t: found[t] for t in temperatures}
 
 
-def choice_name(policy: AdaptiveGamma, index: int) -> str:
-  shape = policy.shape(index)
-  if index < len(policy.gammas):
-    return f"γ = {policy.gammas[index]}" if policy.gammas[index] else "plain"
-  if isinstance(shape, DynamicTree):
-    return f"dynamic k={shape.top_k} N={shape.num_nodes} D={shape.depth}"
-  return f"tree N={shape.num_nodes} D={shape.max_depth}"
-
-
 def settings(policy: AdaptiveGamma) -> dict[str, tuple[AdaptiveGamma | None, dict, float]]:
   """name -> (policy or None, the decoder's shape keywords, a fixed setting's step cost)."""
-  out = {}
-  for i in range(policy.num_choices):
-    shape = policy.shape(i)
-    if shape is not None:
-      out[choice_name(policy, i)] = (None, dict(tree=shape), policy.costs[i])
+  out = {name: (None, dict(tree=policy.shape(i)), cost)
+         for i, (name, cost) in enumerate(zip(choice_names(policy), policy.costs))
+         if policy.shape(i) is not None}
   out["adaptive"] = (policy, {}, 0.0)
   if policy.trees:
-    chains = AdaptiveGamma(gammas=policy.gammas, step_costs=policy.step_costs,
-                           prior_alpha=policy.prior_alpha, prior_weight=policy.prior_weight,
-                           decay=policy.decay)
+    chains = dataclasses.replace(policy, trees=(), tree_costs=(), rank_accept=None)
     out["adaptive, chains only"] = (chains, {}, 0.0)
   return out
 
@@ -107,8 +95,6 @@ def main(_):
   draft = load_draft(DRAFT.value, target, lambda: [])
   evals = default_prompts(PROMPTS.value)
   prompts = [target.encode(p.text) for p in evals]
-  # One buffer length for every prompt: one compiled loop per setting, not per prompt length.
-  size = max(map(len, prompts)) + NEW.value + 32
   start = time.perf_counter()
   lines = ["# The adaptive policy's choices, modelled: tokens per unit of calibrated step cost",
            "", f"{provenance()}; draft `{draft.name}` ({draft.note}); policies and step costs "
@@ -124,9 +110,13 @@ def main(_):
     sampler = make_sampler(t)
     table = settings(policy)
     seeds = SEEDS.value if t > 0 else 1  # greedy decoding draws nothing
+    # One buffer length for every prompt and setting (the policy's headroom covers each
+    # choice's): one compiled loop per setting, not one per prompt length.
+    size = max(map(len, prompts)) + NEW.value + policy.cache_headroom
     tokens = {k: np.zeros(seeds) for k in table}
     cost = {k: np.zeros(seeds) for k in table}
     steps = {k: np.zeros(policy.num_choices, np.int64) for k in table}
+    estimate = {k: np.zeros(policy.num_choices) for k in table}  # Σ α̂ behind each choice
     jobs = [(s, p, k) for s in range(seeds) for p in prompts for k in table]
     for seed, prompt, name in tqdm.tqdm(jobs, desc=f"T={t:g}", unit="run"):
       pol, shape, step_cost = table[name]
@@ -141,15 +131,18 @@ def main(_):
         taken = out.per_row["choice_steps"].sum(axis=0)
         cost[name][seed] += float(np.dot(taken, pol.costs))
         steps[name][:len(taken)] += taken
+        estimate[name][:len(taken)] += out.per_row["choice_estimate"].sum(axis=0)
     speedup = {k: tokens[k].sum() / cost[k].sum() for k in table}
     fixed = [k for k in table if table[k][0] is None]
     best = max(fixed, key=speedup.get)
     per_seed = lambda k: tokens[k] / cost[k] / (tokens[best] / cost[best])
+    names = choice_names(policy)
     lines += [f"## T = {t:g}", "",
-              "| setting | step cost | steps by choice | modelled speedup | / best fixed | "
-              "per seed |", "|---|---|---|---|---|---|"]
+              "| setting | step cost | steps by choice (mean α̂ behind them) | modelled speedup "
+              "| / best fixed | per seed |", "|---|---|---|---|---|---|"]
     for k, (pol, _, step_cost) in table.items():
-      taken = (", ".join(f"{choice_name(policy, i)}: {n}" for i, n in enumerate(steps[k]) if n)
+      taken = (", ".join(f"{names[i]}: {n} ({e:.2f})" for i, (n, e) in enumerate(
+          zip(steps[k], mean_estimates(estimate[k], steps[k]))) if n)
                if pol is not None else "–")
       lines.append(f"| {k} | {'mixed' if pol is not None else f'{step_cost:.2f}'} | {taken} | "
                    f"**{speedup[k]:.3f}×** | {speedup[k] / speedup[best]:.1%} | "

@@ -183,6 +183,14 @@ def policy_of(tree: Optional[tuple]) -> Optional[AdaptiveGamma]:
   return AdaptiveGamma(gammas=tuple(int(g) for g in tree[1:1 + k]), step_costs=tree[1 + k:])
 
 
+def choice_names(policy: AdaptiveGamma) -> list[str]:
+  """A label for each of the policy's choices, in its order: "plain", "γ = 2", "tree N=8 D=4",
+  "dynamic k=4 N=4 D=4"."""
+  return [f"γ = {g}" if g else "plain" for g in policy.gammas] + [
+      f"dynamic k={t.top_k} N={t.num_nodes} D={t.depth}" if isinstance(t, DynamicTree)
+      else f"tree N={t.num_nodes} D={t.max_depth}" for t in policy.trees]
+
+
 def as_tuple(x):
   """Nested lists (a setting read back from JSON) as nested tuples (hashable)."""
   return tuple(as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

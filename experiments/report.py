@@ -13,11 +13,10 @@ import numpy as np
 
 from experiments import checks, paper
 from experiments.machine import cpu_info, describe_cpu, matmul_path
-from experiments.measure import SpecRun, as_tuple, policy_of
+from experiments.measure import SpecRun, as_tuple, choice_names, policy_of
 from experiments.prompts import ALL
 from specjax.attention import resolve_impl
 from specjax.model import compute_dtype
-from specjax.speculative.tree import DynamicTree
 
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
                "acceptance_rate", "tokens_per_call", "expected_tokens_per_call", "speedup",
@@ -376,9 +375,7 @@ def _adaptive_tree_line(row: dict) -> str:
   """What the tree sweep's adaptive policy chose from, at which costs, and how often it took
   a step of each depth (0 = plain decoding)."""
   policy = policy_of(as_tuple(row["tree"]))
-  names = [f"γ = {g}" if g else "plain" for g in policy.gammas] + [
-      f"dynamic k={t.top_k} N={t.num_nodes} D={t.depth}" if isinstance(t, DynamicTree)
-      else f"tree N={t.num_nodes} D={t.max_depth}" for t in policy.trees]
+  names = choice_names(policy)
   choices = ", ".join(f"{n} ({c:.2f})" for n, c in zip(names, policy.costs))
   line = (f"- adaptive: each step one of {choices} (in brackets its step cost / t₁), priced "
           f"by the calibration table above; ")

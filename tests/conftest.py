@@ -21,6 +21,30 @@ def _drop_compiled_programs():
   gc.collect()
 
 
+@pytest.fixture
+def benchmark_module():
+  """Imports ``benchmarks.<name>`` for its helpers. Each benchmark defines its absl flags at
+  import, and several share names (``--out``, ``--prompts``, ...): the names this one
+  defines are freed first, so two benchmarks import in one process (a single-worker run)."""
+  import importlib
+  import re
+  import sys
+
+  from absl import flags
+
+  def load(name: str):
+    module = f"benchmarks.{name}"
+    if module in sys.modules:
+      return sys.modules[module]
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py")
+    with open(path) as f:
+      for flag in re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", f.read()):
+        if flag in flags.FLAGS:
+          delattr(flags.FLAGS, flag)
+    return importlib.import_module(module)
+  return load
+
+
 @pytest.fixture(scope="module")
 def target():
   """The tiny random target of the decoding tests (modules may define their own)."""

@@ -421,8 +421,8 @@ def test_roofline_benchmark_rejects_bad_flags_before_loading():
            (["--bandwidth_mib=0"], "--bandwidth_mib must be >= 1"))
 
 
-def test_roofline_counts_every_weight_once():
-  from benchmarks import roofline
+def test_roofline_counts_every_weight_once(benchmark_module):
+  roofline = benchmark_module("roofline")
   from benchmarks.shapes import SHAPES
   from specjax.model import init_params
   # the matrices a forward multiplies by, counted from real parameters: every 2-D leaf (the
@@ -754,15 +754,13 @@ def test_default_run_is_the_papers_tables_and_all_adds_the_tree_sweep():
   assert parse_experiments("all") == EXPERIMENTS and "tree_sweep" in EXPERIMENTS
 
 
-def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_choices(tmp_path):
+def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_choices(
+    tmp_path, benchmark_module):
   """benchmarks.policy_decisions takes each temperature's adaptive tree-sweep row from a
   results.json, holds each of its draft choices fixed beside it (plain decoding needs no run)
   and adds its chains-only twin; a missing file or temperature is refused before loading."""
-  import absl.flags
-  for name in ("results", "temperatures", "prompts", "seeds", "new_tokens", "draft", "out"):
-    if name in absl.flags.FLAGS:  # another benchmark of this process defined it
-      delattr(absl.flags.FLAGS, name)
-  from benchmarks.policy_decisions import settings, sweep_policies
+  bench = benchmark_module("policy_decisions")
+  settings, sweep_policies = bench.settings, bench.sweep_policies
   path = "experiments/results/avx2_zen3/trees_adaptive_batch1/results.json"
   policy = sweep_policies(path, [1.0])[1.0]
   table = settings(policy)

@@ -423,9 +423,9 @@ def test_bad_directories_are_refused(tmp_path, target):
 # --------------------------------------------------------------- typical acceptance (lossy)
 
 
-def test_first_token_tv_of_the_typical_acceptance_benchmark():
+def test_first_token_tv_of_the_typical_acceptance_benchmark(benchmark_module):
   """benchmarks/typical_acceptance.py's per-step TV: its docstring example."""
-  from benchmarks.typical_acceptance import first_token_tv
+  first_token_tv = benchmark_module("typical_acceptance").first_token_tv
   p0 = np.array([[0.5, 0.3, 0.2]] * 2)
   tv = first_token_tv(p0, np.array([1, 0]), np.array([1, 1]), np.array([0.25, 0.25]))
   np.testing.assert_allclose(tv, [0.7, 0.2])
