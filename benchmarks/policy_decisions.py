@@ -7,7 +7,11 @@ Usage:
       [--out benchmarks/results/policy_decisions.md]
 
 The policy is the tree sweep's adaptive row of each temperature (``--results``: its choices,
-the step costs measured on this machine in that run, and the calibration table). Every
+the step costs measured on this machine in that run, the calibration table and the chains'
+rate α_c beside it). A row that predates α_c gets it measured here as the sweep's
+calibration measures it (``Bench.calibrate``: a chain as deep as the calibration tree, on
+the same training-side prompts, seed and length), so an old sweep is judged with today's
+pricing. Every
 setting decodes each prompt alone (batch 1, as the sweep), to exactly ``new_tokens`` tokens
 (no EOS stop), once per seed:
 
@@ -39,10 +43,11 @@ from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.measure import as_tuple, choice_names, policy_of
 from experiments.models import load_draft, load_target
-from experiments.prompts import default_prompts
+from experiments.prompts import default_prompts, training_prompts
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.calibration import measure_chain_alpha
 from specjax.speculative.metrics import mean_estimates
 
 RESULTS = flags.DEFINE_string(
@@ -57,20 +62,40 @@ DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_dr
 OUT = flags.DEFINE_string("out", "benchmarks/results/policy_decisions.md", "markdown output")
 
 
-def sweep_policies(path: str, temperatures: list[float]) -> dict[float, AdaptiveGamma]:
-  """The adaptive policy of each temperature's tree-sweep row in a results.json."""
+def sweep_policies(path: str, temperatures: list[float], chain_rate=None
+                   ) -> dict[float, AdaptiveGamma]:
+  """The adaptive policy of each temperature's tree-sweep row in a results.json; a row that
+  predates α_c gets ``chain_rate(results, T)`` as its ``prior_alpha``."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"--results {path}: no such file (a tree sweep's results.json)")
   with open(path) as f:
-    rows = json.load(f)["rows"]
-  found = {r["temperature"]: policy_of(as_tuple(r["tree"])) for r in rows
+    results = json.load(f)
+  rows = results["rows"]
+  found = {r["temperature"]: as_tuple(r["tree"]) for r in rows
            if r["experiment"] == "tree_sweep" and r["shape"] == "adaptive"
            and r["category"] == "all"}
   missing = [t for t in temperatures if t not in found]
   if missing:
     raise ValueError(f"--results {path} has no adaptive tree-sweep row at T = {missing} "
                      f"(it has T = {sorted(found)})")
-  return {t: found[t] for t in temperatures}
+  return {t: policy_of(found[t] if len(found[t]) > 6 or chain_rate is None
+                       else found[t] + (round(chain_rate(results, t), 4),))
+          for t in temperatures}
+
+
+def calibration_chain_rate(target, draft):
+  """``chain_rate`` for ``sweep_policies``: α_c measured as the sweep's ``Bench.calibrate``
+  does, from its recorded configuration."""
+  def rate(results: dict, temperature: float) -> float:
+    cfg = results["config"]
+    template = SpeculativeDecoder(target.cfg, draft.drafter, eos_ids=(
+        None if cfg["stop_at_eos"] else ()), sampler=make_sampler(temperature))
+    prompts = [target.encode(t) for t in training_prompts(cfg["calibration_prompts"])]
+    print(f"T={temperature:g}: measuring α_c on {len(prompts)} calibration prompts", flush=True)
+    return measure_chain_alpha(template, target.params, draft.params, prompts,
+                               len(cfg["calibration_tree"]), cfg["max_new_tokens"],
+                               seed=cfg["seed"], cache_size=results["cache_size"])
+  return rate
 
 
 def settings(policy: AdaptiveGamma) -> dict[str, tuple[AdaptiveGamma | None, dict, float]]:
@@ -90,9 +115,9 @@ def main(_):
   temps = [float(t) for t in TEMPS.value]
   if not temps or min(temps) < 0 or SEEDS.value < 1 or PROMPTS.value < 1 or NEW.value < 1:
     raise ValueError("--temperatures must be >= 0; --seeds, --prompts, --new_tokens >= 1")
-  policies = sweep_policies(RESULTS.value, temps)
   target = load_target("smollm2")
   draft = load_draft(DRAFT.value, target, lambda: [])
+  policies = sweep_policies(RESULTS.value, temps, calibration_chain_rate(target, draft))
   evals = default_prompts(PROMPTS.value)
   prompts = [target.encode(p.text) for p in evals]
   start = time.perf_counter()
@@ -137,7 +162,8 @@ def main(_):
     best = max(fixed, key=speedup.get)
     per_seed = lambda k: tokens[k] / cost[k] / (tokens[best] / cost[best])
     names = choice_names(policy)
-    lines += [f"## T = {t:g}", "",
+    lines += [f"## T = {t:g}", "", f"Calibrated rates: chains α_c = {policy.prior_alpha:.3f}, "
+              f"trees α_A = {policy.table_alpha:.3f} (rank-0 drafts of the table).", "",
               "| setting | step cost | steps by choice (mean α̂ behind them) | modelled speedup "
               "| / best fixed | per seed |", "|---|---|---|---|---|---|"]
     for k, (pol, _, step_cost) in table.items():

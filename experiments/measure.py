@@ -57,7 +57,8 @@ import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.calibration import loop_step_seconds, measure_rank_accept
+from specjax.speculative.calibration import (loop_step_seconds, measure_chain_alpha,
+                                             measure_rank_accept)
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 
@@ -81,9 +82,9 @@ class SpecRun:
     gamma: the chain's γ, or the tree's depth D.
     tree: the static tree's parents; ("dynamic", k, D, N) for an EAGLE-2
       dynamic tree; ("adaptive", γ₁ … γ_K, cost₁ … cost_K) for an adaptive policy over
-      chains, ("adaptive", γs, costs, trees, tree costs, table) for one with trees
-      (``adaptive_setting``; ``gamma`` is then its deepest choice's depth); None for a
-      chain.
+      chains, ("adaptive", γs, costs, trees, tree costs, table, α_c) for one with trees
+      (``adaptive_setting``; ``gamma`` is then its deepest choice's depth; records that
+      predate α_c, the chains' calibrated rate, lack it); None for a chain.
     counters: per batch, ``SpecCounters`` arrays of the real rows.
     generated: per batch, generated ids of each real row.
     steps: per batch, speculative steps.
@@ -157,16 +158,21 @@ ADAPTIVE = "adaptive"
 
 def adaptive_setting(gammas: Sequence[int], step_costs: Sequence[float],
                      trees: Sequence[tuple] = (), tree_costs: Sequence[float] = (),
-                     rank_accept=None) -> tuple[int, tuple]:
+                     rank_accept=None, chain_alpha: Optional[float] = None
+                     ) -> tuple[int, tuple]:
   """The ``(γ, tree)`` setting of an adaptive policy over ``gammas`` with these step costs;
-  with ``trees`` (``SpecRun.tree`` encodings of static or dynamic trees), their costs and the
-  acceptance table that prices them. ``γ`` is the deepest choice's depth."""
+  with ``trees`` (``SpecRun.tree`` encodings of static or dynamic trees), their costs, the
+  acceptance table that prices them and the chains' rate measured beside it
+  (``AdaptiveGamma.prior_alpha``; None: the policy's default). ``γ`` is the deepest
+  choice's depth."""
   round4 = lambda xs: tuple(round(float(c), 4) for c in xs)
   if not trees:
     return max(gammas), (ADAPTIVE, *(int(g) for g in gammas), *round4(step_costs))
   table = tuple(round4(row) for row in np.asarray(rank_accept, np.float64))
   setting = (ADAPTIVE, tuple(int(g) for g in gammas), round4(step_costs),
              tuple(as_tuple(t) for t in trees), round4(tree_costs), table)
+  if chain_alpha is not None:
+    setting += (round(float(chain_alpha), 4),)
   return policy_of(setting).max_depth, setting
 
 
@@ -174,11 +180,12 @@ def policy_of(tree: Optional[tuple]) -> Optional[AdaptiveGamma]:
   """The ``AdaptiveGamma`` of an adaptive setting's tree; None for chains and trees."""
   if tree is None or tree[0] != ADAPTIVE:
     return None
-  if isinstance(tree[1], tuple):  # with trees: (ADAPTIVE, γs, costs, trees, costs, table)
-    _, gammas, costs, trees, tree_costs, table = tree
+  if isinstance(tree[1], tuple):  # with trees: (ADAPTIVE, γs, costs, trees, costs, table[, α_c])
+    _, gammas, costs, trees, tree_costs, table, *chain_alpha = tree
     return AdaptiveGamma(gammas=gammas, step_costs=costs,
                          trees=tuple(tree_shape(t, 0) for t in trees), tree_costs=tree_costs,
-                         rank_accept=table)
+                         rank_accept=table, **({"prior_alpha": chain_alpha[0]}
+                                               if chain_alpha else {}))
   k = (len(tree) - 1) // 2
   return AdaptiveGamma(gammas=tuple(int(g) for g in tree[1:1 + k]), step_costs=tree[1 + k:])
 
@@ -534,16 +541,22 @@ class Bench:
 
   def calibrate(self, draft: Draft, temperature: float,
                 prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Per-depth, per-rank acceptance of ``draft`` from the calibration full tree's counters.
+    """Per-depth, per-rank acceptance of ``draft`` from the calibration full tree's counters,
+    and the chains' rate on the same prompts.
 
     Decodes ``prompts`` (training-side, never the evaluated ones) one at a
-    time with ``config.calibration_tree``; returns the table and its counts.
+    time with ``config.calibration_tree``, then with a chain as deep; returns the table
+    and its counts (``measure_rank_accept``) and ``chain_alpha``
+    (``measure_chain_alpha``).
     """
     template = SpeculativeDecoder(self.target.cfg, draft.drafter,
                                   sampler=make_sampler(temperature), eos_ids=self.eos_ids)
-    return measure_rank_accept(template, self.target.params, draft.params, prompts,
-                               self.config.calibration_tree, self.config.max_new_tokens,
-                               seed=self.config.seed, cache_size=self.cache_size)
+    args = (template, self.target.params, draft.params, prompts)
+    kw = dict(max_new_tokens=self.config.max_new_tokens, seed=self.config.seed,
+              cache_size=self.cache_size)
+    out = measure_rank_accept(*args, self.config.calibration_tree, **kw)
+    out["chain_alpha"] = measure_chain_alpha(*args, len(self.config.calibration_tree), **kw)
+    return out
 
   def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
                 temperature: float) -> bool:

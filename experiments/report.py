@@ -365,6 +365,9 @@ def _tree_section(results: dict) -> list[str]:
       lines += ["", f"Calibration: full tree {tuple(cal['branching'])} on {cal['prompts']} "
                 "training-side prompts; P(rank r accepted | parent accepted), rows = depth 1…:",
                 "", "```"] + ["  ".join(f"{x:.3f}" for x in row) for row in cal["table"]] + ["```"]
+      if "chain_alpha" in cal:  # records before it have the table only
+        lines += ["", f"The chains' rate on the same prompts (a chain of "
+                  f"{len(cal['branching'])}): α_c = {cal['chain_alpha']:.3f}."]
     trees = [r for r in sub if r["shape"] == "best tree"]
     lines += [""] + [f"- N={r['num_nodes']}: parents {tuple(r['tree'])}" for r in trees]
     lines += [_adaptive_tree_line(r) for r in sub if r["shape"] == "adaptive"] + [""]
@@ -377,8 +380,11 @@ def _adaptive_tree_line(row: dict) -> str:
   policy = policy_of(as_tuple(row["tree"]))
   names = choice_names(policy)
   choices = ", ".join(f"{n} ({c:.2f})" for n, c in zip(names, policy.costs))
+  shared = len(row["tree"]) > 6  # records before α_c priced chains and trees apart
   line = (f"- adaptive: each step one of {choices} (in brackets its step cost / t₁), priced "
-          f"by the calibration table above; ")
+          + ("by the calibration table and α_c above, from one running ease shared by "
+             "chains and trees; " if shared else
+             "by the calibration table above, chains and trees on separate estimates; "))
   if row.get("choice_steps"):  # records before the per-choice counters have depths only
     taken = [f"{name}: {n} (α̂ {e:.2f})" for name, n, e
              in zip(names, row["choice_steps"], row["choice_estimate"]) if n]

@@ -136,17 +136,18 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
         jobs.append((d, ("dynamic", k, d, n)))
     logging.info("tree sweep (T=%g): %d settings measured together", t, len(jobs))
     rows += _rows(bench, "tree_sweep", draft, t, jobs)
-    policy = _adaptive_over(bench, draft, t, jobs, cal["table"])
+    policy = _adaptive_over(bench, draft, t, jobs, cal["table"], cal["chain_alpha"])
     if policy is not None:
       rows += _rows(bench, "tree_sweep", draft, t, [policy])
   return rows, calibration
 
 
 def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
-                   jobs: Sequence[tuple[int, Optional[tuple]]], table) -> Optional[tuple]:
+                   jobs: Sequence[tuple[int, Optional[tuple]]], table,
+                   chain_alpha: float) -> Optional[tuple]:
   """The adaptive setting whose choices are the sweep's chains and trees (and plain decoding
   where the drafter tolerates skipped steps) at the step costs measured on them, priced by
-  the calibration table; trees deeper than the table are left out (None if no tree is
+  the calibration table and the chains' rate measured beside it; trees deeper than the table are left out (None if no tree is
   left, or the table accepted no rank-0 draft)."""
   table = np.asarray(table)
   if table[0, 0] <= 0.0:  # no rank-0 draft accepted: nothing to scale the prices by
@@ -163,4 +164,4 @@ def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
   gammas = tuple(g for g, _ in plain + chains)
   costs = monotone_costs(gammas, [c for _, c in plain + chains])
   return adaptive_setting(gammas, costs, [t for t, _ in trees],
-                          [max(c, 1.0) for _, c in trees], table)
+                          [max(c, 1.0) for _, c in trees], table, chain_alpha)

@@ -20,7 +20,8 @@ from specjax.generate import prefill
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma, PolicyState
-from specjax.speculative.calibration import calibrate, measure_rank_accept, measure_step_costs
+from specjax.speculative.calibration import (calibrate, measure_chain_alpha,
+                                             measure_rank_accept, measure_step_costs)
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree, expected_tokens_per_step
@@ -45,11 +46,12 @@ WITH_TREES = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.1),
 
 
 def _state(policy, successes, failures, tree_successes=None, tree_failures=None):
-  """Counts for both estimates (the trees' default to the chains')."""
+  """The counts of chain steps and of tree steps (none by default)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
+  none = [0.0] * len(successes)
   return PolicyState(successes=f32(successes), failures=f32(failures),
-                     tree_successes=f32(successes if tree_successes is None else tree_successes),
-                     tree_failures=f32(failures if tree_failures is None else tree_failures))
+                     tree_successes=f32(none if tree_successes is None else tree_successes),
+                     tree_failures=f32(none if tree_failures is None else tree_failures))
 
 
 # --- 1. the policy's arithmetic -------------------------------------------------------------
@@ -142,7 +144,9 @@ def test_a_table_of_constant_rank0_rate_prices_a_chain_shaped_tree_by_the_closed
 def test_trees_are_priced_by_tree_theory_on_the_scaled_table():
   dynamic = DynamicTree(top_k=2, depth=3, num_nodes=5)
   policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.2), trees=(FORK, dynamic),
-                         tree_costs=(1.3, 1.5), rank_accept=TABLE, prior_weight=1e-6)
+                         tree_costs=(1.3, 1.5), rank_accept=TABLE, prior_weight=1e-6,
+                         prior_alpha=0.99 / 1.825)
+  # The chains' calibrated rate is the table's, so chain evidence at α prices both at α.
   ref = policy.table_alpha  # P = 0.55, 0.275, 0.165: 0.99 / (0.99 + 0.835)
   assert ref == pytest.approx(0.99 / 1.825)
   for alpha in (0.3, 0.5, 0.8):  # grid points: the interpolation is exact there
@@ -168,7 +172,7 @@ def test_a_tree_step_counts_its_first_ranked_chain_in_the_trees_estimate():
                          trees=(FORK, short, DynamicTree(top_k=2, depth=3, num_nodes=4)),
                          tree_costs=(1.2, 1.2, 1.3), rank_accept=TABLE, decay=0.5)
   assert policy.first_chain_depths == (0, 3, 2, 1, 3)
-  state, on = _state(policy, [2.0, 2.0], [2.0, 2.0]), jnp.ones((2,), bool)
+  state, on = _state(policy, *[[2.0, 2.0]] * 4), jnp.ones((2,), bool)
   # Rank-0 drafts accepted from the root: 2 (FORK's whole first chain), 1 (stopped short).
   fork = policy.observe(state, jnp.int32(2), jnp.array([2, 1]), on)
   np.testing.assert_allclose(fork.tree_successes, [1.0 + 2, 1.0 + 1])
@@ -191,6 +195,35 @@ def test_a_tree_step_counts_its_first_ranked_chain_in_the_trees_estimate():
                        (4, policy.tree_alpha)):
     assert float(policy.estimate(skewed, jnp.int32(index))[0]) == pytest.approx(
         float(which(skewed)[0])), index
+
+
+def test_chains_and_trees_share_one_running_ease():
+  policy = WITH_TREES  # α_c = 0.6, α_A = 0.99 / 1.825, prior weight 1
+  a_c, a_t = policy.prior_alpha, policy.table_alpha
+  assert policy.table_alpha == pytest.approx(0.99 / 1.825)
+  # A dip seen by the chains alone prices the trees down as well, in proportion.
+  dip = _state(policy, [0.5], [3.0], tree_successes=[0.0], tree_failures=[0.0])
+  ease = (0.5 + a_c) / (a_c * 3.5 + a_c)
+  assert float(policy.ease(dip)[0]) == pytest.approx(ease, rel=1e-6)
+  assert float(policy.alpha(dip)[0]) == pytest.approx(a_c * ease, rel=1e-6)
+  assert float(policy.tree_alpha(dip)[0]) == pytest.approx(a_t * ease, rel=1e-6)
+  # Tree evidence moves the chains' estimate; both kinds' drafts count, each against the
+  # rate calibrated for it.
+  both = _state(policy, [2.0], [1.0], tree_successes=[1.0], tree_failures=[2.0])
+  ease = (2.0 + 1.0 + a_c) / (a_c * 3.0 + a_t * 3.0 + a_c)
+  assert float(policy.ease(both)[0]) == pytest.approx(ease, rel=1e-6)
+  trees_good = _state(policy, [0.0], [0.0], tree_successes=[4.0], tree_failures=[0.0])
+  assert float(policy.alpha(trees_good)[0]) > a_c
+  # Estimates are rates: a run of accepted tree drafts cannot price a chain above 1.
+  sure = _state(policy, [0.0], [0.0], tree_successes=[1000.0], tree_failures=[0.0])
+  assert float(policy.alpha(sure)[0]) == 1.0 and float(policy.tree_alpha(sure)[0]) < 1.0
+  # With no trees the estimate is the chains' own: (s + w·α_c) / (s + f + w).
+  chains = AdaptiveGamma(gammas=(1, 2), step_costs=(1.1, 1.2), prior_alpha=0.3,
+                         prior_weight=2.0)
+  state = _state(chains, [3.0], [1.0])
+  assert float(chains.alpha(state)[0]) == pytest.approx((3.0 + 0.6) / 6.0, rel=1e-6)
+  # Fresh, the trees are priced at the table's own rate.
+  assert float(policy.tree_alpha(policy.init(1))[0]) == pytest.approx(a_t)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -339,14 +372,14 @@ THEN_PLAIN = AdaptiveGamma(gammas=(0, 1, 3), step_costs=(1.0, 1.3, 1.6), prior_a
                            prior_weight=0.25)
 THEN_ONE = dataclasses.replace(THEN_PLAIN, step_costs=(1.0, 1.05, 1.6))
 # Trees: the first step is a three-node tree (scores at the table's own α_A = 0.9: tree
-# 3.01 / 1.6; γ = 1 at the chains' prior 0.2: 1.2 / 1.3; plain 1); a row whose root rank-0
-# draft was rejected (α̂_tree = 0.18: 1.27 / 1.6) next takes a plain step, or with a cheap
-# γ = 1 a chain (1.2 / 1.05).
+# 3.01 / 1.6; γ = 1 at the chains' rate 0.2: 1.2 / 1.3; plain 1). A row whose root rank-0
+# draft was rejected has ρ̂ = 0.2 / 1.1 (α̂_tree = 0.16: 1.25 / 1.6; α̂ = 0.036) and next takes
+# a plain step, or with a cheap γ = 1 a chain (1.036 / 1.01).
 TREE3 = TreeTopology.from_choices([(0,), (1,), (0, 0)])
 TREE_THEN_PLAIN = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.3), trees=(TREE3,),
                                 tree_costs=(1.6,), rank_accept=((0.9, 0.3), (0.9, 0.3)),
-                                prior_alpha=0.2, prior_weight=0.25)
-TREE_THEN_ONE = dataclasses.replace(TREE_THEN_PLAIN, step_costs=(1.0, 1.05))
+                                prior_alpha=0.2, prior_weight=1.0)
+TREE_THEN_ONE = dataclasses.replace(TREE_THEN_PLAIN, step_costs=(1.0, 1.01))
 V, ROWS, PROMPT = 8, 100_000, [1, 2, 5]
 
 
@@ -473,6 +506,18 @@ def test_measured_costs_make_a_policy(models):
   assert len(measure_step_costs(block, target[1], self_dp, PROMPTS[:1], (1,), max_new_tokens=4,
                                 rounds=1, trees=(FORK,))) == 2
   assert with_trees.rank_accept == tuple(map(tuple, table["table"].tolist()))
+  assert with_trees.prior_alpha == 0.99  # its chains' rate, 1, measured and clipped
+  # The chains' rate as the policy counts it: drafts accepted over those plus short steps
+  # (sampled, where the random draft is accepted some of the time).
+  sampled = dataclasses.replace(template, sampler=Sampling(temperature=1.0))
+  chain3 = dataclasses.replace(sampled, gamma=None, tree=TreeTopology.chain(3))  # one program
+  outs = [chain3.generate(target[1], dp, [p], 8, seed=i)
+          for i, p in enumerate(PROMPTS[:2])]
+  accepted = sum(int(o.per_row["accepted"][0]) for o in outs)
+  short = sum(int(o.per_row["accept_len_hist"][0][:3].sum()) for o in outs)
+  assert 0 < accepted and 0 < short
+  assert measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8) == pytest.approx(
+      accepted / (accepted + short))
   assert table["offered"][0, 0] == table["offered"][0, 5] > 0  # every root rank offered
   np.testing.assert_array_less(table["accepted"] - 1, table["offered"])
   with pytest.raises(ValueError, match="gammas"):

@@ -512,6 +512,7 @@ def test_cpu_info_reads_model_and_simd_flags(tmp_path):
 # ------------------------------------------------------------------ --stop_at_eos
 
 
+@pytest.mark.heavy  # an experiment run of its own; EOS stops are pinned in the decoders' tests
 def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
   """With --stop_at_eos, rows end at EOS in both methods; counts and equality still hold."""
   import dataclasses
@@ -542,6 +543,7 @@ def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
   assert "stopping at EOS" in open(os.path.join(str(tmp_path), "tables.md")).read()
 
 
+@pytest.mark.heavy  # an experiment run of its own; the rule is pinned in test_block_verification
 def test_block_verification_runs_the_chains_and_says_so(tmp_path, monkeypatch):
   """--verification=block reaches the chains' decoders (greedy still exact) and the tables."""
   from experiments import experiment, measure
@@ -559,6 +561,7 @@ def test_block_verification_runs_the_chains_and_says_so(tmp_path, monkeypatch):
   assert "chains verified block (Sun et al. 2024)" in open(tmp_path / "tables.md").read()
 
 
+@pytest.mark.heavy  # an experiment run of its own; Jacobi decoding is pinned in test_jacobi.py
 def test_jacobi_drafts_get_real_alpha_runs(tmp_path):
   """Jacobi reads the target's whole block, so its untimed T = 0 run is real, not replayed."""
   from experiments import experiment
@@ -576,6 +579,9 @@ def test_jacobi_drafts_get_real_alpha_runs(tmp_path):
   assert all(r["tokens_per_call"] >= 1.0 for r in rows)
 
 
+# heavy: a full experiment run of its own; the methods' losslessness is pinned in
+# test_jacobi.py, test_lookahead.py and test_drafters.py.
+@pytest.mark.heavy
 def test_draft_free_methods_are_timed_on_their_own_shapes(tmp_path):
   """draft_free times prompt lookup and Jacobi on chains of alpha_gamma and lookahead on its
   own tree, against plain decoding at T = 0 and 1 (always both), greedy-exact; drafts_alpha
@@ -604,6 +610,7 @@ def test_draft_free_methods_are_timed_on_their_own_shapes(tmp_path):
   assert "draft_free" in open(tmp_path / "tables.md").read()
 
 
+@pytest.mark.heavy  # an experiment run of its own; Medusa decoding is pinned in test_medusa.py
 def test_medusa_heads_get_table3_rows_on_their_own_tree(tmp_path):
   """--alpha_drafts=medusa measures the heads on their own tree (random heads on the tiny
   target), with their per-depth acceptance in tables.md; a heads directory resolves too."""
@@ -679,6 +686,7 @@ def test_tree_sweep_rows_and_calibration(smoke):
     table = np.asarray(cal["table"])
     assert table.shape == (len(cal["branching"]), max(cal["branching"]))
     assert np.all((table >= 0) & (table <= 1))
+    assert 0.01 <= cal["chain_alpha"] <= 0.99  # the chains' rate beside the table
   from specjax.speculative.tree_builders import best_static_tree
   for r in trees:
     table = results["tree_calibration"][f"{r['temperature']:g}"]["table"]
@@ -712,6 +720,8 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
             max(cost(runs[(f["gamma"], t, as_tuple(f["tree"]))]), 1.0), abs=1e-4)
     table = np.asarray(results["tree_calibration"][f"{t:g}"]["table"])
     np.testing.assert_allclose(policy.rank_accept, table, atol=1e-4)
+    assert policy.prior_alpha == pytest.approx(  # chains and trees priced from one ease
+        results["tree_calibration"][f"{t:g}"]["chain_alpha"], abs=1e-4)
     assert r["speedup"] is not None and sum(r["depth_hist"]) == r["target_calls"]
     assert sum(r["choice_steps"]) == r["target_calls"]  # one count per step, per choice
     assert len(r["choice_steps"]) == len(r["choice_estimate"]) == policy.num_choices
@@ -721,6 +731,7 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
       assert r["greedy_match"] == 1.0
   tables = open(os.path.join(out, "tables.md")).read()
   assert "- adaptive: each step one of plain" in tables and "(α̂ 0." in tables
+  assert "one running ease shared by chains and trees" in tables and "α_c = 0." in tables
 
 
 def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
@@ -745,6 +756,20 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
     if r["temperature"] == 0:
       assert r["greedy_match"] == 1.0
   assert "## Adaptive γ" in open(os.path.join(out, "tables.md")).read()
+
+
+def test_adaptive_settings_round_trip_with_and_without_the_chains_rate():
+  """A setting with trees carries α_c into the policy; records that predate α_c still load
+  (at the policy's default)."""
+  from experiments.measure import adaptive_setting
+  table = ((0.6, 0.2), (0.5, 0.1))
+  trees = (("dynamic", 2, 2, 3),)
+  depth, setting = adaptive_setting((0, 1), (1.0, 1.1), trees, (1.3,), table, 0.45678)
+  policy = policy_of(as_tuple(json.loads(json.dumps(setting))))
+  assert depth == 2 and policy.prior_alpha == 0.4568 and policy.tree_costs == (1.3,)
+  _, old = adaptive_setting((0, 1), (1.0, 1.1), trees, (1.3,), table)
+  assert len(old) == 6 and policy_of(old).prior_alpha == 0.5
+  assert policy_of(old).rank_accept == policy.rank_accept
 
 
 def test_default_run_is_the_papers_tables_and_all_adds_the_tree_sweep():
@@ -772,6 +797,11 @@ def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_ch
   chains = table["adaptive, chains only"][0]
   assert chains.trees == () and chains.gammas == policy.gammas
   assert chains.step_costs == policy.step_costs and chains.decay == policy.decay
+  # That sweep predates α_c: it is measured (here: stubbed) and given to every policy.
+  asked = []
+  rated = sweep_policies(path, [0.0, 1.0], lambda res, t: asked.append(t) or 0.3125)
+  assert asked == [0.0, 1.0] and {p.prior_alpha for p in rated.values()} == {0.3125}
+  assert chains.prior_alpha == policy.prior_alpha == 0.5  # no chain_rate: the default
   with pytest.raises(ValueError, match=r"no adaptive tree-sweep row at T = \[0.5\]"):
     sweep_policies(path, [0.5])
   with pytest.raises(FileNotFoundError, match="no such file"):

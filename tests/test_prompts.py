@@ -61,6 +61,7 @@ def test_bad_spec_bench_lines_name_the_file_and_line(tmp_path, line, message):
   assert str(e.value).startswith(f"{path}, line 2: ")
 
 
+@pytest.mark.heavy  # an experiment run of its own; the smoke run's tables cover "category"
 def test_spec_bench_categories_reach_the_results_tables(tmp_path):
   """The categories reach results.json, results.csv and tables.md like "category" does."""
   from experiments import experiment

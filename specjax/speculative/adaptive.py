@@ -23,23 +23,38 @@ few dozen.
 Trees need a price, so a policy with trees takes the drafter's per-depth,
 per-rank acceptance table (``rank_accept``, as ``tree_builders`` defines it and
 ``estimate_rank_accept`` measures it; the experiments' calibration) and prices
-each tree from that table scaled to a second running estimate, α̂_tree:
+each tree from that table scaled to the trees' estimate α̂_tree:
 A(α̂_tree) = min(1, A · α̂_tree / α_A), where α_A (``table_alpha``) is what
-that estimate converges to when acceptance follows the table (and its prior).
-A static tree is worth ``tree_builders.expected_tokens_per_step`` under A; a
-dynamic tree that of the best static tree of its budget, depth and width,
-which it can always build (its per-step choice usually does better, so it is
-priced conservatively). The curves are tabulated over α at construction and
+that estimate converges to when acceptance follows the table. A static tree is
+worth ``tree_builders.expected_tokens_per_step`` under A; a dynamic tree that
+of the best static tree of its budget, depth and width, which it can always
+build (its per-step choice usually does better, so it is priced
+conservatively). The curves are tabulated over α at construction and
 interpolated in the loop. A tree step counts the drafts accepted along the
 tree's first-ranked chain (the root's rank-0 child, its rank-0 child, …) and a
 failure when that run stopped before the chain's end (for a dynamic tree,
-before its depth). Chains and trees keep separate estimates because, when
-sampling, they draw differently: a chain samples its drafts from q and
-accepts them with probability min(1, p/q), while a tree's children are the
-draft's top-k as point masses, accepted with probability p(x), less often
-(for the shipped EAGLE-3 drafter at T = 1: 0.28 at depth 1 against the
-chain's 0.45). Every step decays both estimates' counts, so the one not in
-use drifts back to its prior and its choices are tried again.
+before its depth).
+
+Chains and trees accept at different rates, because when sampling they draw
+differently: a chain samples its drafts from q and accepts them with
+probability min(1, p/q), while a tree's children are the draft's top-k as
+point masses, accepted with probability p(x), less often (for the shipped
+EAGLE-3 drafter at T = 1: 0.28 at depth 1 against the chain's 0.45). But both
+rise and fall with the same text: a passage the draft finds easy is easy for
+its trees too. So the two kinds share one running estimate of that ease,
+
+    ρ̂ = (s_c + s_t + w·α_c) / (α_c·(s_c + f_c) + α_A·(s_t + f_t) + w·α_c),
+
+the drafts accepted (s, discounted) over those the calibrated rates predict
+for the drafts offered (s + f), with a prior of ``prior_weight`` (w) chain
+pseudo-steps at ρ = 1; each kind is priced at its calibrated rate times it:
+α̂ = min(1, α_c·ρ̂) for the chains, min(1, α_A·ρ̂) for the trees, where α_c
+is ``prior_alpha`` (the chains' rate at the calibration). Evidence from a
+chain step then moves the trees' price too: a tree is no longer taken in a
+dip of the chains' acceptance on a price that saw none of it. Without trees
+this is the chains' own estimate, (s_c + w·α_c) / (s_c + f_c + w). Every step
+decays all counts, so while plain decoding is chosen ρ̂ drifts back to 1 and
+the drafts are tried again.
 
 The decoder (``SpeculativeDecoder(policy=...)``) runs each choice's steps in
 an inner while loop of its own, inside the one jitted loop: no recompilation
@@ -87,7 +102,7 @@ ALPHA_GRID = 101  # points in [0, 1] at which a table-priced policy tabulates E[
 
 @flax.struct.dataclass(kw_only=True)
 class PolicyState:
-  """The policy's running estimates.
+  """The policy's running counts (``AdaptiveGamma.ease`` turns them into estimates).
 
   Attributes:
     successes: [B] discounted count of drafts accepted by chain steps.
@@ -130,9 +145,11 @@ class AdaptiveGamma:
       (``tree_builders``), measured with the trees' own draw (the decoder's sampler) and
       at least as deep as the deepest tree; it prices the trees, and is required with
       them (only with them). Stored as nested tuples.
-    prior_alpha: α the chains' estimate starts from and returns to while they are not
-      used (the trees' estimate starts from the table's, ``table_alpha``).
-    prior_weight: how many steps' worth of evidence the prior counts as (> 0).
+    prior_alpha: α_c, the chains' acceptance rate at the calibration: their estimate
+      starts from it and returns to it while nothing drafts, and with trees it is the
+      chains' rate when the trees' is the table's ``table_alpha`` (the module
+      docstring). ``calibration.measure_chain_alpha`` measures it.
+    prior_weight: how many chain steps' worth of evidence the prior counts as (> 0).
     decay: the weight each step's evidence keeps per later step, in (0, 1]; memory
       of about 1 / (1 − decay) steps.
   """
@@ -265,7 +282,7 @@ class AdaptiveGamma:
 
   # --- pricing -----------------------------------------------------------------------
 
-  @property
+  @functools.cached_property
   def table_alpha(self) -> float:
     """α_A: what the estimate converges to when the rank-0 drafts are accepted at the
     table's rates a_1 … a_D along a chain of the table's depth: with P_d = a_1 ⋯ a_d,
@@ -273,6 +290,11 @@ class AdaptiveGamma:
     constant α gives α."""
     reach = np.cumprod(np.asarray(self.rank_accept)[:, 0])
     return float(reach.sum() / (reach.sum() + 1.0 - reach[-1]))
+
+  @property
+  def tree_rate(self) -> float:
+    """The trees' calibrated rate α_A (``table_alpha``); without trees, the chains'."""
+    return self.table_alpha if self.trees else self.prior_alpha
 
   @functools.cached_property
   def token_curves(self) -> Optional[np.ndarray]:
@@ -311,16 +333,21 @@ class AdaptiveGamma:
     z = lambda: jnp.zeros((batch_size,), jnp.float32)  # one buffer each: the state is donated
     return PolicyState(successes=z(), failures=z(), tree_successes=z(), tree_failures=z())
 
+  def ease(self, state: PolicyState) -> jax.Array:
+    """[B] ρ̂, the running ease of the rows' text: accepted drafts over those the
+    calibrated rates predict (the module docstring); 1 with no evidence."""
+    w = self.prior_weight * self.prior_alpha
+    return ((state.successes + state.tree_successes + w)
+            / (self.prior_alpha * (state.successes + state.failures)
+               + self.tree_rate * (state.tree_successes + state.tree_failures) + w))
+
   def alpha(self, state: PolicyState) -> jax.Array:
-    """[B] the chains' running acceptance estimate."""
-    w = self.prior_weight
-    return (state.successes + w * self.prior_alpha) / (state.successes + state.failures + w)
+    """[B] the chains' running acceptance estimate, α_c·ρ̂."""
+    return jnp.minimum(self.prior_alpha * self.ease(state), 1.0)
 
   def tree_alpha(self, state: PolicyState) -> jax.Array:
-    """[B] the trees' running estimate (rank-0 acceptance; prior: the table's α_A)."""
-    w, prior = self.prior_weight, self.table_alpha if self.trees else self.prior_alpha
-    return ((state.tree_successes + w * prior)
-            / (state.tree_successes + state.tree_failures + w))
+    """[B] the trees' running estimate of their rank-0 acceptance, α_A·ρ̂."""
+    return jnp.minimum(self.tree_rate * self.ease(state), 1.0)
 
   def estimate(self, state: PolicyState, index: jax.Array) -> jax.Array:
     """[B] the running estimate that prices choice ``index``: the trees' for a tree, else
@@ -341,8 +368,8 @@ class AdaptiveGamma:
   def observe(self, state: PolicyState, index: jax.Array, num_accepted: jax.Array,
               active: jax.Array) -> PolicyState:
     """Folds in a step of choice ``index`` that accepted ``num_accepted`` [B] drafts along
-    its first-ranked chain (a chain's: all it accepted) into its kind's estimate (chains or
-    trees); every count decays. Rows not ``active`` keep their counts."""
+    its first-ranked chain (a chain's: all it accepted) into its kind's counts (chains or
+    trees; both feed ``ease``); every count decays. Rows not ``active`` keep their counts."""
     length = jnp.asarray(self.first_chain_depths, jnp.int32)[index]
     tree = index >= len(self.gammas)
     accepted = num_accepted.astype(jnp.float32)

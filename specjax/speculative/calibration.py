@@ -11,7 +11,8 @@ decode loop only (prefill excluded), interleaved, keeps each setting's fastest
 round, and pools measured dips (``monotone_costs``): a longer chain never costs
 less. A policy with trees also needs the drafter's per-depth, per-rank
 acceptance (``measure_rank_accept``: decoding with a full tree and reading its
-counters).
+counters) and the chains' rate on the same prompts (``measure_chain_alpha``), which
+ties the two kinds' prices together.
 
 Example::
 
@@ -34,6 +35,7 @@ from specjax.generate import generate
 from specjax.model import Params
 from specjax.speculative.adaptive import AdaptiveGamma, Tree
 from specjax.speculative.decoder import SpeculativeDecoder
+from specjax.speculative.tree import TreeTopology
 from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
                                                full_tree_counts)
 
@@ -109,6 +111,28 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
               offered=offered, branching=branching, prompts=len(prompts))
 
 
+def measure_chain_alpha(template: SpeculativeDecoder, target_params: Params,
+                        draft_params: Any, prompts: Sequence[Sequence[int]], gamma: int = 4,
+                        max_new_tokens: int = 64, seed: int = 0,
+                        cache_size: Optional[int] = None) -> float:
+  """α_c, the chains' acceptance rate as ``AdaptiveGamma`` counts it: drafts accepted over
+  drafts accepted plus steps that stopped before γ, decoding each prompt alone with a chain
+  of ``gamma`` and the template's sampler (the chains' own draw; block verification is
+  measured token-wise, as a policy verifies). A policy with trees takes it as
+  ``prior_alpha``, measured on the prompts its ``rank_accept`` table was. Clipped to
+  [0.01, 0.99] (the policy needs a rate strictly inside (0, 1))."""
+  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
+    raise ValueError(f"gamma must be an integer >= 1, got {gamma}")
+  dec = _tree_decoder(template, TreeTopology.chain(int(gamma)))
+  hist = sum(np.asarray(dec.generate(target_params, draft_params, [p], max_new_tokens,
+                                     seed=seed + i, cache_size=cache_size)
+                        .per_row["accept_len_hist"][0]) for i, p in enumerate(prompts))
+  successes = float(np.dot(hist, np.arange(len(hist))))
+  failures = float(np.sum(hist[:gamma]))
+  rate = successes / max(successes + failures, 1.0)
+  return float(np.clip(rate, 0.01, 0.99))
+
+
 def default_branching(depth: int) -> tuple[int, ...]:
   """The calibration full tree's branching for ``depth`` levels: 6, 3, 2, then 1 per level
   (96 nodes at depth 4, the experiments' default)."""
@@ -157,16 +181,22 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
               max_new_tokens: int = 64, rounds: int = 2, trees: Sequence[Tree] = (),
               rank_accept=None, **policy_kwargs) -> AdaptiveGamma:
   """An ``AdaptiveGamma`` over ``gammas`` and ``trees`` with step costs measured on
-  ``prompts`` (``measure_step_costs``); with trees and no ``rank_accept``, the table is
+  ``prompts`` (``measure_step_costs``). With trees and no ``rank_accept``, the table is
   measured on the same prompts, one at a time, with a full tree as deep as the deepest
-  tree (``measure_rank_accept``, with the template's sampler: the trees' own draw). ``policy_kwargs`` go to ``AdaptiveGamma``."""
+  tree (``measure_rank_accept``, with the template's sampler: the trees' own draw); with
+  trees and no ``prior_alpha``, the chains' rate is measured there too
+  (``measure_chain_alpha``). ``policy_kwargs`` go to ``AdaptiveGamma``."""
   trees = tuple(trees)
   costs = measure_step_costs(template, target_params, draft_params, prompts, gammas,
                              max_new_tokens, rounds, trees)
-  if trees and rank_accept is None:
+  if trees:
     depth = max(t.max_depth for t in trees)
-    rank_accept = measure_rank_accept(template, target_params, draft_params, prompts,
-                                      default_branching(depth), max_new_tokens)["table"]
+    if rank_accept is None:
+      rank_accept = measure_rank_accept(template, target_params, draft_params, prompts,
+                                        default_branching(depth), max_new_tokens)["table"]
+    if "prior_alpha" not in policy_kwargs:
+      policy_kwargs["prior_alpha"] = measure_chain_alpha(
+          template, target_params, draft_params, prompts, depth, max_new_tokens)
   return AdaptiveGamma(gammas=tuple(gammas), step_costs=costs[:len(gammas)], trees=trees,
                        tree_costs=costs[len(gammas):], rank_accept=rank_accept,
                        **policy_kwargs)
