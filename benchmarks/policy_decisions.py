@@ -41,7 +41,7 @@ from absl import app, flags
 
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
-from experiments.measure import as_tuple, choice_names, policy_of
+from experiments.measure import as_tuple, choice_names, policy_of, setting_chain_alpha
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts, training_prompts
 from specjax.sampling import make_sampler
@@ -78,9 +78,12 @@ def sweep_policies(path: str, temperatures: list[float], chain_rate=None
   if missing:
     raise ValueError(f"--results {path} has no adaptive tree-sweep row at T = {missing} "
                      f"(it has T = {sorted(found)})")
-  return {t: policy_of(found[t] if len(found[t]) > 6 or chain_rate is None
-                       else found[t] + (round(chain_rate(results, t), 4),))
-          for t in temperatures}
+  policies = {t: policy_of(found[t]) for t in temperatures}
+  if chain_rate is None:
+    return policies
+  return {t: p if setting_chain_alpha(found[t]) is not None
+          else dataclasses.replace(p, prior_alpha=round(chain_rate(results, t), 4))
+          for t, p in policies.items()}
 
 
 def calibration_chain_rate(target, draft):

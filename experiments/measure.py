@@ -180,14 +180,23 @@ def policy_of(tree: Optional[tuple]) -> Optional[AdaptiveGamma]:
   """The ``AdaptiveGamma`` of an adaptive setting's tree; None for chains and trees."""
   if tree is None or tree[0] != ADAPTIVE:
     return None
-  if isinstance(tree[1], tuple):  # with trees: (ADAPTIVE, γs, costs, trees, costs, table[, α_c])
-    _, gammas, costs, trees, tree_costs, table, *chain_alpha = tree
+  if isinstance(tree[1], tuple):  # with trees: (ADAPTIVE, γs, costs, trees, costs, table, α_c)
+    _, gammas, costs, trees, tree_costs, table = tree[:6]
+    chain_alpha = setting_chain_alpha(tree)
     return AdaptiveGamma(gammas=gammas, step_costs=costs,
                          trees=tuple(tree_shape(t, 0) for t in trees), tree_costs=tree_costs,
-                         rank_accept=table, **({"prior_alpha": chain_alpha[0]}
-                                               if chain_alpha else {}))
+                         rank_accept=table, **({} if chain_alpha is None
+                                               else {"prior_alpha": chain_alpha}))
   k = (len(tree) - 1) // 2
   return AdaptiveGamma(gammas=tuple(int(g) for g in tree[1:1 + k]), step_costs=tree[1 + k:])
+
+
+def setting_chain_alpha(tree: Optional[tuple]) -> Optional[float]:
+  """α_c, the chains' measured rate, of an adaptive setting with trees; None for any other
+  setting and for records that predate it (their policies priced chains and trees on
+  separate estimates, and load at the default ``prior_alpha``)."""
+  with_trees = tree is not None and tree[0] == ADAPTIVE and isinstance(tree[1], tuple)
+  return tree[6] if with_trees and len(tree) > 6 else None
 
 
 def choice_names(policy: AdaptiveGamma) -> list[str]:

@@ -13,7 +13,7 @@ import numpy as np
 
 from experiments import checks, paper
 from experiments.machine import cpu_info, describe_cpu, matmul_path
-from experiments.measure import SpecRun, as_tuple, choice_names, policy_of
+from experiments.measure import SpecRun, as_tuple, choice_names, policy_of, setting_chain_alpha
 from experiments.prompts import ALL
 from specjax.attention import resolve_impl
 from specjax.model import compute_dtype
@@ -375,12 +375,13 @@ def _tree_section(results: dict) -> list[str]:
 
 
 def _adaptive_tree_line(row: dict) -> str:
-  """What the tree sweep's adaptive policy chose from, at which costs, and how often it took
-  a step of each depth (0 = plain decoding)."""
-  policy = policy_of(as_tuple(row["tree"]))
+  """What the tree sweep's adaptive policy chose from, at which costs and prices, and how
+  often it took each choice (records before the per-choice counters: each depth)."""
+  setting = as_tuple(row["tree"])
+  policy = policy_of(setting)
   names = choice_names(policy)
   choices = ", ".join(f"{n} ({c:.2f})" for n, c in zip(names, policy.costs))
-  shared = len(row["tree"]) > 6  # records before α_c priced chains and trees apart
+  shared = setting_chain_alpha(setting) is not None  # older records priced them apart
   line = (f"- adaptive: each step one of {choices} (in brackets its step cost / t₁), priced "
           + ("by the calibration table and α_c above, from one running ease shared by "
              "chains and trees; " if shared else

@@ -147,8 +147,8 @@ def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
                    chain_alpha: float) -> Optional[tuple]:
   """The adaptive setting whose choices are the sweep's chains and trees (and plain decoding
   where the drafter tolerates skipped steps) at the step costs measured on them, priced by
-  the calibration table and the chains' rate measured beside it; trees deeper than the table are left out (None if no tree is
-  left, or the table accepted no rank-0 draft)."""
+  the calibration table and the chains' rate measured beside it; trees deeper than the
+  table are left out (None if no tree is left, or the table accepted no rank-0 draft)."""
   table = np.asarray(table)
   if table[0, 0] <= 0.0:  # no rank-0 draft accepted: nothing to scale the prices by
     logging.warning("tree sweep (T=%g): no adaptive row, the calibration accepted no rank-0 "

@@ -373,7 +373,7 @@ THEN_PLAIN = AdaptiveGamma(gammas=(0, 1, 3), step_costs=(1.0, 1.3, 1.6), prior_a
 THEN_ONE = dataclasses.replace(THEN_PLAIN, step_costs=(1.0, 1.05, 1.6))
 # Trees: the first step is a three-node tree (scores at the table's own α_A = 0.9: tree
 # 3.01 / 1.6; γ = 1 at the chains' rate 0.2: 1.2 / 1.3; plain 1). A row whose root rank-0
-# draft was rejected has ρ̂ = 0.2 / 1.1 (α̂_tree = 0.16: 1.25 / 1.6; α̂ = 0.036) and next takes
+# draft was rejected has ρ̂ = 0.2 / 1.1 (α̂_tree = 0.16: 1.24 / 1.6; α̂ = 0.036) and next takes
 # a plain step, or with a cheap γ = 1 a chain (1.036 / 1.01).
 TREE3 = TreeTopology.from_choices([(0,), (1,), (0, 0)])
 TREE_THEN_PLAIN = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.3), trees=(TREE3,),

@@ -761,7 +761,7 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
 def test_adaptive_settings_round_trip_with_and_without_the_chains_rate():
   """A setting with trees carries α_c into the policy; records that predate α_c still load
   (at the policy's default)."""
-  from experiments.measure import adaptive_setting
+  from experiments.measure import adaptive_setting, setting_chain_alpha
   table = ((0.6, 0.2), (0.5, 0.1))
   trees = (("dynamic", 2, 2, 3),)
   depth, setting = adaptive_setting((0, 1), (1.0, 1.1), trees, (1.3,), table, 0.45678)
@@ -769,6 +769,7 @@ def test_adaptive_settings_round_trip_with_and_without_the_chains_rate():
   assert depth == 2 and policy.prior_alpha == 0.4568 and policy.tree_costs == (1.3,)
   _, old = adaptive_setting((0, 1), (1.0, 1.1), trees, (1.3,), table)
   assert len(old) == 6 and policy_of(old).prior_alpha == 0.5
+  assert setting_chain_alpha(setting) == 0.4568 and setting_chain_alpha(old) is None
   assert policy_of(old).rank_accept == policy.rank_accept
 
 

@@ -93,20 +93,19 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
 
   Decodes each prompt alone with ``full_tree(branching)`` (every node at depth d − 1 has
   ``branching[d − 1]`` children, so each rank is offered whenever its parent is accepted;
-  default ``default_branching(4)``) and counts which rank was accepted at each depth. Use prompts other than the ones the
-  table will be judged on.
+  default ``default_branching(4)``) and counts which rank was accepted at each depth
+  (``decode_alone``). Use prompts other than the ones the table will be judged on.
 
   Returns:
     dict(table=[D, K] rates, accepted=[D, K] counts, offered=[D, K] counts,
     branching=the tree's branching, prompts=how many were decoded).
   """
   branching = tuple(int(b) for b in (branching or default_branching(4)))
-  dec = _tree_decoder(template, full_tree(branching))
-  outs = [dec.generate(target_params, draft_params, [p], max_new_tokens, seed=seed + i,
-                       cache_size=cache_size) for i, p in enumerate(prompts)]
-  accepted, offered = full_tree_counts(
-      branching, sum(np.asarray(o.per_row["accepted_rank"][0]) for o in outs),
-      sum(np.asarray(o.per_row["accept_len_hist"][0]) for o in outs))
+  counts = decode_alone(_tree_decoder(template, full_tree(branching)), target_params,
+                        draft_params, prompts, max_new_tokens, seed, cache_size,
+                        ("accepted_rank", "accept_len_hist"))
+  accepted, offered = full_tree_counts(branching, counts["accepted_rank"],
+                                       counts["accept_len_hist"])
   return dict(table=estimate_rank_accept(accepted, offered), accepted=accepted,
               offered=offered, branching=branching, prompts=len(prompts))
 
@@ -118,19 +117,30 @@ def measure_chain_alpha(template: SpeculativeDecoder, target_params: Params,
   """α_c, the chains' acceptance rate as ``AdaptiveGamma`` counts it: drafts accepted over
   drafts accepted plus steps that stopped before γ, decoding each prompt alone with a chain
   of ``gamma`` and the template's sampler (the chains' own draw; block verification is
-  measured token-wise, as a policy verifies). A policy with trees takes it as
+  measured token-wise, as a policy verifies; ``decode_alone``). A policy with trees takes it as
   ``prior_alpha``, measured on the prompts its ``rank_accept`` table was. Clipped to
   [0.01, 0.99] (the policy needs a rate strictly inside (0, 1))."""
   if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an integer >= 1, got {gamma}")
-  dec = _tree_decoder(template, TreeTopology.chain(int(gamma)))
-  hist = sum(np.asarray(dec.generate(target_params, draft_params, [p], max_new_tokens,
-                                     seed=seed + i, cache_size=cache_size)
-                        .per_row["accept_len_hist"][0]) for i, p in enumerate(prompts))
+  hist = decode_alone(_tree_decoder(template, TreeTopology.chain(int(gamma))), target_params,
+                      draft_params, prompts, max_new_tokens, seed, cache_size,
+                      ("accept_len_hist",))["accept_len_hist"]
   successes = float(np.dot(hist, np.arange(len(hist))))
   failures = float(np.sum(hist[:gamma]))
   rate = successes / max(successes + failures, 1.0)
   return float(np.clip(rate, 0.01, 0.99))
+
+
+def decode_alone(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
+                 prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
+                 cache_size: Optional[int], counters: Sequence[str]) -> dict[str, np.ndarray]:
+  """Decodes each prompt alone (the i-th with ``seed + i``) and sums the named per-row
+  counters over them. Every prompt runs in one buffer length (``cache_size``, by default
+  the longest prompt's need), so one compiled loop serves them all."""
+  size = cache_size or max(map(len, prompts)) + max_new_tokens + dec.cache_headroom + 1
+  outs = [dec.generate(target_params, draft_params, [p], max_new_tokens, seed=seed + i,
+                       cache_size=size) for i, p in enumerate(prompts)]
+  return {k: sum(np.asarray(o.per_row[k][0]) for o in outs) for k in counters}
 
 
 def default_branching(depth: int) -> tuple[int, ...]:
