@@ -63,7 +63,7 @@ def measured_alpha(path: str) -> dict[float, float]:
   alphas: dict[float, list[float]] = {}
   for r in rows:
     if (r["experiment"] == "gamma_sweep" and r["category"] == "all" and r["alpha"] is not None
-        and r["draft"] == "eagle"):
+        and r["draft"] == "eagle" and r.get("tree") is None):
       alphas.setdefault(r["temperature"], []).append(r["alpha"])
   if not alphas:
     raise ValueError(f"{path} holds no γ-sweep rows of the EAGLE drafter")

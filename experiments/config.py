@@ -78,6 +78,10 @@ class ExperimentConfig:
       exactly max_new_tokens with both methods, so speedups are plain time ratios.
     fresh: ignore a partial run of the same config in ``out`` and start over
       (the old log is kept beside, renamed; see ``progress.py``).
+    sweep_trees: EAGLE-2 dynamic trees (top_k, depth, nodes) timed in the γ sweep's rounds
+      beside its chains, where the drafter builds dynamic trees (default one of 4 nodes, 4
+      deep, frontier 4: the tree the adaptive policy's calibration prices); () for chains
+      only. They need no calibration; the tree sweep compares trees in depth.
     tree_budgets: node budgets N of the tree sweep's best static trees.
     calibration_tree: branching of the full tree whose counters, on
       training-side prompts (never the evaluated ones), give the per-depth,
@@ -113,6 +117,7 @@ class ExperimentConfig:
   extra_rounds: int = 1
   stop_at_eos: bool = False
   fresh: bool = False
+  sweep_trees: tuple[tuple[int, int, int], ...] = ((4, 4, 4),)
   tree_budgets: tuple[int, ...] = (4, 8, 16)
   calibration_tree: tuple[int, ...] = (6, 3, 2, 1)
   calibration_prompts: int = 8
@@ -139,7 +144,15 @@ class ExperimentConfig:
       values = getattr(self, name)
       if not values or any(int(v) != v or v < 1 for v in values):
         raise ValueError(f"--{name} must be integers >= 1, got {values}")
-    for name in ("gammas", "temperatures", "tree_budgets"):
+    from specjax.speculative.tree import DynamicTree
+    for spec in self.sweep_trees:
+      if len(spec) != 3:
+        raise ValueError(f"--sweep_trees: {spec} is not top_k:depth:nodes")
+      try:
+        DynamicTree(*spec)
+      except ValueError as e:
+        raise ValueError(f"--sweep_trees: {':'.join(map(str, spec))}: {e}") from None
+    for name in ("gammas", "temperatures", "tree_budgets", "sweep_trees"):
       values = getattr(self, name)
       if len(set(values)) != len(values):
         raise ValueError(f"--{name} lists a value twice: {values}")
@@ -180,6 +193,9 @@ class ExperimentConfig:
   def max_draft_nodes(self) -> int:
     """The most draft nodes one step may verify (sizes the shared KV cache)."""
     nodes = max(self.all_gammas)
+    if "gamma_sweep" in self.experiments and self.sweep_trees:
+      from specjax.speculative.tree import DynamicTree
+      nodes = max(nodes, *(DynamicTree(*t).cache_headroom for t in self.sweep_trees))
     if "tree_sweep" in self.experiments:
       calibration = sum(math.prod(self.calibration_tree[:d + 1])
                         for d in range(len(self.calibration_tree)))
@@ -219,6 +235,21 @@ def parse_ints(value: str, name: str) -> tuple[int, ...]:
     return tuple(int(v) for v in value.split(",") if v.strip())
   except ValueError:
     raise ValueError(f"--{name} must be a comma-separated list of integers, got {value!r}") from None
+
+
+def parse_trees(value: str, name: str) -> tuple[tuple[int, int, int], ...]:
+  """"4:4:4,4:5:8" -> ((4, 4, 4), (4, 5, 8)): dynamic trees as top_k:depth:nodes."""
+  trees = []
+  for v in value.split(","):
+    if not v.strip():
+      continue
+    try:
+      k, d, n = (int(x) for x in v.split(":"))
+    except ValueError:
+      raise ValueError(f"--{name} must be a comma-separated list of top_k:depth:nodes, "
+                       f"got {v!r}") from None
+    trees.append((k, d, n))
+  return tuple(trees)
 
 
 def parse_floats(value: str, name: str) -> tuple[float, ...]:

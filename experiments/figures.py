@@ -38,7 +38,11 @@ def speedup_vs_gamma(results: dict) -> Optional[plt.Figure]:
   temps = sorted({r["temperature"] for r in rows})
   fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.8), squeeze=False)
   for ax, t in zip(axes[0], temps):
-    sub = [r for r in rows if r["temperature"] == t]
+    sub = [r for r in rows if r["temperature"] == t and r["tree"] is None]
+    for r in rows:  # the dynamic trees timed beside the chains: one measured level each
+      if r["temperature"] == t and r["tree"] is not None and r["speedup"] is not None:
+        ax.axhline(r["speedup"], ls="-.", lw=1.0, color="tab:green",
+                   label=f"{r['shape']} tree, N = {r['num_nodes']}, D = {r['gamma']} (measured)")
     for field, label, style in (("speedup", "measured", "o-"),
                                 ("predicted_speedup", "predicted (paper, Thm 3.8)", "s--"),
                                 ("calibrated_speedup", "predicted (measured verify cost)", "^:")):
@@ -76,7 +80,7 @@ def temperature_figure(results: dict) -> Optional[plt.Figure]:
 def accept_len_histogram(results: dict) -> Optional[plt.Figure]:
   """Accepted draft tokens per step at the largest γ of the sweep (where the shape shows best),
   with the i.i.d. prediction from α: P(n) = α^n (1 − α) for n < γ, α^γ for n = γ."""
-  sweep = _rows(results, "gamma_sweep")
+  sweep = [r for r in _rows(results, "gamma_sweep") if r["tree"] is None]
   rows = ([r for r in sweep if r["gamma"] == max(r["gamma"] for r in sweep)] if sweep
           else _rows(results, "temperature_sweep"))
   if not rows:

@@ -77,7 +77,8 @@ def _speed_table(rows: Sequence[dict], key: str, key_name: str) -> list[str]:
          "predicted (paper) | predicted (calibrated) | check |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    out.append(f"| {r[key]:g} | {_f(r['alpha'])} | {_f(r['acceptance_rate'])} | "
+    label = f"{r[key]:g}" if r.get("tree") is None else _shape(r)
+    out.append(f"| {label} | {_f(r['alpha'])} | {_f(r['acceptance_rate'])} | "
                f"{_f(r['tokens_per_call'])} | {_f(r['c'], '{:.3f}')} | "
                f"{_f(r['verify_cost'])} | **{_f(r['speedup'], suffix='×')}** | "
                f"{_f(r['speedup_spread'], '{:.0%}')} | "
@@ -227,8 +228,15 @@ def tables_markdown(results: dict) -> str:
       lines += _speed_table([r for r in sweep if r["temperature"] == t and r["category"] == ALL],
                             "gamma", "γ") + [""]
     best = results.get("best_gamma")
+    if any(r["tree"] is not None for r in sweep):
+      lines += ["Dynamic tree rows (EAGLE-2, `--sweep_trees`): timed in the same rounds as "
+                "the chains; N nodes verified per step, D deep, accept rate = accepted / N per "
+                "step. Their α, c, verify and predicted columns stay empty: β = Σ min(p, q) "
+                "is defined for chains of sampled drafts, a tree's draft phase is not γ "
+                "single-token forwards, and the paper's formula is a chain's.", ""]
     lines += [f"### Per category at the best γ = {best}", ""]
-    lines += _category_table([r for r in sweep if r["gamma"] == best], "temperature", "T") + [""]
+    lines += _category_table([r for r in sweep if r["gamma"] == best and r["tree"] is None],
+                             "temperature", "T") + [""]
   lines += _adaptive_section(rows)
   temp = [r for r in rows if r["experiment"] == "temperature_sweep"]
   if temp:
@@ -320,7 +328,7 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
       hist = r.get("depth_hist") or []
       steps = " / ".join(f"{g}: {hist[g]}" for g in choices if g < len(hist))
     fixed = [f for f in rows if f["experiment"] == "gamma_sweep" and f["category"] == ALL
-             and f["temperature"] == r["temperature"] and f["speedup"]]
+             and f["temperature"] == r["temperature"] and f["speedup"] and f["tree"] is None]
     best = max(fixed, key=lambda f: f["speedup"]) if fixed else None
     ratio = r["speedup"] / best["speedup"] if best and r["speedup"] else None
     lines.append(

@@ -69,6 +69,9 @@ flags.DEFINE_integer("extra_rounds", DEFAULT.extra_rounds,
                      "while a setting's speedup (overall or one category's) spreads > 10% "
                      "(timing just that setting on just those batches).")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
+flags.DEFINE_string("sweep_trees", ",".join(":".join(map(str, t)) for t in DEFAULT.sweep_trees),
+                    "EAGLE-2 dynamic trees, top_k:depth:nodes, timed in the γ sweep's rounds "
+                    "beside its chains where the drafter builds them ('' for chains only).")
 flags.DEFINE_string("tree_budgets", _ints(DEFAULT.tree_budgets),
                     "Node budgets N of the tree sweep's best static "
                     "trees.")
@@ -105,6 +108,7 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       cost_steps=FLAGS.cost_steps, phase_seconds=FLAGS.phase_seconds, repeats=FLAGS.repeats,
       extra_rounds=FLAGS.extra_rounds,
       stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh,
+      sweep_trees=config_lib.parse_trees(FLAGS.sweep_trees, "sweep_trees"),
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
       calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),
       calibration_prompts=FLAGS.calibration_prompts, verification=FLAGS.verification,

@@ -29,12 +29,20 @@ def _rows(bench: Bench, experiment: str, draft: Draft, temperature: float,
 
 
 def gamma_sweep(bench: Bench, draft: Draft) -> list[dict]:
-  """Speedup vs γ at T=0 and T=1 (the measured counterpart of the paper's Figs. 2–4); the
-  γs of one temperature share their interleaved rounds."""
+  """Speedup vs γ at T=0 and T=1 (the measured counterpart of the paper's Figs. 2–4), with
+  the ``sweep_trees`` dynamic trees the drafter builds beside the chains; the settings of
+  one temperature share their interleaved rounds."""
+  cfg = bench.config
+  trees = [t for t in cfg.sweep_trees if draft.drafter.supports(DynamicTree(*t))]
+  if len(trees) < len(cfg.sweep_trees):
+    logging.info("gamma sweep: %s cannot build %d of the %d dynamic trees; left out",
+                 draft.name, len(cfg.sweep_trees) - len(trees), len(cfg.sweep_trees))
+  settings = ([(g, None) for g in cfg.gammas]
+              + [(d, ("dynamic", k, d, n)) for k, d, n in trees])
   rows = []
-  for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc=f"gamma sweep ({len(bench.config.gammas)} γ)",
+  for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc=f"gamma sweep ({len(settings)} settings)",
                      unit="T"):
-    rows += _rows(bench, "gamma_sweep", draft, t, [(g, None) for g in bench.config.gammas])
+    rows += _rows(bench, "gamma_sweep", draft, t, settings)
   return rows
 
 
@@ -60,7 +68,8 @@ def best_gamma(rows: Sequence[dict], fallback: int) -> int:
   """γ with the best measured speedup, averaged over the sweep's temperatures."""
   by_gamma: dict[int, list[float]] = {}
   for r in rows:
-    if r["experiment"] == "gamma_sweep" and r["category"] == ALL and r["speedup"]:
+    if (r["experiment"] == "gamma_sweep" and r["category"] == ALL and r["speedup"]
+        and r["tree"] is None):
       by_gamma.setdefault(r["gamma"], []).append(r["speedup"])
   if not by_gamma:
     return fallback

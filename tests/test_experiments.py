@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import prompts
-from experiments.config import ExperimentConfig
+from experiments.config import ExperimentConfig, parse_trees
 from experiments.measure import as_tuple, policy_of, tree_shape
 from specjax import theory
 
@@ -313,6 +313,11 @@ def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, 
     (dict(verification="joint"), "--verification must be one of"),
     (dict(draft="lookahead"), "--draft=lookahead verifies its own tree, so it has no γ for "
                               "adaptive, gamma_sweep, temperature_sweep"),
+    (dict(sweep_trees=((4, 4, 3),)), "--sweep_trees: 4:4:3: DynamicTree num_nodes=3 < depth=4"),
+    (dict(sweep_trees=((2, 2, 7),)), "--sweep_trees: 2:2:7: .*exceeds the 6 candidates"),
+    (dict(sweep_trees=((0, 2, 2),)), "--sweep_trees: 0:2:2: DynamicTree top_k must be"),
+    (dict(sweep_trees=((4, 4),)), r"--sweep_trees: \(4, 4\) is not top_k:depth:nodes"),
+    (dict(sweep_trees=((4, 4, 4), (4, 4, 4))), "--sweep_trees lists a value twice"),
 ])
 def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -530,8 +535,8 @@ def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
                       lambda source, dtype: dataclasses.replace(target, cfg=cfg))
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=3, gammas=(2,),
                             temperatures=(0.0,), max_new_tokens=NEW, batch_size=1,
-                            experiments=("gamma_sweep",), cost_steps=2, phase_seconds=0.01,
-                            stop_at_eos=True, out=str(tmp_path))
+                            experiments=("gamma_sweep",), sweep_trees=(), cost_steps=2,
+                            phase_seconds=0.01, stop_at_eos=True, out=str(tmp_path))
   results = experiment.run(config, command="stop_at_eos test")
   rows = [r for r in results["rows"] if r["temperature"] == 0.0]
   assert rows and all(r["greedy_match"] == 1.0 for r in rows)
@@ -553,8 +558,9 @@ def test_block_verification_runs_the_chains_and_says_so(tmp_path, monkeypatch):
                       lambda self, *a, **k: built.append(decoder(self, *a, **k)) or built[-1])
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=2, gammas=(2,),
                             temperatures=(0.0, 1.0), max_new_tokens=6, batch_size=1,
-                            experiments=("gamma_sweep",), cost_steps=2, phase_seconds=0.01,
-                            repeats=1, extra_rounds=0, verification="block", out=str(tmp_path))
+                            experiments=("gamma_sweep",), sweep_trees=(), cost_steps=2,
+                            phase_seconds=0.01, repeats=1, extra_rounds=0,
+                            verification="block", out=str(tmp_path))
   results = experiment.run(config, command="block verification test")
   assert built and all(d.verification == "block" for d in built)
   assert all(r["greedy_match"] == 1.0 for r in results["rows"] if r["temperature"] == 0.0)
@@ -732,6 +738,71 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
   tables = open(os.path.join(out, "tables.md")).read()
   assert "- adaptive: each step one of plain" in tables and "(α̂ 0." in tables
   assert "one running ease shared by chains and trees" in tables and "α_c = 0." in tables
+
+
+def test_sweep_trees_parse_from_the_flag_and_size_the_cache():
+  assert parse_trees("4:4:4, 3:3:6,", "sweep_trees") == ((4, 4, 4), (3, 3, 6))
+  assert parse_trees("", "sweep_trees") == ()
+  for bad in ("4:4", "4:4:x", "4,4,4"):
+    with pytest.raises(ValueError, match="--sweep_trees must be a comma-separated list of "
+                                         "top_k:depth:nodes"):
+      parse_trees(bad, "sweep_trees")
+  # A dynamic tree writes (D - 1) k drafted slots past the prefix, more than its N nodes.
+  chains = ExperimentConfig(experiments=("gamma_sweep",), sweep_trees=())
+  assert chains.max_draft_nodes == 4  # the largest γ
+  assert ExperimentConfig(experiments=("gamma_sweep",)).max_draft_nodes == 12  # 4:4:4
+  assert ExperimentConfig(experiments=("drafts_alpha",)).max_draft_nodes == 4  # no sweep
+
+
+def test_the_gamma_sweep_measures_its_trees_in_one_group_with_its_chains():
+  """One ``spec_many`` call per temperature holds the chains and the dynamic trees (so they
+  share interleaved rounds and one plain baseline); a chain-only drafter gets chains."""
+  import types
+  from experiments import sweeps
+  calls = []
+
+  class Bench:
+    config = ExperimentConfig(gammas=(1, 2), sweep_trees=((4, 4, 4), (3, 3, 6)))
+    batches = []
+
+    def spec_many(self, draft, settings, temperature, timed=True):
+      calls.append((list(settings), temperature, timed))
+      return []
+
+  trees_too = types.SimpleNamespace(name="d", drafter=types.SimpleNamespace(
+      supports=lambda topology: True))
+  assert sweeps.gamma_sweep(Bench(), trees_too) == []
+  settings = [(1, None), (2, None), (4, ("dynamic", 4, 4, 4)), (3, ("dynamic", 3, 3, 6))]
+  assert calls == [(settings, 0.0, True), (settings, 1.0, True)]
+  calls.clear()
+  chains = types.SimpleNamespace(name="d", drafter=types.SimpleNamespace(
+      supports=lambda topology: topology.is_chain))
+  sweeps.gamma_sweep(Bench(), chains)
+  assert calls == [(settings[:2], 0.0, True), (settings[:2], 1.0, True)]
+  # The best γ is a chain's even where a tree row (γ = its depth) measured faster.
+  row = lambda g, tree, speedup: dict(experiment="gamma_sweep", category="all", gamma=g,
+                                      tree=tree, speedup=speedup)
+  assert sweeps.best_gamma([row(1, None, 1.2), row(2, None, 1.3),
+                            row(4, ["dynamic", 4, 4, 4], 1.5)], fallback=3) == 2
+
+
+def test_the_gamma_sweep_times_its_dynamic_tree_beside_the_chains(smoke):
+  """The default --sweep_trees (4:4:4) gets a timed, greedy-exact row per temperature in the
+  γ sweep's table, named by its shape."""
+  results, out = smoke
+  sweep = [r for r in results["rows"] if r["experiment"] == "gamma_sweep" and r["category"] == "all"]
+  trees = [r for r in sweep if r["tree"] is not None]
+  assert sorted(r["temperature"] for r in trees) == [0.0, 1.0]
+  for r in trees:
+    assert r["tree"] == ["dynamic", 4, 4, 4] and r["gamma"] == 4 and r["num_nodes"] == 4
+    assert r["speedup"] is not None and r["alpha"] is None and r["verify_cost"] is None
+    if r["temperature"] == 0:
+      assert r["greedy_match"] == 1.0
+  assert results["best_gamma"] == 2  # the only chain
+  section = open(os.path.join(out, "tables.md")).read().split("## Speedup vs γ")[1]
+  section = section.split("\n## ")[0]
+  assert section.count("| dynamic k=4 N = 4, D = 4 |") == 2
+  assert "Dynamic tree rows (EAGLE-2, `--sweep_trees`)" in section
 
 
 def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):

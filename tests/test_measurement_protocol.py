@@ -114,8 +114,8 @@ def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkey
   monkeypatch.setattr("experiments.measure.run_flags", fake_flags)
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=1, gammas=(2,),
                             temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
-                            cost_steps=2, phase_seconds=0.01, repeats=2, extra_rounds=0,
-                            out=str(tmp_path))
+                            sweep_trees=(), cost_steps=2, phase_seconds=0.01, repeats=2,
+                            extra_rounds=0, out=str(tmp_path))
   results = experiment.run(config)
   assert seen == [0.0, 1.0]  # flags are read once: a flagged setting is measured twice at most
   first = {r["temperature"]: r["first_flags"] for r in results["runs"]}
@@ -128,7 +128,8 @@ def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkey
 def _two_gamma_config(out):
   return ExperimentConfig(target="tiny", draft="tiny", num_prompts=1, gammas=(1, 2),
                           temperatures=(0.0,), max_new_tokens=4, experiments=("gamma_sweep",),
-                          cost_steps=2, phase_seconds=0.01, repeats=1, extra_rounds=0, out=str(out))
+                          sweep_trees=(), cost_steps=2, phase_seconds=0.01, repeats=1,
+                          extra_rounds=0, out=str(out))
 
 
 def test_interrupted_run_keeps_finished_settings_and_resumes(tmp_path, monkeypatch):

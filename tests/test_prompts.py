@@ -67,7 +67,7 @@ def test_spec_bench_categories_reach_the_results_tables(tmp_path):
   from experiments import experiment
   from experiments.config import ExperimentConfig
   config = ExperimentConfig(target="tiny", draft="tiny", prompts=_write(tmp_path, SPEC_BENCH),
-                            experiments=("gamma_sweep",), gammas=(2,), temperatures=(0.0,),
+                            experiments=("gamma_sweep",), sweep_trees=(), gammas=(2,), temperatures=(0.0,),
                             max_new_tokens=4, batch_size=1, cost_steps=1, phase_seconds=0.01,
                             repeats=1, extra_rounds=0, out=str(tmp_path / "out"))
   results = experiment.run(config, command="spec-bench prompts test")
