@@ -41,7 +41,7 @@ def speedup_vs_gamma(results: dict) -> Optional[plt.Figure]:
     sub = [r for r in rows if r["temperature"] == t and r["tree"] is None]
     for r in rows:  # the dynamic trees timed beside the chains: one measured level each
       if r["temperature"] == t and r["tree"] is not None and r["speedup"] is not None:
-        ax.axhline(r["speedup"], ls="-.", lw=1.0, color="tab:green",
+        ax.axhline(r["speedup"], ls="-.", lw=1.0, color="tab:purple",
                    label=f"{r['shape']} tree, N = {r['num_nodes']}, D = {r['gamma']} (measured)")
     for field, label, style in (("speedup", "measured", "o-"),
                                 ("predicted_speedup", "predicted (paper, Thm 3.8)", "s--"),
