@@ -15,6 +15,7 @@ import pytest
 import specjax
 from specjax import kv_cache as kvc
 from specjax import theory
+from specjax.attention import resolve_impl
 from specjax.drafters import JacobiDrafter, ModelDrafter
 from specjax.generate import prefill
 from specjax.sampling import Greedy, Sampling
@@ -344,6 +345,48 @@ def test_profiled_twin_and_single_steps_take_the_same_path(models):
     np.testing.assert_array_equal(np.asarray(getattr(state.counters, name)), counts,
                                   err_msg=name)
   assert profiled.timing["verify"] > 0
+
+
+def test_a_policy_that_never_drafts_decodes_plainly_with_the_loops_tokens_and_counters(
+    models, monkeypatch):
+  """Plain decoding that scores best at the prior is absorbing (a plain step adds no
+  evidence), so ``generate`` runs plain decoding's own loop and never touches the drafter:
+  the same tokens (greedy and sampled: the same keys in the same order) and counters as the
+  speculative loop, which the profiled twin still runs."""
+  from specjax.speculative import decoder as decoder_module
+  target, draft = models
+  cfg, params = target
+  drafter, dp = _drafter("eagle", target, draft)
+  costly = AdaptiveGamma(gammas=(0, 1, 2), step_costs=(1.0, 1.8, 2.5), prior_alpha=0.5)
+  assert costly.never_drafts  # E(0.5, 1) / 1.8 = 0.83 and E(0.5, 2) / 2.5 = 0.70, below 1
+  assert not SWITCHING.never_drafts and not WITH_TREES.never_drafts
+  assert not AdaptiveGamma(gammas=(1, 2), step_costs=(1.8, 2.5)).never_drafts  # no plain
+  for sampler in (Greedy(), Sampling(temperature=1.0)):
+    dec = SpeculativeDecoder(cfg, drafter, policy=costly, sampler=sampler, eos_ids=())
+    assert dec.plain_only
+    fused = dec.generate(params, dp, PROMPTS, 20, seed=3)
+    loop = dec.generate(params, dp, PROMPTS, 20, seed=3, profile=True)  # the policy's loop
+    np.testing.assert_array_equal(fused.tokens, loop.tokens)
+    np.testing.assert_array_equal(fused.seq_lens, loop.seq_lens)
+    assert fused.steps == loop.steps and fused.prefill_seconds is not None
+    assert set(fused.per_row) == set(loop.per_row)
+    for name, counts in loop.per_row.items():
+      assert fused.per_row[name].dtype == counts.dtype, name
+      np.testing.assert_allclose(fused.per_row[name], counts, rtol=1e-6, err_msg=name)
+    assert loop.per_row["choice_steps"][:, 1:].sum() == 0  # the loop never drafted either
+  greedy = SpeculativeDecoder(cfg, drafter, policy=costly, eos_ids=())
+  np.testing.assert_array_equal(greedy.generate(params, dp, PROMPTS, 20).tokens,
+                                specjax.generate(params, cfg, PROMPTS, 20, eos_ids=()).tokens)
+
+  def no_drafter(*args, **kwargs):
+    raise AssertionError("the drafter was prefilled")
+  monkeypatch.setattr(decoder_module, "prefill_models", no_drafter)
+  greedy.generate(params, dp, PROMPTS, 20)
+  with pytest.raises(AssertionError, match="prefilled"):  # the loop does prefill it
+    greedy.generate(params, dp, PROMPTS, 20, profile=True)
+  # An attention other than plain decoding's keeps the speculative loop.
+  other = "reference" if resolve_impl("auto") != "reference" else "cpu"
+  assert not SpeculativeDecoder(cfg, drafter, policy=costly, attention_impl=other).plain_only
 
 
 def test_fixed_topologies_count_every_step_at_their_depth(models):

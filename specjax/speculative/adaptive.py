@@ -274,6 +274,16 @@ class AdaptiveGamma:
     """Whether plain decoding (γ = 0) is one of the choices."""
     return bool(self.gammas) and self.gammas[0] == 0
 
+  @functools.cached_property
+  def never_drafts(self) -> bool:
+    """Whether every step of this policy is a plain decoding step, which is known before the
+    first: plain decoding scores best at the prior (no evidence yet, ρ̂ = 1), and a plain
+    step accepts and rejects nothing, so the counts stay at zero (they only decay), ρ̂ at 1
+    and the choice where it was. ``SpeculativeDecoder.generate`` then decodes plainly."""
+    if not self.plain:
+      return False
+    return int(self.choose(self.init(1), jnp.ones((1,), bool))) == 0
+
   @property
   def first_chain_depths(self) -> tuple[int, ...]:
     """Per choice, the length of its first-ranked chain (``first_chain_depth``): a step

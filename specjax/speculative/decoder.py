@@ -44,13 +44,14 @@ from specjax import sharding, validation
 from specjax.attention import resolve_impl
 from specjax.config import ModelConfig
 from specjax.generate import check_sampler, last_tokens, prefill
+from specjax.generate import generate as generate_plain
 from specjax.model import Params, compute_dtype, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
 from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.block_verification import VERIFICATIONS
-from specjax.speculative.metrics import SpecResult, summarize
+from specjax.speculative.metrics import SpecResult, counters_to_host, summarize
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.state import SpecCounters, SpecState
 from specjax.speculative.tree import (DynamicTree, TreeTopology, block_mask_from_parents,
@@ -501,7 +502,12 @@ class SpeculativeDecoder:
     into draft, verify and other (acceptance, commit, rollback, dispatch);
     otherwise its ``prefill_seconds`` is the part of the wall time until both
     models were prefilled (validation and packing included), the rest is the loop.
+    A policy that never drafts (``plain_only``) runs plain decoding's own loop instead,
+    with the same tokens and counters (``stream`` and ``serve`` keep the speculative loop).
     """
+    if self.plain_only and not profile:
+      return self._generate_plain(target_params, draft_params, prompts, max_new_tokens,
+                                  seed=seed, cache_size=cache_size)
     start = time.perf_counter()
     timing = {"draft": 0.0, "verify": 0.0, "other": 0.0}
     if profile:
@@ -525,6 +531,37 @@ class SpeculativeDecoder:
     else:
       result.prefill_seconds = prefill_seconds
     return result
+
+  @property
+  def plain_only(self) -> bool:
+    """Whether ``generate`` decodes plainly: the policy never drafts
+    (``AdaptiveGamma.never_drafts``, e.g. at a batch size where every draft step costs more
+    than it returns), and the target's attention is the plain decoder's."""
+    return (self.policy is not None and self.policy.never_drafts
+            and resolve_impl(self.attention_impl) == resolve_impl("auto"))
+
+  def _generate_plain(self, target_params: Params, draft_params: Any,
+                      prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int,
+                      cache_size: Optional[int]) -> SpecResult:
+    """``generate`` for a policy that never drafts: ``specjax.generate``'s loop (no drafter
+    prefill, no draft-state bookkeeping per step), with the counters the speculative loop's
+    plain steps keep. Its steps draw their keys from the same seed in the same order as
+    ``plain_step``, so the tokens are those of the speculative loop, sampled or greedy."""
+    self.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)  # validates
+    out = generate_plain(target_params, self.target_cfg, prompts, max_new_tokens, self.sampler,
+                         seed=seed, cache_size=cache_size, eos_ids=self.eos_ids)
+    steps = (out.seq_lens - out.prompt_lens).astype(np.int32)  # one target call per token
+    zeros = counters_to_host(self.zero_counters(len(steps)))
+    counters = {k: np.array(v) for k, v in zeros.items()}  # writable copies
+    prior = np.float32(self.policy.alpha(self.policy.init(1))[0])  # the plain choice's price
+    for name in ("target_calls", "emitted"):
+      counters[name] = steps.copy()
+    counters["depth_hist"][:, 0] = steps
+    counters["choice_steps"][:, 0] = steps
+    counters["choice_estimate"][:, 0] = steps * prior
+    return SpecResult(tokens=out.tokens, prompt_lens=out.prompt_lens, seq_lens=out.seq_lens,
+                      steps=out.steps, seconds=out.seconds, gamma=self.gamma,
+                      per_row=counters, prefill_seconds=out.prefill_seconds)
 
   def stream(self, target_params: Params, draft_params: Any,
              prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int = 0,
