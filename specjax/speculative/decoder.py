@@ -547,7 +547,9 @@ class SpeculativeDecoder:
     prefill, no draft-state bookkeeping per step), with the counters the speculative loop's
     plain steps keep. Its steps draw their keys from the same seed in the same order as
     ``plain_step``, so the tokens are those of the speculative loop, sampled or greedy."""
-    self.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)  # validates
+    start = time.perf_counter()  # validation counts, as in the speculative loop
+    self.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)
+    checked = time.perf_counter() - start
     out = generate_plain(target_params, self.target_cfg, prompts, max_new_tokens, self.sampler,
                          seed=seed, cache_size=cache_size, eos_ids=self.eos_ids)
     steps = (out.seq_lens - out.prompt_lens).astype(np.int32)  # one target call per token
@@ -560,8 +562,8 @@ class SpeculativeDecoder:
     counters["choice_steps"][:, 0] = steps
     counters["choice_estimate"][:, 0] = steps * prior
     return SpecResult(tokens=out.tokens, prompt_lens=out.prompt_lens, seq_lens=out.seq_lens,
-                      steps=out.steps, seconds=out.seconds, gamma=self.gamma,
-                      per_row=counters, prefill_seconds=out.prefill_seconds)
+                      steps=out.steps, seconds=time.perf_counter() - start, gamma=self.gamma,
+                      per_row=counters, prefill_seconds=checked + out.prefill_seconds)
 
   def stream(self, target_params: Params, draft_params: Any,
              prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int = 0,
