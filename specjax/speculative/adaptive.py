@@ -41,7 +41,8 @@ probability min(1, p/q), while a tree's children are the draft's top-k as
 point masses, accepted with probability p(x), less often (for the shipped
 EAGLE-3 drafter at T = 1, on the same calibration prompts: 0.28 at depth 1
 against a sampled chain's 0.50). But both rise and fall with the same text: a
-passage the draft finds easy is easy for its trees too. So the two kinds share one running estimate of that ease,
+passage the draft finds easy is easy for its trees too. So the two kinds share
+one running estimate of that ease,
 
     ρ̂ = (s_c + s_t + w·α_c) / (α_c·(s_c + f_c) + α_A·(s_t + f_t) + w·α_c),
 

@@ -136,8 +136,8 @@ def decode_alone(dec: SpeculativeDecoder, target_params: Params, draft_params: A
                  cache_size: Optional[int], counters: Sequence[str]) -> dict[str, np.ndarray]:
   """Decodes each prompt alone (the i-th with ``seed + i``) and sums the named per-row
   counters over them. Every prompt runs in one buffer length (``cache_size``, by default
-  the longest prompt's need), so one compiled loop serves them all."""
-  size = cache_size or max(map(len, prompts)) + max_new_tokens + dec.cache_headroom + 1
+  the one ``dec.pack`` gives them all together), so one compiled loop serves them all."""
+  size = dec.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)[0].shape[1]
   outs = [dec.generate(target_params, draft_params, [p], max_new_tokens, seed=seed + i,
                        cache_size=size) for i, p in enumerate(prompts)]
   return {k: sum(np.asarray(o.per_row[k][0]) for o in outs) for k in counters}

@@ -555,7 +555,7 @@ class SpeculativeDecoder:
     steps = (out.seq_lens - out.prompt_lens).astype(np.int32)  # one target call per token
     zeros = counters_to_host(self.zero_counters(len(steps)))
     counters = {k: np.array(v) for k, v in zeros.items()}  # writable copies
-    prior = np.float32(self.policy.alpha(self.policy.init(1))[0])  # the plain choice's price
+    prior = np.float32(self.policy.prior_alpha)  # its price for plain steps: α_c at ρ̂ = 1
     for name in ("target_calls", "emitted"):
       counters[name] = steps.copy()
     counters["depth_hist"][:, 0] = steps
