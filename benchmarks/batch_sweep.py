@@ -2,17 +2,21 @@
 
 Usage:
   python -m benchmarks.batch_sweep [--batch_sizes 1,2,4,8,16,32] [--temperatures 0]
-      [--gammas 1,2,3,4] [--trees 3:3:4] [--new_tokens 128] [--rounds 2] [--draft eagle]
-      [--out benchmarks/results/batch_sweep.md]
+      [--gammas 1,2,3,4] [--trees 3:3:4] [--nopolicy_trees] [--new_tokens 128] [--rounds 3]
+      [--draft eagle] [--target smollm2] [--out benchmarks/results/batch_sweep.md]
 
 For each batch size B and temperature, on batches of B held-out prompts (the
 ``--prompts`` prompts split into batches of B, or cycled to fill one batch when B
 exceeds them), in one process:
 
-  1. the step costs: a speculative step at each γ over a plain decoding step, decode
-     loop only (``specjax.speculative.calibration.measure_step_costs``, 48 tokens, on
-     the first batch);
-  2. ``AdaptiveGamma`` over {0} ∪ gammas with those costs;
+  1. the step costs: a speculative step at each γ and each tree over a plain decoding
+     step, decode loop only (``specjax.speculative.calibration.measure_step_costs``,
+     48 tokens, on the first batch);
+  2. ``AdaptiveGamma`` over {0} ∪ gammas and the trees with those costs, the trees priced
+     by the drafter's per-depth, per-rank acceptance and the chains' rate, measured once
+     per temperature on training-side prompts (``calibration.measure_rank_accept`` and
+     ``measure_chain_alpha``, prompts alone, so batch-independent); ``--nopolicy_trees``
+     leaves the trees out of the policy;
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
      one per batch and round, as in ``experiments``), whole generations
@@ -35,6 +39,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 from absl import app, flags
@@ -45,11 +50,12 @@ from specjax import sharding
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
-from experiments.prompts import default_prompts
+from experiments.prompts import default_prompts, training_prompts
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.calibration import measure_step_costs
+from specjax.speculative.calibration import (default_branching, measure_chain_alpha,
+                                             measure_rank_accept, measure_step_costs)
 from specjax.speculative.tree import DynamicTree
 
 BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "batch sizes")
@@ -60,13 +66,19 @@ NEW = flags.DEFINE_integer("new_tokens", 128, "tokens generated per prompt")
 ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved timed rounds")
 PROMPTS = flags.DEFINE_integer("prompts", 8, "distinct held-out prompts (cycled to fill a batch)")
 DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_draft spec)")
+TARGET = flags.DEFINE_string("target", "smollm2", "target (experiments.models.load_target "
+                             "spec; 'tiny' for a seconds-long smoke run)")
 OUT = flags.DEFINE_string("out", "benchmarks/results/batch_sweep.md", "markdown output")
+POLICY_TREES = flags.DEFINE_bool("policy_trees", True, "the adaptive policy also chooses the "
+                                  "--trees (priced by an acceptance table measured on "
+                                  "training-side prompts), not only the chains")
 DATA = flags.DEFINE_integer("data_parallel", 1, "rows sharded over this many devices (an N x 1 "
                             "('data', 'model') mesh, docs/sharding.md; on CPU simulate devices "
                             "with XLA_FLAGS=--xla_force_host_platform_device_count=N); the "
                             "report then also gives tokens/s per device")
 
 CALIBRATION_TOKENS = 48
+CALIBRATION_PROMPTS = 8  # training-side prompts for the trees' acceptance table
 
 
 def _log(msg: str) -> None:
@@ -105,28 +117,67 @@ def _mesh(batches: list[int]):
   return mesh
 
 
-def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> dict:
-  """One (batch size, temperature) cell: costs, then interleaved timed rounds."""
-  sampler = make_sampler(temp)
+def _tree_name(t: DynamicTree) -> str:
+  return f"tree k={t.top_k} D={t.depth} N={t.num_nodes}"
+
+
+def _template(target, draft, temp: float) -> SpeculativeDecoder:
+  """The decoder every method of a temperature is a variant of."""
+  return SpeculativeDecoder(target.cfg, draft.drafter, sampler=make_sampler(temp), eos_ids=())
+
+
+def _tree_pricing(target, draft, temp: float, trees) -> Optional[dict]:
+  """What prices the trees for the policy at this temperature: the drafter's per-depth,
+  per-rank acceptance (a full tree as deep as the deepest tree) and the chains' rate beside
+  it, each prompt decoded alone, on training-side prompts (never the timed ones). None when
+  the policy takes no trees."""
+  if not (POLICY_TREES.value and trees):
+    return None
+  template = _template(target, draft, temp)
+  prompts = [target.encode(t) for t in training_prompts(CALIBRATION_PROMPTS)]
+  depth = max(t.max_depth for t in trees)
+  t0 = time.perf_counter()
+  table = measure_rank_accept(template, target.params, draft.params, prompts,
+                              default_branching(depth), CALIBRATION_TOKENS)["table"]
+  if table[0][0] <= 0.0:  # nothing scales the trees' prices (AdaptiveGamma refuses it)
+    _log(f"T={temp:g}: no rank-0 draft accepted at depth 1 in calibration; the policy takes "
+         "chains only")
+    return None
+  alpha = measure_chain_alpha(template, target.params, draft.params, prompts, depth,
+                              CALIBRATION_TOKENS)
+  _log(f"T={temp:g}: trees priced by a {depth}-deep acceptance table, chains' α_c = "
+       f"{alpha:.3f} ({time.perf_counter() - t0:.0f} s, {len(prompts)} training-side prompts)")
+  return {"rank_accept": np.asarray(table).tolist(), "chain_alpha": alpha}
+
+
+def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
+             pricing: Optional[dict]) -> dict:
+  """One (batch size, temperature) cell: costs, then interleaved timed rounds. With
+  ``pricing`` (``_tree_pricing``) the policy also chooses the trees."""
   if batch < len(prompts):
     batches = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
   else:
     batches = [[prompts[i % len(prompts)] for i in range(batch)]]
   new = NEW.value
   cache = max(len(p) for p in prompts) + new + 16
-  template = SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler, eos_ids=())
+  template = _template(target, draft, temp)
   t0 = time.perf_counter()
-  costs = measure_step_costs(template, target.params, draft.params, batches[0],
-                             (0, *gammas), CALIBRATION_TOKENS)
+  costs = measure_step_costs(template, target.params, draft.params, batches[0], (0, *gammas),
+                             CALIBRATION_TOKENS, trees=trees)
+  chain_costs, tree_costs = costs[:len(gammas) + 1], costs[len(gammas) + 1:]
   _log(f"B={batch} T={temp:g}: step costs "
-       + ", ".join(f"γ={g}: {c:.3f}" for g, c in zip((0, *gammas), costs))
+       + ", ".join(f"{n}: {c:.3f}" for n, c in zip(
+           [f"γ={g}" for g in (0, *gammas)] + [_tree_name(t) for t in trees], costs))
        + f" ({time.perf_counter() - t0:.0f} s)")
-  policy = AdaptiveGamma(gammas=(0, *gammas), step_costs=costs)
+  with_trees = {} if pricing is None else dict(
+      trees=tuple(trees), tree_costs=tree_costs, rank_accept=pricing["rank_accept"],
+      prior_alpha=pricing["chain_alpha"])
+  policy = AdaptiveGamma(gammas=(0, *gammas), step_costs=chain_costs, **with_trees)
   methods = {f"γ={g}": dataclasses.replace(template, gamma=g, tree=None) for g in gammas}
-  methods.update({f"tree k={t.top_k} D={t.depth} N={t.num_nodes}":
-                  dataclasses.replace(template, gamma=None, tree=t) for t in trees})
+  methods.update({_tree_name(t): dataclasses.replace(template, gamma=None, tree=t)
+                  for t in trees})
   methods["adaptive"] = template.with_policy(policy)
-  plain = lambda b: specjax.generate(target.params, target.cfg, b, new, sampler,
+  plain = lambda b: specjax.generate(target.params, target.cfg, b, new, template.sampler,
                                      cache_size=cache, eos_ids=())
   run = lambda dec, b: dec.generate(target.params, draft.params, b, new, cache_size=cache)
   plain(batches[0])
@@ -145,20 +196,24 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> 
           continue
         out = run(methods[name], b)
         seconds[name] += out.seconds
-        c = counts.setdefault(name, [0, 0, 0])
+        c = counts.setdefault(name, [0, 0, 0, 0])
         c[0] += int(out.per_row["emitted"].sum())
         c[1] += int(out.per_row["target_calls"].sum())
         c[2] = np.add(c[2], out.per_row["depth_hist"].sum(axis=0))
+        c[3] = np.add(c[3], out.per_row["choice_steps"].sum(axis=0))
     plain_seconds.append(base)
     for name in methods:
       speedups[name].append(base / seconds[name])
-      emitted, calls, hist = counts[name]
-      stats[name] = {"tokens_per_call": emitted / calls, "depth_hist": hist.tolist()}
+      emitted, calls, hist, choices = counts[name]
+      stats[name] = {"tokens_per_call": emitted / calls, "depth_hist": hist.tolist(),
+                     "choice_steps": np.asarray(choices).tolist()}
     _log(f"B={batch} T={temp:g} round {r + 1}: " + ", ".join(
         f"{k} {v[-1]:.2f}×" for k, v in speedups.items()))
   plain_tps = len(batches) * batch * new / float(np.median(plain_seconds))
   return {"batch": batch, "temperature": temp, "batches": len(batches), "devices": DATA.value,
-          "gammas": [0, *gammas], "step_costs": list(costs),
+          "gammas": [0, *gammas], "step_costs": list(chain_costs),
+          "trees": [_tree_name(t) for t in trees], "tree_costs": list(tree_costs),
+          "policy_trees": pricing is not None, **(pricing or {}),
           "plain_tokens_per_second": plain_tps,
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
                                  tokens_per_second=plain_tps * float(np.median(v)))
@@ -166,7 +221,8 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees) -> 
 
 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
-  lines = ["# Speedup versus batch size (SmolLM2-135M-Instruct target)", "",
+  name = "SmolLM2-135M-Instruct" if TARGET.value == "smollm2" else f"`{TARGET.value}`"
+  lines = [f"# Speedup versus batch size ({name} target)", "",
            f"Command: `{command}`  ", f"{provenance()}; draft `{DRAFT.value}`; "
            f"{NEW.value} new tokens per row (EOS ignored), {PROMPTS.value} held-out prompts in "
            "batches of B (cycled to fill one batch when B is larger); whole generations (prefill "
@@ -174,9 +230,12 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "invocation; a rerun resumes from the JSON beside this file).", "",
            "Adaptive's per-round speedups are in brackets. "
            "Step cost = a speculative step's decode-loop time over a plain decoding step's, "
-           "at that batch (what the adaptive policy is given). Adaptive = `AdaptiveGamma` over "
-           f"γ ∈ {{0, {', '.join(map(str, gammas))}}} with those costs; its γ mix counts "
-           "steps at each γ (0 = plain decoding).", ""]
+           "at that batch, for each γ and then each tree (what the adaptive policy is given). "
+           f"Adaptive = `AdaptiveGamma` over γ ∈ {{0, {', '.join(map(str, gammas))}}} with "
+           "those costs and, where α_c is given, the trees too, priced by the drafter's "
+           "per-rank acceptance and the chains' rate α_c measured on 8 training-side prompts "
+           "(never the timed ones); its mix counts steps of each choice (γ = 0 is plain "
+           "decoding, then the chains, then the trees).", ""]
   if DATA.value > 1:
     lines[5:5] = [f"Data parallel: every batch's rows sharded over {DATA.value} devices "
                   "(`--data_parallel`, docs/sharding.md); tokens/s per device = tok/s / "
@@ -184,26 +243,31 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
   for temp in sorted({c["temperature"] for c in cells}):
     rows = sorted((c for c in cells if c["temperature"] == temp), key=lambda c: c["batch"])
     fixed = [n for n in rows[0]["methods"] if n != "adaptive"]
+    trees = rows[0].get("trees", [])
     lines += [f"## T = {temp:g}", "",
-              "| batch | plain tok/s | step cost " + " / ".join(f"γ={g}" for g in gammas)
+              "| batch | plain tok/s | step cost " + " / ".join(
+                  [f"γ={g}" for g in gammas] + ["tree"] * len(trees))
               + " | " + " | ".join(fixed) + " | best fixed | **adaptive** | adaptive / best "
-              "| adaptive tok/s | adaptive tok/s per device | adaptive γ mix (0…"
-              + str(max(gammas)) + ") |",
-              "|---" * (9 + len(fixed)) + "|"]
+              "| adaptive tok/s | adaptive tok/s per device | α_c | adaptive mix (0…"
+              + str(max(gammas)) + "".join(", tree" for _ in trees) + ") |",
+              "|---" * (10 + len(fixed)) + "|"]
     for c in rows:
       m = c["methods"]
       best = max(fixed, key=lambda n: m[n]["speedup"])
       a = m["adaptive"]
       cost = dict(zip(c["gammas"], c["step_costs"]))
-      costs = " / ".join(f"{cost[g]:.2f}" for g in gammas)
+      costs = " / ".join([f"{cost[g]:.2f}" for g in gammas]
+                         + [f"{x:.2f}" for x in c.get("tree_costs", [])])
+      alpha = f"{c['chain_alpha']:.2f}" if c.get("policy_trees") else "–"
+      mix = a.get("choice_steps", a["depth_hist"])
       lines.append(
           f"| {c['batch']} | {c['plain_tokens_per_second']:.0f} | {costs} | "
           + " | ".join(f"{m[n]['speedup']:.2f}×" for n in fixed)
           + f" | {best} ({m[best]['speedup']:.2f}×) | **{a['speedup']:.2f}×** "
           f"({', '.join(f'{x:.2f}' for x in a['rounds'])}) | "
           f"{a['speedup'] / m[best]['speedup']:.0%} | {a['tokens_per_second']:.0f} | "
-          f"{a['tokens_per_second'] / c.get('devices', 1):.0f} | "
-          f"{'/'.join(str(x) for x in a['depth_hist'])} |")
+          f"{a['tokens_per_second'] / c.get('devices', 1):.0f} | {alpha} | "
+          f"{'/'.join(str(x) for x in mix)} |")
     lines.append("")
   return lines
 
@@ -238,8 +302,12 @@ def main(_):
   cells = [c for c in (json.load(open(store)) if os.path.exists(store) else [])
            if c.get("devices", 1) == DATA.value]  # a store of another mesh is not resumed
   done = {(c["batch"], c["temperature"]) for c in cells}
-  target = load_target("smollm2")
+  target = load_target(TARGET.value)
   draft = load_draft(DRAFT.value, target, lambda: [])
+  unserved = [t for t in trees if not draft.drafter.supports(t)]
+  if unserved:
+    raise app.UsageError(f"draft {DRAFT.value!r} cannot build the trees {unserved}: "
+                         "pass --trees= (empty) for chains only")
   with contextlib.ExitStack() as stack:
     if mesh is not None:
       stack.enter_context(sharding.use_mesh(mesh))
@@ -254,11 +322,12 @@ def _sweep(cells, store, done, target, draft, batches, temps, gammas, trees):
   prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
   start = time.perf_counter()
   for temp in temps:
-    for batch in batches:
-      if (batch, temp) in done:
-        _log(f"B={batch} T={temp:g}: done before, kept")
-        continue
-      cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees))
+    todo = [b for b in batches if (b, temp) not in done]
+    if len(todo) < len(batches):
+      _log(f"T={temp:g}: B={[b for b in batches if b not in todo]} done before, kept")
+    pricing = _tree_pricing(target, draft, temp, trees) if todo else None
+    for batch in todo:
+      cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees, pricing))
       files.write_text(store, json.dumps(cells, indent=1))
   cells = [c for c in cells if c["batch"] in batches and c["temperature"] in temps]
   command = " ".join(["python -m benchmarks.batch_sweep", *sys.argv[1:]])

@@ -1,0 +1,55 @@
+"""benchmarks.batch_sweep on the tiny target: the adaptive policy takes the swept tree as
+one of its choices, priced by an acceptance table measured once per temperature, and a
+rerun resumes from the JSON beside the report. (Its flags share names with
+experiments.run's, so it runs in a subprocess, as a user runs it.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+# At T = 1 the random tiny draft's drafts are accepted at a rate well above 0 (min(1, p/q)),
+# so the calibration accepts rank-0 drafts and the trees can be priced.
+ARGS = ["--target=tiny", "--draft=tiny", "--batch_sizes=1,2", "--temperatures=1",
+        "--gammas=1", "--trees=2:2:3", "--new_tokens=8", "--rounds=1", "--prompts=2"]
+
+
+def _sweep(out, *extra) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "benchmarks.batch_sweep", *ARGS, *extra,
+                         f"--out={out}"], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_path):
+  out = tmp_path / "sweep.md"
+  first = _sweep(out)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "trees priced by a 2-deep acceptance table" in first.stderr
+  cells = json.loads((tmp_path / "sweep.json").read_text())
+  assert sorted(c["batch"] for c in cells) == [1, 2]
+  for c in cells:
+    assert c["policy_trees"] and c["trees"] == ["tree k=2 D=2 N=3"]
+    assert len(c["rank_accept"]) == 2 and 0.0 < c["chain_alpha"] < 1.0
+    assert len(c["step_costs"]) == 2 and len(c["tree_costs"]) == 1
+    assert min(c["step_costs"] + c["tree_costs"]) >= 1.0
+    mix = c["methods"]["adaptive"]["choice_steps"]
+    assert len(mix) == 3 and sum(mix) > 0  # plain, γ = 1, the tree
+  text = out.read_text()
+  assert "| α_c | adaptive mix (0…1, tree) |" in text
+  assert [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| 1 |")
+          or l.startswith("| 2 |")] == ["1", "2"]
+
+  again = _sweep(out)  # everything was done: nothing is measured again
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "done before, kept" in again.stderr
+  assert "acceptance table" not in again.stderr and "step costs" not in again.stderr
+
+
+def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
+  out = _sweep(tmp_path / "sweep.md", "--trees=2:2")  # no node budget
+  assert out.returncode != 0 and "bad flag value" in out.stderr
+  out = _sweep(tmp_path / "sweep.md", "--draft=early_exit:1")  # a chains-only drafter
+  assert out.returncode != 0 and "cannot build the trees" in out.stderr
+  assert not (tmp_path / "sweep.json").exists()
