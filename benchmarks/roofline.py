@@ -17,7 +17,9 @@ written. flops: 2 T per matrix parameter and the attention scores and sums over
 context + T slots. Two numbers of this machine, each measured here:
 
 * bandwidth: the best of a STREAM-like read (an array of ``--bandwidth_mib``
-  summed by numpy on every core, and by XLA), GB/s;
+  summed by numpy on every core, and by XLA) and the streaming kernel's own read of a
+  weight of that size at M = 1 (where it builds: on some hosts it reads faster than
+  any sum, and a roofline the decode step beats is no bound), GB/s;
 * peak: the best GFLOP/s of the matmul paths (the streaming kernel where it
   builds, and XLA's dot) on the target's largest projection at M = 256 and 512
   rows, the "large M" where a matmul is compute-bound.
@@ -109,7 +111,8 @@ def _best(fn, repeats: int) -> float:
 
 def measure_bandwidth(mib: int, repeats: int = 5) -> dict[str, float]:
   """Read bandwidth (bytes/s) of a ``mib``-MiB float32 array summed by numpy on one thread,
-  by numpy on every core (one contiguous share per thread) and by XLA."""
+  by numpy on every core (one contiguous share per thread) and by XLA, and, where the
+  streaming kernel builds, read by it as a [576, ·] weight times one row (M = 1)."""
   x = np.random.default_rng(0).random(mib * 2**18, dtype=np.float32)
   threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
       os.cpu_count() or 1)
@@ -124,9 +127,18 @@ def measure_bandwidth(mib: int, repeats: int = 5) -> dict[str, float]:
 
   xj = jnp.asarray(x)
   total = jax.jit(jnp.sum)
-  return {"numpy, 1 thread": x.nbytes / _best(lambda: np.sum(x), repeats),
-          f"numpy, {threads} threads": x.nbytes / _best(threaded, repeats),
-          "XLA sum": x.nbytes / _best(lambda: total(xj).block_until_ready(), repeats)}
+  out = {"numpy, 1 thread": x.nbytes / _best(lambda: np.sum(x), repeats),
+         f"numpy, {threads} threads": x.nbytes / _best(threaded, repeats),
+         "XLA sum": x.nbytes / _best(lambda: total(xj).block_until_ready(), repeats)}
+  del xj
+  if sm.available():
+    k = 576  # SmolLM2's model width: the kernel's panels as the forward reads them
+    panels = jnp.asarray(sm.to_panels(x[:x.size // k * k].reshape(k, -1)))
+    row = jnp.ones((1, k), jnp.float32)
+    matvec = jax.jit(sm.streaming_matmul)
+    out["streaming kernel, M = 1"] = panels.nbytes / _best(
+        lambda: matvec(row, panels).block_until_ready(), repeats)
+  return out
 
 
 def measure_peak(k: int, n: int, rows=(256, 512), repeats: int = 5) -> dict[str, float]:
