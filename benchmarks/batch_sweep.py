@@ -14,8 +14,8 @@ exceeds them), in one process:
      48 tokens, on the first batch);
   2. ``AdaptiveGamma`` over {0} ∪ gammas and the trees with those costs, the trees priced
      by the drafter's per-depth, per-rank acceptance and the chains' rate, measured once
-     per temperature on training-side prompts (``calibration.measure_rank_accept`` and
-     ``measure_chain_alpha``, prompts alone, so batch-independent); ``--nopolicy_trees``
+     per temperature on training-side prompts (``calibration.measure_tree_prices``,
+     prompts alone, so batch-independent); ``--nopolicy_trees``
      leaves the trees out of the policy;
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
@@ -54,8 +54,8 @@ from experiments.prompts import default_prompts, training_prompts
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.calibration import (default_branching, measure_chain_alpha,
-                                             measure_rank_accept, measure_step_costs)
+from specjax.speculative.calibration import (default_branching, measure_step_costs,
+                                             measure_tree_prices)
 from specjax.speculative.tree import DynamicTree
 
 BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "batch sizes")
@@ -129,22 +129,23 @@ def _template(target, draft, temp: float) -> SpeculativeDecoder:
 def _tree_pricing(target, draft, temp: float, trees) -> Optional[dict]:
   """What prices the trees for the policy at this temperature: the drafter's per-depth,
   per-rank acceptance (a full tree as deep as the deepest tree) and the chains' rate beside
-  it, each prompt decoded alone, on training-side prompts (never the timed ones). None when
-  the policy takes no trees."""
+  it, each prompt decoded alone, on training-side prompts (never the timed ones), over
+  ``--new_tokens`` as the timed calls (the rate depends on the length: over 48 tokens it
+  read 0.68 at T = 0 where 128 give about 0.56, and that prior made the policy draft at
+  batch 16, where every draft loses). None when the policy takes no trees."""
   if not (POLICY_TREES.value and trees):
     return None
   template = _template(target, draft, temp)
   prompts = [target.encode(t) for t in training_prompts(CALIBRATION_PROMPTS)]
   depth = max(t.max_depth for t in trees)
   t0 = time.perf_counter()
-  table = measure_rank_accept(template, target.params, draft.params, prompts,
-                              default_branching(depth), CALIBRATION_TOKENS)["table"]
+  prices = measure_tree_prices(template, target.params, draft.params, prompts,
+                               default_branching(depth), NEW.value)
+  table, alpha = prices["table"], prices["chain_alpha"]
   if table[0][0] <= 0.0:  # nothing scales the trees' prices (AdaptiveGamma refuses it)
     _log(f"T={temp:g}: no rank-0 draft accepted at depth 1 in calibration; the policy takes "
          "chains only")
     return None
-  alpha = measure_chain_alpha(template, target.params, draft.params, prompts, depth,
-                              CALIBRATION_TOKENS)
   _log(f"T={temp:g}: trees priced by a {depth}-deep acceptance table, chains' α_c = "
        f"{alpha:.3f} ({time.perf_counter() - t0:.0f} s, {len(prompts)} training-side prompts)")
   return {"rank_accept": np.asarray(table).tolist(), "chain_alpha": alpha}

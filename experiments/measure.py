@@ -57,8 +57,7 @@ import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.calibration import (loop_step_seconds, measure_chain_alpha,
-                                             measure_rank_accept)
+from specjax.speculative.calibration import loop_step_seconds, measure_tree_prices
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 
@@ -554,18 +553,14 @@ class Bench:
     and the chains' rate on the same prompts.
 
     Decodes ``prompts`` (training-side, never the evaluated ones) one at a
-    time with ``config.calibration_tree``, then with a chain as deep; returns the table
-    and its counts (``measure_rank_accept``) and ``chain_alpha``
-    (``measure_chain_alpha``).
+    time with ``config.calibration_tree``, then with a chain as deep
+    (``calibration.measure_tree_prices``): the table, its counts and ``chain_alpha``.
     """
     template = SpeculativeDecoder(self.target.cfg, draft.drafter,
                                   sampler=make_sampler(temperature), eos_ids=self.eos_ids)
-    args = (template, self.target.params, draft.params, prompts)
-    kw = dict(max_new_tokens=self.config.max_new_tokens, seed=self.config.seed,
-              cache_size=self.cache_size)
-    out = measure_rank_accept(*args, self.config.calibration_tree, **kw)
-    out["chain_alpha"] = measure_chain_alpha(*args, len(self.config.calibration_tree), **kw)
-    return out
+    return measure_tree_prices(template, self.target.params, draft.params, prompts,
+                               self.config.calibration_tree, self.config.max_new_tokens,
+                               self.config.seed, self.cache_size)
 
   def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
                 temperature: float) -> bool:

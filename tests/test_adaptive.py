@@ -22,7 +22,8 @@ from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma, PolicyState
 from specjax.speculative.calibration import (calibrate, measure_chain_alpha,
-                                             measure_rank_accept, measure_step_costs)
+                                             measure_rank_accept, measure_step_costs,
+                                             measure_tree_prices)
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree, expected_tokens_per_step
@@ -561,6 +562,11 @@ def test_measured_costs_make_a_policy(models):
   assert 0 < accepted and 0 < short
   assert measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8) == pytest.approx(
       accepted / (accepted + short))
+  # Both prices at once: the same table, and the rate of a chain as deep as the full tree.
+  prices = measure_tree_prices(sampled, target[1], dp, PROMPTS[:2], (2, 1, 1), 8)
+  np.testing.assert_array_equal(prices["table"], measure_rank_accept(
+      sampled, target[1], dp, PROMPTS[:2], (2, 1, 1), 8)["table"])
+  assert prices["chain_alpha"] == pytest.approx(accepted / (accepted + short))
   assert table["offered"][0, 0] == table["offered"][0, 5] > 0  # every root rank offered
   np.testing.assert_array_less(table["accepted"] - 1, table["offered"])
   with pytest.raises(ValueError, match="gammas"):

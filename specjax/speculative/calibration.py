@@ -143,6 +143,21 @@ def decode_alone(dec: SpeculativeDecoder, target_params: Params, draft_params: A
   return {k: sum(np.asarray(o.per_row[k][0]) for o in outs) for k in counters}
 
 
+def measure_tree_prices(template: SpeculativeDecoder, target_params: Params, draft_params: Any,
+                        prompts: Sequence[Sequence[int]],
+                        branching: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
+                        seed: int = 0, cache_size: Optional[int] = None) -> dict[str, Any]:
+  """What a policy with trees is priced by, on the same prompts: ``measure_rank_accept``'s
+  dict (the table and its counts) with ``chain_alpha``, the chains' rate from a chain as
+  deep as the full tree (``measure_chain_alpha``)."""
+  out = measure_rank_accept(template, target_params, draft_params, prompts, branching,
+                            max_new_tokens, seed, cache_size)
+  out["chain_alpha"] = measure_chain_alpha(template, target_params, draft_params, prompts,
+                                           len(out["branching"]), max_new_tokens, seed,
+                                           cache_size)
+  return out
+
+
 def default_branching(depth: int) -> tuple[int, ...]:
   """The calibration full tree's branching for ``depth`` levels: 6, 3, 2, then 1 per level
   (96 nodes at depth 4, the experiments' default)."""
