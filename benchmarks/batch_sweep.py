@@ -131,7 +131,7 @@ def _tree_pricing(target, draft, temp: float, trees) -> Optional[dict]:
   per-rank acceptance (a full tree as deep as the deepest tree) and the chains' rate beside
   it, each prompt decoded alone, on training-side prompts (never the timed ones), over
   ``--new_tokens`` as the timed calls (the rate depends on the length: over 48 tokens it
-  read 0.68 at T = 0 where 128 give about 0.56, and that prior made the policy draft at
+  read 0.68 at T = 0 where 128 gave 0.58, and that prior made the policy draft at
   batch 16, where every draft loses). None when the policy takes no trees."""
   if not (POLICY_TREES.value and trees):
     return None
@@ -234,8 +234,8 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "at that batch, for each γ and then each tree (what the adaptive policy is given). "
            f"Adaptive = `AdaptiveGamma` over γ ∈ {{0, {', '.join(map(str, gammas))}}} with "
            "those costs and, where α_c is given, the trees too, priced by the drafter's "
-           "per-rank acceptance and the chains' rate α_c measured on 8 training-side prompts "
-           "(never the timed ones); its mix counts steps of each choice (γ = 0 is plain "
+           f"per-rank acceptance and the chains' rate α_c measured on {CALIBRATION_PROMPTS} "
+           "training-side prompts (never the timed ones); its mix counts steps of each choice (γ = 0 is plain "
            "decoding, then the chains, then the trees).", ""]
   if DATA.value > 1:
     lines[5:5] = [f"Data parallel: every batch's rows sharded over {DATA.value} devices "
