@@ -244,8 +244,19 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                                  max_cache_size=cfg.max_cache_size,
                                  max_positions=cfg.max_position_embeddings,
                                  cache_bytes_per_slot=kvc.bytes_per_slot(cfg))
-  eos = validation.token_ids(cfg.eos_token_ids if eos_ids is None else eos_ids, "eos_ids")
   sharding.check_batch(len(lens))
+  return generate_packed(params, cfg, tokens, lens, max_new_tokens, sampler, seed=seed,
+                         eos_ids=eos_ids, start=start)
+
+
+def generate_packed(params: Params, cfg: ModelConfig, tokens: np.ndarray, lens: np.ndarray,
+                    max_new_tokens: int, sampler: Sampler, *, seed: int,
+                    eos_ids: Optional[Sequence[int]], start: float) -> GenerateOutput:
+  """``generate`` after its validation and packing: ``tokens`` [B, S] and ``lens`` [B] as
+  ``pack_prompts`` gives them (a caller that validated and packed them its own way, as
+  ``SpeculativeDecoder`` does for a policy that never drafts, reuses them); ``start`` is
+  when the call began, so its validation counts in the output's times."""
+  eos = validation.token_ids(cfg.eos_token_ids if eos_ids is None else eos_ids, "eos_ids")
   state = jax.block_until_ready(_prefill(
       params, cfg, jnp.asarray(tokens), jnp.asarray(lens),
       jnp.full(lens.shape, max_new_tokens, jnp.int32), jax.random.PRNGKey(seed)))

@@ -43,8 +43,7 @@ from specjax import kv_cache as kvc
 from specjax import sharding, validation
 from specjax.attention import resolve_impl
 from specjax.config import ModelConfig
-from specjax.generate import check_sampler, last_tokens, prefill
-from specjax.generate import generate as generate_plain
+from specjax.generate import check_sampler, generate_packed, last_tokens, prefill
 from specjax.model import Params, compute_dtype, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
@@ -543,15 +542,15 @@ class SpeculativeDecoder:
   def _generate_plain(self, target_params: Params, draft_params: Any,
                       prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int,
                       cache_size: Optional[int]) -> SpecResult:
-    """``generate`` for a policy that never drafts: ``specjax.generate``'s loop (no drafter
-    prefill, no draft-state bookkeeping per step), with the counters the speculative loop's
-    plain steps keep. Its steps draw their keys from the same seed in the same order as
-    ``plain_step``, so the tokens are those of the speculative loop, sampled or greedy."""
+    """``generate`` for a policy that never drafts: ``specjax.generate``'s loop on the buffer
+    ``pack`` made (no drafter prefill, no draft-state bookkeeping per step, no second
+    validation), with the counters the speculative loop's plain steps keep. Its steps draw
+    their keys from the same seed in the same order as ``plain_step``, so the tokens are those
+    of the speculative loop, sampled or greedy."""
     start = time.perf_counter()  # validation counts, as in the speculative loop
-    self.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)
-    checked = time.perf_counter() - start
-    out = generate_plain(target_params, self.target_cfg, prompts, max_new_tokens, self.sampler,
-                         seed=seed, cache_size=cache_size, eos_ids=self.eos_ids)
+    tokens, lens = self.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)
+    out = generate_packed(target_params, self.target_cfg, tokens, lens, max_new_tokens,
+                          self.sampler, seed=seed, eos_ids=self.eos_ids, start=start)
     steps = (out.seq_lens - out.prompt_lens).astype(np.int32)  # one target call per token
     zeros = counters_to_host(self.zero_counters(len(steps)))
     counters = {k: np.array(v) for k, v in zeros.items()}  # writable copies
@@ -563,7 +562,7 @@ class SpeculativeDecoder:
     counters["choice_estimate"][:, 0] = steps * prior
     return SpecResult(tokens=out.tokens, prompt_lens=out.prompt_lens, seq_lens=out.seq_lens,
                       steps=out.steps, seconds=time.perf_counter() - start, gamma=self.gamma,
-                      per_row=counters, prefill_seconds=checked + out.prefill_seconds)
+                      per_row=counters, prefill_seconds=out.prefill_seconds)
 
   def stream(self, target_params: Params, draft_params: Any,
              prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int = 0,
