@@ -3,7 +3,11 @@
 Stages (``--stage``):
   data   the target answers offline prompts (code, summarise/rewrite, QA, math,
          chat; see specjax.distill.data); responses and the target's top-k
-         log-probs are cached under ``$SPECJAX_CACHE/distill/<key>/``.
+         log-probs are cached under ``$SPECJAX_CACHE/distill/<key>/``. With
+         ``--text_tokens``, also fixed text (source code, docstrings, package
+         docs and the language reference that this machine's Python ships;
+         specjax.distill.documents) scored by the target teacher-forced, in
+         its own directory beside it.
   train  token-level distillation (forward KL, reverse KL or TV) of a small
          Llama draft with a reduced vocabulary (``--draft_kind=token``), of
          an EAGLE feature drafter that reads the target's hidden states
@@ -17,6 +21,10 @@ Stages (``--stage``):
          checkpoints; logs loss and held-out α at T=0 and T=1 (for Medusa:
          head 0's).
   all    data, then train.
+
+``--corpus`` picks what trains: the target's answers, the fixed text or both. The
+held-out records are always the answers' (prompts of held-out sources), so α is
+compared on the same records whatever the corpus.
 
 Examples (the drafts shipped in specjax/assets/; see their model cards):
   python -m experiments.train_draft --stage=all --workdir=/tmp/draft_run
@@ -51,6 +59,15 @@ flags.DEFINE_integer("heldout_mix_batches", 2, "Extra held-out batches (greedy, 
                      "above under-sample.")
 flags.DEFINE_integer("train_batches", 40, "Train generation batches (greedy, T=1 alternating).")
 flags.DEFINE_float("gen_minutes", 1e9, "Stop generating new train shards after this long.")
+flags.DEFINE_integer("text_tokens", 0, "Data stage: response tokens of fixed text scored "
+                     "teacher-forced (0: none); a larger value later extends the same corpus.",
+                     lower_bound=0)
+flags.DEFINE_list("text_kinds", ["code", "docstring", "docs", "reference"], "Fixed text: "
+                  "document kinds (specjax.distill.documents.KINDS).")
+flags.DEFINE_integer("text_batch", 16, "Fixed text: sequences per teacher-forced forward (and "
+                     "per shard).", lower_bound=1)
+flags.DEFINE_enum("corpus", "responses", ["responses", "text", "mix"], "Train stage: the "
+                  "target's answers, fixed text (--text_tokens) or both.")
 flags.DEFINE_integer("data_seed", 0, "Seed of the prompt set and of sampled responses.")
 flags.DEFINE_enum("prompt_set", "base", ["base", "extended"], "Prompt sources: stdlib docs and "
                   "templates, or those plus package docs, 250 chat topics and 32 request styles "
@@ -147,6 +164,86 @@ def corpus_dir() -> str:
   return os.path.join(base, "distill", key)
 
 
+TEXT_PROMPT_TOKENS = 64  # fixed text: longer requests are skipped (they are ~40 ids)
+
+
+def text_documents():
+  """(train, held-out) documents of --text_kinds, and their fingerprint."""
+  import hashlib
+  from specjax.distill import documents
+  docs = documents.collect(FLAGS.data_seed, kinds=FLAGS.text_kinds)
+  h = hashlib.sha256()
+  for d in docs:
+    h.update(f"{d.kind}|{d.source}|{d.title}|{len(d.text)}\n".encode())
+  train, held = documents.split(docs)
+  logging.info("fixed text, train: %s", documents.describe(train))
+  logging.info("fixed text, held-out: %s", documents.describe(held))
+  return train, held, h.hexdigest()[:16]
+
+
+def text_corpus_dir(fingerprint: str, tokenizer_sha: str) -> str:
+  """The fixed-text corpus' directory: keyed by the target, its tokenizer, the documents
+  and the record shapes (not by --text_tokens: a larger budget extends it)."""
+  from specjax.distill import teacher
+  from specjax.loaders.embedded import cache_dir, smollm2_config
+  spec = dict(kind="text", data_seed=FLAGS.data_seed, documents=fingerprint,
+              tokenizer=tokenizer_sha, max_new=FLAGS.max_new_tokens, topk=FLAGS.topk,
+              batch=FLAGS.text_batch, kinds=sorted(FLAGS.text_kinds), version=1)
+  key = teacher.corpus_key(smollm2_config(), spec)
+  return os.path.join(FLAGS.cache_dir or cache_dir(), "distill", "text-" + key)
+
+
+def text_corpus_link(directory: str) -> str:
+  """Where the answers' corpus records the fixed-text corpus built beside it."""
+  return os.path.join(directory, "text_corpus.json")
+
+
+def run_text_stage(params, cfg, tok, encode, directory: str) -> None:
+  """Fixed text scored teacher-forced; the directory is recorded in the answers' corpus."""
+  import numpy as np
+  import tqdm
+  from specjax import drafts, files
+  from specjax.distill import documents, teacher
+
+  train_docs, held_docs, fingerprint = text_documents()
+  text_dir = text_corpus_dir(fingerprint, drafts.tokenizer_fingerprint(tok))
+  length = -(-(TEXT_PROMPT_TOKENS + FLAGS.max_new_tokens) // 32) * 32
+  encode_text = lambda text: tok.encode(text, add_special_tokens=False)
+  end_id = cfg.eos_token_ids[0]
+  written, new_tokens, seconds = {}, 0, 0.0
+  for split, docs, budget in (("heldout", held_docs, max(FLAGS.text_tokens // 20, 1)),
+                              ("train", train_docs, FLAGS.text_tokens)):
+    recs = list(documents.text_records(docs, encode, encode_text, end_id, FLAGS.max_new_tokens,
+                                       TEXT_PROMPT_TOKENS, budget))
+    batches = []  # whole batches only: a larger budget keeps every earlier shard
+    for b in range(0, len(recs) - FLAGS.text_batch + 1, FLAGS.text_batch):
+      sel = recs[b:b + FLAGS.text_batch]
+      batches.append(([(np.asarray(p, np.int32), np.asarray(r, np.int32)) for p, r, _ in sel],
+                      [m for _, _, m in sel]))
+    tokens = [sum(len(r) for _, r in seqs) for seqs, _ in batches]
+    missing = [not os.path.exists(os.path.join(text_dir, f"{split}-{i:05d}.npz"))
+               for i in range(len(batches))]
+    bar = tqdm.tqdm(total=len(batches), desc=f"fixed text, teacher-forced ({split})")
+    start = time.time()
+    teacher.build_text_corpus(text_dir, params, cfg, split, batches, FLAGS.topk, length,
+                              progress=lambda i, n: bar.update(1))
+    bar.close()
+    seconds += time.time() - start
+    written[split] = sum(tokens)
+    new_tokens += sum(t for t, m in zip(tokens, missing) if m)
+  rate = new_tokens / seconds if new_tokens else None
+  info = dict(directory=text_dir, topk=FLAGS.topk, response_tokens=written,
+              kinds=sorted(FLAGS.text_kinds), documents=fingerprint, length=length,
+              batch=FLAGS.text_batch, last_invocation=dict(
+                  scored_tokens=new_tokens, seconds=round(seconds),
+                  tokens_per_second=rate and round(rate)))
+  files.write_text(os.path.join(text_dir, "spec.json"), json.dumps(info, indent=2))
+  files.write_text(text_corpus_link(directory), json.dumps(info, indent=2))
+  logging.info("fixed text in %s: %s response tokens; this invocation scored %d in %.0f s "
+               "(%s tokens/s, compilation included)", text_dir, written, new_tokens, seconds,
+               rate and f"{rate:.0f}")
+
+
 def run_data_stage() -> str:
   import tqdm
   from specjax.distill import data, teacher
@@ -198,6 +295,8 @@ def run_data_stage() -> str:
     json.dump(dict(topk=FLAGS.topk, max_new_tokens=FLAGS.max_new_tokens,
                    gen_batch=FLAGS.gen_batch, data_seed=FLAGS.data_seed), f)
   logging.info("corpus in %s (%.0f s)", directory, time.time() - start)
+  if FLAGS.text_tokens:
+    run_text_stage(params, cfg, tok, encode, directory)
   return directory
 
 
@@ -240,8 +339,16 @@ def run_train_stage(directory: str, workdir: str) -> None:
     k = json.load(f)["topk"]
   cfg, params = load_model()
   tok = load_model_tokenizer()
-  train_recs = teacher.load_corpus(directory, "train")
+  train_recs = teacher.load_corpus(directory, "train") if FLAGS.corpus != "text" else []
   held = teacher.load_corpus(directory, "heldout")
+  text_dir = None
+  if FLAGS.corpus != "responses":
+    if not os.path.exists(text_corpus_link(directory)):
+      raise app.UsageError(f"--corpus={FLAGS.corpus} needs the fixed-text corpus: run the data "
+                           "stage with --text_tokens first")
+    with open(text_corpus_link(directory)) as f:
+      text_dir = json.load(f)["directory"]
+    train_recs += teacher.load_corpus(text_dir, "train")
   online = FLAGS.teacher == "online"
   if online:  # token ids only: the target's top-k (and features) come from the Teacher
     k = FLAGS.teacher_topk
@@ -256,6 +363,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
   layers = tuple(int(x) for x in FLAGS.draft_layers)
   setup = dict(corpus=directory, draft_vocab=FLAGS.draft_vocab, draft_layers=list(layers),
                train_responses=len(train_recs), train_tokens=n_tok)
+  if text_dir:  # (absent for the answers alone, so earlier runs still resume)
+    setup.update(corpus_kind=FLAGS.corpus, text_corpus=text_dir)
   eagle_run = FLAGS.draft_kind == "eagle"
   medusa_run = FLAGS.draft_kind == "medusa"
   exit_run = FLAGS.draft_kind == "exit"
@@ -313,8 +422,11 @@ def run_train_stage(directory: str, workdir: str) -> None:
   objective = frozen = None
   if not token_run and not online:
     from specjax.distill import features
-    for split, recs in (("train", train_recs), ("heldout", held)):
-      features.corpus_features(directory, split, recs, params, cfg, FLAGS.feature_batch,
+    # (the train records' features live with the corpus they come from)
+    train_dir = {"responses": directory, "text": text_dir,
+                 "mix": os.path.join(text_dir or "", "mix")}[FLAGS.corpus]
+    for d, split, recs in ((train_dir, "train", train_recs), (directory, "heldout", held)):
+      features.corpus_features(d, split, recs, params, cfg, FLAGS.feature_batch,
                                layers=feature_layers)
   if eagle_run:
     from specjax.distill import eagle
@@ -405,6 +517,16 @@ def main(argv):
   if FLAGS.own_head and FLAGS.draft_kind not in ("medusa", "exit"):
     raise app.UsageError("--own_head is for --draft_kind=medusa or exit (their heads' LM-head "
                          f"rows), not {FLAGS.draft_kind}")
+  from specjax.distill.documents import KINDS
+  if set(FLAGS.text_kinds) - set(KINDS) or not FLAGS.text_kinds:
+    raise app.UsageError(f"--text_kinds must be some of {','.join(KINDS)}, got "
+                         f"{','.join(FLAGS.text_kinds)}")
+  if FLAGS.stage == "all" and FLAGS.corpus != "responses" and not FLAGS.text_tokens:
+    raise app.UsageError(f"--corpus={FLAGS.corpus} trains on fixed text: give --text_tokens")
+  if FLAGS.stage == "train" and FLAGS.corpus != "responses" and \
+      not os.path.exists(text_corpus_link(corpus_dir())):
+    raise app.UsageError(f"--corpus={FLAGS.corpus} needs the fixed-text corpus: run the data "
+                         "stage with --text_tokens first")
   directory = run_data_stage() if FLAGS.stage in ("data", "all") else corpus_dir()
   if FLAGS.stage in ("train", "all"):
     run_train_stage(directory, FLAGS.workdir)

@@ -10,6 +10,9 @@
 # data: the extended prompt set plus chat prompts the target writes itself; the
 # target answers each train prompt in several passes (greedy, then T=1), batched
 # and jit-compiled, until $GEN_MINUTES. Only token ids are kept (--topk=1).
+# TEXT_TOKENS=N adds N tokens of fixed text (code, docstrings, package docs, the
+# language reference; specjax/distill/documents.py) scored teacher-forced, and
+# CORPUS=text|mix trains on it alone or beside the answers (default: responses).
 # train: a fused-feature (low/mid/last layer) EAGLE drafter with training-time
 # test (3 unrolled steps), forward KL to the target's top-64 recomputed
 # teacher-forced on every batch (--teacher=online), for $STEPS steps or until
@@ -34,7 +37,8 @@ DATA=(--prompt_set=extended --self_instruct_per_topic="${SELF_INSTRUCT:-4}"
       --gen_batch="${GEN_BATCH:-512}" --max_new_tokens="${MAX_NEW:-256}" --topk=1
       --max_prompt_tokens=160 --heldout_batches="${HELDOUT_BATCHES:-2}"
       --heldout_mix_batches="${HELDOUT_MIX:-1}" --train_batches="${TRAIN_BATCHES:-100000}"
-      --prompt_passes="${PASSES:-40}" --gen_minutes="${GEN_MINUTES:-1e9}" --data_seed=0)
+      --prompt_passes="${PASSES:-40}" --gen_minutes="${GEN_MINUTES:-1e9}" --data_seed=0
+      --text_tokens="${TEXT_TOKENS:-0}" --corpus="${CORPUS:-responses}")
 case "$stage" in
   data)
     python -m experiments.train_draft --stage=data "${DATA[@]}" --workdir="$workdir" "$@" ;;

@@ -446,15 +446,23 @@ def test_saving_over_a_sharded_checkpoint_removes_its_stale_shards(tmp_path):
   assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 1
 
 
-def test_train_draft_refuses_own_head_for_drafts_without_heads(tmp_path):
-  """``--own_head`` is refused before any corpus or model is touched (a subprocess: the
-  script's flags would collide with other entry points' in this process)."""
+@pytest.mark.parametrize("flags,message", [
+    (["--stage=train", "--own_head", "--draft_kind=eagle"],
+     "--own_head is for --draft_kind=medusa or exit"),
+    (["--stage=all", "--corpus=mix"], "--corpus=mix trains on fixed text: give --text_tokens"),
+    (["--stage=train", "--corpus=text"], "--corpus=text needs the fixed-text corpus"),
+    (["--stage=data", "--text_tokens=1000", "--text_kinds=code,poems"],
+     "--text_kinds must be some of code,docstring,docs,reference"),
+])
+def test_train_draft_refuses_bad_flags_before_touching_a_corpus(tmp_path, flags, message):
+  """Refused before any corpus or model is touched (a subprocess: the script's flags would
+  collide with other entry points' in this process)."""
   import subprocess
   root = pathlib.Path(__file__).resolve().parents[1]
-  proc = subprocess.run([sys.executable, "-m", "experiments.train_draft", "--stage=train",
-                         "--own_head", "--draft_kind=eagle", f"--workdir={tmp_path / 'w'}"],
+  proc = subprocess.run([sys.executable, "-m", "experiments.train_draft", *flags,
+                         f"--workdir={tmp_path / 'w'}"],
                         cwd=root, env=dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache")),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
-  assert "--own_head is for --draft_kind=medusa or exit" in proc.stderr
+  assert message in proc.stderr
   assert not (tmp_path / "cache").exists() and not (tmp_path / "w").exists()

@@ -12,6 +12,7 @@ an interrupted generation run continues where it stopped.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -24,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import files
+from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.generate import DecodeState, init_decode_state, last_tokens
-from specjax.model import Params, forward
+from specjax.model import Params, compute_dtype, forward
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
@@ -171,17 +173,20 @@ def load_corpus(directory: str, split: str) -> list[dict]:
   return recs
 
 
-def build_corpus(directory: str, params: Params, cfg: ModelConfig, split: str,
-                 batches: Sequence[tuple[list[list[int]], list[dict]]], samplers: Sequence[Sampler],
-                 max_new_tokens: int, k: int, seed: int,
-                 progress: Optional[Callable[[int, int], None]] = None,
-                 deadline: Optional[float] = None, cache_size: Optional[int] = None) -> int:
-  """Generates the missing shards ``{split}-{i:05d}.npz``; returns how many exist.
+class CorpusDiskFull(OSError):
+  """The disk filled while a corpus was written; every shard already written is kept."""
 
-  Batch i uses ``samplers[i % len(samplers)]`` and seed ``seed + i``, so a
-  resumed run writes exactly the shards an uninterrupted one would. A fixed
-  ``cache_size`` (>= longest prompt + ``max_new_tokens``) makes every batch
-  one compiled program.
+
+def write_shards(directory: str, split: str, batches: Sequence,
+                 make_records: Callable[[int, object], tuple[list[dict], list[dict]]],
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 deadline: Optional[float] = None) -> int:
+  """Writes the missing shards ``{split}-{i:05d}.npz``, one per batch; returns how many exist.
+
+  ``make_records(i, batch)`` gives shard i's (records, meta). Shards are written whole
+  (``files.atomic_path``) and only where missing, so a run that stops (``deadline``, a
+  crash, a full disk) resumes where it stopped and writes exactly what an uninterrupted
+  one would. A full disk raises ``CorpusDiskFull`` naming the shards kept.
   """
   import time
   os.makedirs(directory, exist_ok=True)
@@ -191,13 +196,87 @@ def build_corpus(directory: str, params: Params, cfg: ModelConfig, split: str,
     if not os.path.exists(path):
       if deadline is not None and time.time() > deadline:
         break
-      prompts, meta = batch
-      sampler = samplers[i % len(samplers)]
-      recs = generate_with_topk(params, cfg, prompts, max_new_tokens, sampler, k=k,
-                                seed=seed + i, cache_size=cache_size)
-      mode = "greedy" if isinstance(sampler, Greedy) else f"T={sampler.temperature}"
-      save_shard(path, recs, [dict(m, mode=mode) for m in meta])
+      records, meta = make_records(i, batch)
+      try:
+        save_shard(path, records, meta)
+      except OSError as e:
+        if e.errno != errno.ENOSPC:
+          raise
+        raise CorpusDiskFull(errno.ENOSPC, f"the disk filled while writing {path}; the {done} "
+                             f"{split} shards before it are kept: free space and rerun the same "
+                             "command to continue") from e
     done += 1
     if progress:
       progress(i, len(batches))
   return done
+
+
+def build_corpus(directory: str, params: Params, cfg: ModelConfig, split: str,
+                 batches: Sequence[tuple[list[list[int]], list[dict]]], samplers: Sequence[Sampler],
+                 max_new_tokens: int, k: int, seed: int,
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 deadline: Optional[float] = None, cache_size: Optional[int] = None) -> int:
+  """The target's answers: generates the missing shards ``{split}-{i:05d}.npz``; returns how
+  many exist (``write_shards``).
+
+  Batch i uses ``samplers[i % len(samplers)]`` and seed ``seed + i``, so a
+  resumed run writes exactly the shards an uninterrupted one would. A fixed
+  ``cache_size`` (>= longest prompt + ``max_new_tokens``) makes every batch
+  one compiled program.
+  """
+
+  def make(i, batch):
+    prompts, meta = batch
+    sampler = samplers[i % len(samplers)]
+    recs = generate_with_topk(params, cfg, prompts, max_new_tokens, sampler, k=k, seed=seed + i,
+                              cache_size=cache_size)
+    mode = "greedy" if isinstance(sampler, Greedy) else f"T={sampler.temperature}"
+    return recs, [dict(m, mode=mode) for m in meta]
+
+  return write_shards(directory, split, batches, make, progress, deadline)
+
+
+def build_text_corpus(directory: str, params: Params, cfg: ModelConfig, split: str,
+                      batches: Sequence[tuple[list[tuple[np.ndarray, np.ndarray]], list[dict]]],
+                      k: int, length: int, progress: Optional[Callable[[int, int], None]] = None,
+                      deadline: Optional[float] = None) -> int:
+  """Fixed text scored by teacher forcing (EAGLE-1's recipe): each batch's (prompt,
+  response) pairs get the target's top-k at every response position, one prefill of
+  ``length`` positions per batch (one compiled program); shards as ``build_corpus``'s."""
+
+  def make(i, batch):
+    seqs, meta = batch
+    return score_with_target(params, cfg, seqs, k, length=length), \
+        [dict(m, mode="text") for m in meta]
+
+  return write_shards(directory, split, batches, make, progress, deadline)
+
+
+def score_with_target(params: Params, cfg: ModelConfig,
+                      seqs: Sequence[tuple[np.ndarray, np.ndarray]], k: int,
+                      length: Optional[int] = None) -> list[dict]:
+  """Records (prompt, response, the target's top-k at each response position), teacher-forced
+  in one forward over ``length`` positions (default: the longest, rounded up to 32)."""
+  l = max(len(p) + len(r) for p, r in seqs)
+  if length is not None and l > length:
+    raise ValueError(f"a sequence of {l} tokens does not fit length={length}")
+  l = length or -(-l // 32) * 32
+  tokens = np.zeros((len(seqs), l), np.int32)
+  for i, (p, r) in enumerate(seqs):
+    tokens[i, :len(p) + len(r)] = np.concatenate([p, r])
+  logp_top, ids_top = _score(params, cfg, jnp.asarray(tokens), k)
+  logp_top, ids_top = np.asarray(logp_top), np.asarray(ids_top)
+  out = []
+  for i, (p, r) in enumerate(seqs):
+    sl = slice(len(p) - 1, len(p) - 1 + len(r))
+    out.append(dict(prompt=np.asarray(p, np.int32), response=np.asarray(r, np.int32),
+                    topk_ids=ids_top[i, sl], topk_logp=logp_top[i, sl]))
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def _score(params, cfg, tokens, k):
+  b, l = tokens.shape
+  out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
+                kvc.init_cache(cfg, b, l, compute_dtype(params)))
+  return jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), k)

@@ -366,7 +366,7 @@ def on_policy_records(draft_params: Params, draft: Draft, target_params: Params,
   sampling over Vd equals sampling its lifted distribution), then samples are
   mapped back to target ids.
   """
-  from specjax.distill.teacher import generate_with_topk
+  from specjax.distill.teacher import generate_with_topk, score_with_target
   from specjax.sampling import Sampling
 
   vm, im = map(np.asarray, draft.maps())
@@ -374,33 +374,7 @@ def on_policy_records(draft_params: Params, draft: Draft, target_params: Params,
   recs = generate_with_topk(draft_params, draft.cfg, [im[p] for p in prompts], max_new,
                             Sampling(1.0), k=1, seed=seed, eos_ids=eos)
   seqs = [(np.asarray(p), vm[r["response"]]) for p, r in zip(prompts, recs)]
-  return score_with_target(target_params, target_cfg, seqs, k)
-
-
-def score_with_target(params: Params, cfg: ModelConfig, seqs: Sequence[tuple[np.ndarray, np.ndarray]],
-                      k: int) -> list[dict]:
-  """Records (prompt, response, the target's top-k at each response position)."""
-  l = max(len(p) + len(r) for p, r in seqs)
-  l = -(-l // 32) * 32
-  tokens = np.zeros((len(seqs), l), np.int32)
-  for i, (p, r) in enumerate(seqs):
-    tokens[i, :len(p) + len(r)] = np.concatenate([p, r])
-  logp_top, ids_top = _score(params, cfg, jnp.asarray(tokens), k)
-  logp_top, ids_top = np.asarray(logp_top), np.asarray(ids_top)
-  out = []
-  for i, (p, r) in enumerate(seqs):
-    sl = slice(len(p) - 1, len(p) - 1 + len(r))
-    out.append(dict(prompt=np.asarray(p, np.int32), response=np.asarray(r, np.int32),
-                    topk_ids=ids_top[i, sl], topk_logp=logp_top[i, sl], mode="on-policy"))
-  return out
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "k"))
-def _score(params, cfg, tokens, k):
-  b, l = tokens.shape
-  out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
-                kvc.init_cache(cfg, b, l, compute_dtype(params)))
-  return jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), k)
+  return [dict(r, mode="on-policy") for r in score_with_target(target_params, target_cfg, seqs, k)]
 
 
 # ------------------------------------------------------------------ the loop
