@@ -130,6 +130,11 @@ flags.DEFINE_integer("teacher_topk", 64, "Online teacher: target top-k kept per 
 flags.DEFINE_integer("eval_records", 0, "Held-out records scored by the α evaluations during "
                      "training (an even spread; 0 = all).", lower_bound=0)
 flags.DEFINE_integer("feature_batch", 8, "Sequences per forward when caching EAGLE features.")
+flags.DEFINE_float("adaspec_keep", 1.0, "AdaSPEC token selection: train on this fraction of "
+                   "positions, those where the draft trails --adaspec_reference most (1: off).",
+                   lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_string("adaspec_reference", None, "AdaSPEC: the --workdir of a finished run of the "
+                    "same draft on the same corpus; its last checkpoint is the reference draft.")
 flags.DEFINE_string("mesh", "", "Train on a DATAxMODEL device mesh (e.g. 2x4; docs/sharding.md): "
                     "batch rows over data, the target and the draft's heads over model. Empty: "
                     "one device.")
@@ -396,6 +401,10 @@ def run_train_stage(directory: str, workdir: str) -> None:
   target_input = FLAGS.target_input and bool(FLAGS.draft_vocab) and token_run
   if target_input:
     setup.update(target_input=True)  # (absent when off, so earlier runs still resume)
+  reference_setup = dict(setup)
+  if FLAGS.adaspec_keep < 1.0:  # (absent when off, so earlier runs still resume)
+    setup.update(adaspec_keep=FLAGS.adaspec_keep,
+                 adaspec_reference=os.path.abspath(FLAGS.adaspec_reference))
   if os.path.exists(setup_file):  # resuming: the corpus and the draft must be the same
     with open(setup_file) as f:
       old = json.load(f)
@@ -465,7 +474,10 @@ def run_train_stage(directory: str, workdir: str) -> None:
       loss=FLAGS.loss, steps=FLAGS.steps, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len,
       lr=FLAGS.lr, warmup_steps=FLAGS.warmup_steps, weight_decay=FLAGS.weight_decay,
       clip_norm=FLAGS.clip_norm, seed=FLAGS.seed, eval_every=FLAGS.eval_every,
-      checkpoint_every=FLAGS.checkpoint_every, on_policy_every=FLAGS.on_policy_every)
+      checkpoint_every=FLAGS.checkpoint_every, on_policy_every=FLAGS.on_policy_every,
+      keep_fraction=FLAGS.adaspec_keep)
+  if FLAGS.adaspec_keep < 1.0:
+    frozen = dict(frozen or {}, reference=adaspec_reference(reference_setup, dparams, tc))
   logging.info("draft %s, %.2fM params; %s", dcfg, dcfg.num_params / 1e6, tc)
   start = time.time()
   online_teacher = None
@@ -511,8 +523,31 @@ def run_train_stage(directory: str, workdir: str) -> None:
   logging.info("draft written to %s: %s", out, json.dumps(last))
 
 
+def adaspec_reference(setup: dict, dparams, tc):
+  """The reference draft's parameters: the last checkpoint of --adaspec_reference, a run
+  whose setup (corpus, draft, vocabulary) is this one's."""
+  from specjax.distill import checkpoint as ckpt
+  from specjax.distill import train
+  path = os.path.join(FLAGS.adaspec_reference, "setup.json")
+  if not os.path.exists(path):
+    raise app.UsageError(f"--adaspec_reference={FLAGS.adaspec_reference} holds no training run "
+                         "(no setup.json)")
+  with open(path) as f:
+    theirs = json.load(f)
+  if theirs != setup:
+    raise app.UsageError(f"--adaspec_reference={FLAGS.adaspec_reference} trained another setup: "
+                         f"{theirs} vs {setup}")
+  mngr = ckpt.manager(os.path.join(FLAGS.adaspec_reference, "checkpoints"))
+  state = ckpt.restore(mngr, train.init_state(dparams, tc))
+  logging.info("AdaSPEC reference: %s at step %d, keeping %.0f%% of positions",
+               FLAGS.adaspec_reference, int(state["step"]), 100 * FLAGS.adaspec_keep)
+  return state["params"]
+
+
 def main(argv):
   del argv
+  if (FLAGS.adaspec_keep < 1.0) != bool(FLAGS.adaspec_reference):
+    raise app.UsageError("AdaSPEC needs both --adaspec_keep < 1 and --adaspec_reference")
   training_mesh()  # a bad --mesh fails before the corpus is built
   if FLAGS.own_head and FLAGS.draft_kind not in ("medusa", "exit"):
     raise app.UsageError("--own_head is for --draft_kind=medusa or exit (their heads' LM-head "

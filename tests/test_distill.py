@@ -211,6 +211,49 @@ def test_tiny_training_lowers_loss_and_raises_alpha(toy, tmp_path, kind):
   assert hist[-1]["alpha_T1"] <= hist[-1]["alpha_T1_upper"] <= 1.0
 
 
+def test_adaspec_selection_keeps_the_largest_gaps_among_weighted_positions():
+  gap = jnp.array([[0.5, -1.0, 3.0, 2.0], [9.0, 0.1, 2.0, 0.0]])
+  w = jnp.array([[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])  # 9.0 is not weighted
+  np.testing.assert_array_equal(train.selected(gap, w, 0.5),
+                                [[0, 0, 1, 1], [0, 0, 1, 0]])  # 3 of 6: 3.0, 2.0, 2.0 (tie)
+  np.testing.assert_array_equal(train.selected(gap, w, 1.0), w)
+  np.testing.assert_array_equal(train.selected(gap, w, 0.1), [[0, 0, 1, 0], [0, 0, 0, 0]])
+  with pytest.raises(ValueError, match="keep_fraction"):
+    train.TrainConfig(keep_fraction=0.0)
+
+
+def test_adaspec_loss_trains_only_where_the_draft_trails_the_reference_most(toy):
+  _, _, recs, _, _ = toy
+  draft, params = _draft(toy)
+  _, reference = _draft(toy, seed=1)
+  batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], 32, K).items()}
+  vm, im = draft.maps()
+  obj = train.TokenObjective(draft.cfg)
+  frozen = dict(reference=reference)
+
+  def divergence(p):  # [B, R] forward KL of a draft at every position
+    logp, _ = obj.logp_and_aux(p, {}, im, batch, None)
+    pk, qk, _, _ = train._coarsened(logp, batch["topk_ids"], batch["topk_logp"], vm, im)
+    return np.asarray(losses.divergence("fkl", pk, qk)).reshape(batch["weight"].shape)
+
+  gap, w = divergence(params) - divergence(reference), np.asarray(batch["weight"])
+  n = int(w.sum())
+  order = np.argsort(-np.where(w > 0, gap, -np.inf), axis=None)
+  top = np.zeros(w.size)
+  top[order[:-(-n // 2)]] = 1.0  # the half with the largest gaps
+  mean_over = lambda m: float((divergence(params) * m).sum() / m.sum())
+  loss = float(train.loss_fn(params, obj, "fkl", vm, im, frozen, batch, None, 0.5))
+  np.testing.assert_allclose(loss, mean_over(top.reshape(w.shape)), rtol=1e-5)
+  bottom = w.ravel() * (1 - top)  # the known-wrong variant: the smallest gaps
+  assert abs(loss - mean_over(bottom.reshape(w.shape))) > 1e-3
+  np.testing.assert_allclose(float(train.loss_fn(params, obj, "fkl", vm, im, frozen, batch)),
+                             mean_over(w), rtol=1e-5)  # keep 1: every weighted position
+  grads = jax.grad(train.loss_fn)(params, obj, "fkl", vm, im, frozen, batch, None, 0.5)
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+  with pytest.raises(ValueError, match="frozen\\['reference'\\]"):
+    train.loss_fn(params, obj, "fkl", vm, im, {}, batch, None, 0.5)
+
+
 def test_full_input_rows_and_lookup_match_their_docstring_examples():
   reads = reduced_vocab.full_input(np.array([0, 7, 3]), np.zeros((8, 2)), 8, 2)
   np.testing.assert_array_equal(reads["input_rows"], [0, -1, -1, 2, -1, -1, -1, 1])

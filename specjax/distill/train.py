@@ -48,10 +48,13 @@ class TrainConfig:
   eval_every: int = 50
   checkpoint_every: int = 25
   on_policy_every: int = 0  # every n-th step trains on draft samples scored by the target
+  keep_fraction: float = 1.0  # AdaSPEC: train on this fraction of positions (``selected``)
 
   def __post_init__(self):
     if self.loss not in losses.LOSSES:
       raise ValueError(f"loss must be one of {losses.LOSSES}, got {self.loss!r}")
+    if not 0.0 < self.keep_fraction <= 1.0:
+      raise ValueError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,21 +246,51 @@ def _coarsened(draft_logp, topk_ids, topk_logp, vocab_map, in_map):
   return p, q, d_ids, present
 
 
-def loss_fn(params, objective, kind, vocab_map, in_map, frozen, batch, key=None):
+def selected(gap: jax.Array, weight: jax.Array, keep_fraction: float) -> jax.Array:
+  """AdaSPEC's token selection (Hu et al. 2025): 1.0 at the ``keep_fraction`` of weighted
+  positions where ``gap`` (the draft's divergence minus a reference draft's) is largest,
+  0.0 elsewhere and at unweighted positions; ties at the threshold are kept.
+
+  The positions the reference learned no better than the draft (small or negative gap)
+  are taken as ones the draft cannot learn, and leave the loss.
+  """
+  valid = weight > 0
+  n = jnp.sum(valid)
+  ranked = jnp.sort(jnp.where(valid, gap, -jnp.inf).ravel())[::-1]
+  kth = jnp.clip(jnp.ceil(keep_fraction * n).astype(jnp.int32) - 1, 0, ranked.size - 1)
+  return (valid & (gap >= ranked[kth])).astype(weight.dtype)
+
+
+def loss_fn(params, objective, kind, vocab_map, in_map, frozen, batch, key=None,
+            keep_fraction: float = 1.0):
   """Weighted divergence to the target at ``pred_pos`` plus the objective's auxiliary loss.
 
   An objective that unrolls K draft steps (EAGLE-3's training-time test)
   returns [K, B, R, Vd] log-probs; the loss is the mean over steps, step k
   (from 0) weighing only positions ``pred_pos >= k`` (ones with a committed
-  prefix at that draft step).
+  prefix at that draft step). With ``keep_fraction`` < 1 (AdaSPEC) each step keeps the
+  positions ``selected`` by its divergence minus that of the reference draft whose
+  parameters are ``frozen["reference"]`` (same objective, not trained).
   """
   logp, aux = objective.logp_and_aux(params, frozen, in_map, batch, key)
   steps = logp if logp.ndim == 4 else logp[None]
+  ref_steps = None
+  if keep_fraction < 1.0:
+    if "reference" not in frozen:
+      raise ValueError("keep_fraction < 1 (AdaSPEC) needs the reference draft's parameters "
+                       "in frozen['reference']")
+    ref, _ = objective.logp_and_aux(frozen["reference"], frozen, in_map, batch, key)
+    ref_steps = jax.lax.stop_gradient(ref if ref.ndim == 4 else ref[None])
   total = 0.0
   for k in range(steps.shape[0]):
     p, q, _, _ = _coarsened(steps[k], batch["topk_ids"], batch["topk_logp"], vocab_map, in_map)
     d = losses.divergence(kind, p, q).reshape(batch["weight"].shape)
     w = step_weight(objective, batch, k)
+    if ref_steps is not None:
+      p_r, q_r, _, _ = _coarsened(ref_steps[k], batch["topk_ids"], batch["topk_logp"],
+                                  vocab_map, in_map)
+      d_ref = losses.divergence(kind, p_r, q_r).reshape(d.shape)
+      w = w * selected(jax.lax.stop_gradient(d) - d_ref, w, keep_fraction)
     total += jnp.sum(d * w) / jnp.maximum(jnp.sum(w), 1.0)
   return total / steps.shape[0] + aux
 
@@ -348,7 +381,7 @@ def init_state(params: Params, tc: TrainConfig) -> dict:
 def train_step(state, objective, tc, vocab_map, in_map, frozen, batch):
   key = jax.random.fold_in(jax.random.PRNGKey(tc.seed), state["step"])
   loss, grads = jax.value_and_grad(loss_fn)(state["params"], objective, tc.loss, vocab_map,
-                                            in_map, frozen, batch, key)
+                                            in_map, frozen, batch, key, tc.keep_fraction)
   updates, opt_state = make_optimizer(tc).update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   return dict(params=params, opt_state=opt_state, step=state["step"] + 1), loss
