@@ -235,8 +235,8 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            f"Adaptive = `AdaptiveGamma` over γ ∈ {{0, {', '.join(map(str, gammas))}}} with "
            "those costs and, where α_c is given, the trees too, priced by the drafter's "
            f"per-rank acceptance and the chains' rate α_c measured on {CALIBRATION_PROMPTS} "
-           "training-side prompts (never the timed ones); its mix counts steps of each choice (γ = 0 is plain "
-           "decoding, then the chains, then the trees).", ""]
+           "training-side prompts (never the timed ones); its mix counts steps of each "
+           "choice (γ = 0 is plain decoding, then the chains, then the trees).", ""]
   if DATA.value > 1:
     lines[5:5] = [f"Data parallel: every batch's rows sharded over {DATA.value} devices "
                   "(`--data_parallel`, docs/sharding.md); tokens/s per device = tok/s / "

@@ -169,7 +169,8 @@ def corpus_dir() -> str:
   return os.path.join(base, "distill", key)
 
 
-TEXT_PROMPT_TOKENS = 64  # fixed text: longer requests are skipped (they are ~40 ids)
+TEXT_PROMPT_TOKENS = 64  # fixed text: a longer request's document is skipped (most are
+                         # 39-50 ids; a deep dotted name can pass 64)
 
 
 def text_documents():
@@ -226,7 +227,7 @@ def run_text_stage(params, cfg, tok, encode, directory: str) -> None:
       batches.append(([(np.asarray(p, np.int32), np.asarray(r, np.int32)) for p, r, _ in sel],
                       [m for _, _, m in sel]))
     tokens = [sum(len(r) for _, r in seqs) for seqs, _ in batches]
-    missing = [not os.path.exists(os.path.join(text_dir, f"{split}-{i:05d}.npz"))
+    missing = [not os.path.exists(teacher.shard_path(text_dir, split, i))
                for i in range(len(batches))]
     bar = tqdm.tqdm(total=len(batches), desc=f"fixed text, teacher-forced ({split})")
     start = time.time()
@@ -347,10 +348,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
   train_recs = teacher.load_corpus(directory, "train") if FLAGS.corpus != "text" else []
   held = teacher.load_corpus(directory, "heldout")
   text_dir = None
-  if FLAGS.corpus != "responses":
-    if not os.path.exists(text_corpus_link(directory)):
-      raise app.UsageError(f"--corpus={FLAGS.corpus} needs the fixed-text corpus: run the data "
-                           "stage with --text_tokens first")
+  if FLAGS.corpus != "responses":  # (main checked that the data stage built it)
     with open(text_corpus_link(directory)) as f:
       text_dir = json.load(f)["directory"]
     train_recs += teacher.load_corpus(text_dir, "train")
@@ -432,8 +430,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
   if not token_run and not online:
     from specjax.distill import features
     # (the train records' features live with the corpus they come from)
-    train_dir = {"responses": directory, "text": text_dir,
-                 "mix": os.path.join(text_dir or "", "mix")}[FLAGS.corpus]
+    train_dir = directory if text_dir is None else os.path.join(text_dir, FLAGS.corpus)
     for d, split, recs in ((train_dir, "train", train_recs), (directory, "heldout", held)):
       features.corpus_features(d, split, recs, params, cfg, FLAGS.feature_batch,
                                layers=feature_layers)

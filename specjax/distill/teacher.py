@@ -173,6 +173,11 @@ def load_corpus(directory: str, split: str) -> list[dict]:
   return recs
 
 
+def shard_path(directory: str, split: str, i: int) -> str:
+  """Shard ``i`` of ``split``: ``{directory}/{split}-{i:05d}.npz``."""
+  return os.path.join(directory, f"{split}-{i:05d}.npz")
+
+
 class CorpusDiskFull(OSError):
   """The disk filled while a corpus was written; every shard already written is kept."""
 
@@ -192,7 +197,7 @@ def write_shards(directory: str, split: str, batches: Sequence,
   os.makedirs(directory, exist_ok=True)
   done = 0
   for i, batch in enumerate(batches):
-    path = os.path.join(directory, f"{split}-{i:05d}.npz")
+    path = shard_path(directory, split, i)
     if not os.path.exists(path):
       if deadline is not None and time.time() > deadline:
         break
