@@ -9,6 +9,7 @@ import specjax
 from specjax.drafters import NgramDrafter, PromptLookupDrafter, early_exit_drafter, fit_ngram
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.drafter import SharedCache
 from specjax.speculative.tree import TreeTopology
 from specjax.testing import DRAFTER_KINDS as KINDS, make_drafter, tiny_model
 
@@ -101,7 +102,7 @@ def test_early_exit_on_the_target_cache_equals_the_truncated_model_with_its_own_
   target_cache = prefill(params, cfg, tokens, seq_lens - 1, init_cache(cfg, 2, 8))
   key = jax.random.PRNGKey(3)
   for sampler in (Greedy(), Sampling(temperature=1.0)):
-    d1, q1, _ = shared.propose_chain(dp, target_cache, tokens, seq_lens, key, sampler, 3)
+    d1, q1, _ = shared.propose_chain(dp, SharedCache(target_cache, ()), tokens, seq_lens, key, sampler, 3)
     d2, q2, _ = own.propose_chain(own_dp, own.init(own_dp, tokens, seq_lens), tokens, seq_lens, key,
                                   sampler, 3)
     np.testing.assert_array_equal(np.asarray(d1), np.asarray(d2))

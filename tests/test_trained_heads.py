@@ -22,6 +22,7 @@ from specjax.loaders import CheckpointError
 from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.drafter import SharedCache
 from specjax.testing import new_compiles_across_batches, tiny_model
 
 K_TOP = 8
@@ -236,8 +237,8 @@ def test_zero_exit_head_is_the_training_free_exit(deep):
                   init_cache(cfg, 2, 12)).cache
   key = jax.random.PRNGKey(0)
   for sampler in (Greedy(), Sampling(1.0)):
-    a = free.propose_chain(free_dp, cache, tokens, seq_lens, key, sampler, 3)
-    b = trained.propose_chain(dp, cache, tokens, seq_lens, key, sampler, 3)
+    a = free.propose_chain(free_dp, SharedCache(cache, ()), tokens, seq_lens, key, sampler, 3)
+    b = trained.propose_chain(dp, SharedCache(cache, ()), tokens, seq_lens, key, sampler, 3)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_allclose(a[1], b[1], atol=1e-5)
 

@@ -35,7 +35,7 @@ from specjax.drafters.residual_head import head_logits, target_head
 from specjax.generate import last_tokens
 from specjax.model import Params, compute_dtype, forward
 from specjax.sampling import Sampler
-from specjax.speculative.drafter import Drafter
+from specjax.speculative.drafter import Drafter, SharedCache
 from specjax.speculative.tree_acceptance import AcceptedPath
 
 
@@ -83,17 +83,17 @@ class EarlyExitDrafter(Drafter):
     return True  # its state is the target's cache, which plain steps keep current
 
   def shares_target_cache(self) -> bool:
-    return True  # ``propose`` gets the target's KV cache as its state
+    return True  # ``propose`` gets the target's KV cache beside its own (empty) state
 
   def init(self, draft_params, tokens, prompt_lens, features=None) -> tuple:
     return ()
 
-  def propose_chain(self, draft_params: Params, target_cache: kvc.KVCache, tokens: jax.Array,
+  def propose_chain(self, draft_params: Params, state: SharedCache, tokens: jax.Array,
                     seq_lens: jax.Array, key: jax.Array, sampler: Sampler, gamma: int):
-    """Drafts over the target cache's first k layers; returns that k-layer cache as state."""
+    """Drafts over the target cache's first k layers; its own state stays empty."""
     k = self.cfg.num_layers
-    cache = kvc.KVCache(k=target_cache.k[:k], v=target_cache.v[:k],
-                        lengths=target_cache.lengths)  # = seq_lens - 1
+    target = state.target
+    cache = kvc.KVCache(k=target.k[:k], v=target.v[:k], lengths=target.lengths)  # seq_lens - 1
 
     def step(carry, key):
       cache, tok, pos = carry
@@ -105,9 +105,9 @@ class EarlyExitDrafter(Drafter):
       return (out.cache, nxt, pos + 1), (nxt, q)
 
     first = last_tokens(tokens, seq_lens)[:, 0]
-    (cache, _, _), (drafts, qs) = jax.lax.scan(step, (cache, first, seq_lens - 1),
-                                               jax.random.split(key, gamma))
-    return drafts.T, jnp.moveaxis(qs, 0, 1), cache
+    _, (drafts, qs) = jax.lax.scan(step, (cache, first, seq_lens - 1),
+                                   jax.random.split(key, gamma))
+    return drafts.T, jnp.moveaxis(qs, 0, 1), state.own
 
   def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> tuple:
     return ()

@@ -50,6 +50,7 @@ from specjax.sampling import Greedy, Sampler
 from specjax.sequences import append
 from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.block_verification import VERIFICATIONS
+from specjax.speculative.drafter import SharedCache
 from specjax.speculative.metrics import SpecResult, counters_to_host, summarize
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.state import SpecCounters, SpecState
@@ -237,10 +238,10 @@ class SpeculativeDecoder:
 
   def propose(self, draft_params: Any, state: SpecState, key: jax.Array) -> tuple[Proposal, Any]:
     """The drafter's proposal of the tree's nodes, and its new state."""
-    # A drafter that shares the target's KV cache (early exit) reads it as its
+    # A drafter that shares the target's KV cache (early exit) reads it beside its own
     # state; it only writes scratch slots, which verify overwrites.
-    draft_state = (state.target_cache if self.drafter.shares_target_cache()
-                   else state.draft_state)
+    draft_state = (SharedCache(state.target_cache, state.draft_state)
+                   if self.drafter.shares_target_cache() else state.draft_state)
     return self.drafter.propose(draft_params, draft_state, state.tokens, state.seq_lens,
                                 key, self.sampler, self.tree)
 

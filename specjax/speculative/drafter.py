@@ -32,10 +32,11 @@ never probes attributes:
     state last saw the sequence and must catch up on them. A feature drafter
     still receives ``observe`` with each plain step's single feature (the
     root's, at position ``start``). Default False: the decoder refuses γ = 0.
-  * ``shares_target_cache()`` (early exit): ``propose`` gets the target's KV
-    cache, holding the committed length − 1, as ``state``; it may write only
-    slots at or past that length (verification overwrites them) and keeps no
-    state of its own.
+  * ``shares_target_cache()`` (early exit): ``propose`` gets as ``state`` a
+    ``SharedCache``: the target's KV cache, holding the committed length − 1,
+    beside the drafter's own state (from ``init``; ``()`` when it keeps
+    none). It may write only target slots at or past that length
+    (verification overwrites them) and returns its own state alone.
   * ``reads_target_features()`` (EAGLE, Medusa): ``init`` receives ``features``
     [B, S, D] of the prompt's committed positions, and after every
     verification ``observe(state, hidden, start)`` receives the accepted
@@ -68,15 +69,23 @@ Adding a drafter: subclass ``Drafter`` as a frozen dataclass, implement
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 
+from specjax import kv_cache as kvc
 from specjax.kernels.packed import PackedWeight, unpacked
 from specjax.sampling import Sampler
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree_acceptance import AcceptedPath
 from specjax.speculative.tree import TreeTopology
+
+
+class SharedCache(NamedTuple):
+  """The ``state`` a drafter that ``shares_target_cache`` gets in ``propose``."""
+
+  target: kvc.KVCache  # the target's cache, holding the committed length − 1
+  own: Any  # the drafter's own state (its ``init``'s, after ``observe``/``rollback``)
 
 
 class Drafter:
