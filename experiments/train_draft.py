@@ -17,7 +17,8 @@ Stages (``--stage``):
          per-rank held-out accuracy is measured at the end and stored with
          them), or of a trained early exit (``--draft_kind=exit``: an exit
          head on the output of the target's first ``--exit_layer`` layers,
-         whose features are cached like EAGLE's); resumable orbax
+         whose features are cached like EAGLE's, behind a trained decoder
+         layer with ``--exit_adapter``); resumable orbax
          checkpoints; logs loss and held-out α at T=0 and T=1 (for Medusa:
          head 0's).
   all    data, then train.
@@ -107,10 +108,14 @@ flags.DEFINE_enum("draft_kind", "token", ["token", "eagle", "medusa", "exit"], "
                   "target's first --exit_layer layers).")
 flags.DEFINE_integer("exit_layer", 10, "Trained exit: k, the target layers the draft runs.",
                      lower_bound=1)
-flags.DEFINE_integer("exit_blocks", 1, "Trained exit: residual blocks of its head.",
-                     lower_bound=0)
+flags.DEFINE_integer("exit_blocks", 1, "Trained exit: residual blocks of its head (at least "
+                     "one: the checkpointer cannot store empty arrays).", lower_bound=1)
+flags.DEFINE_bool("exit_adapter", False, "Trained exit: a trained decoder layer (initialised "
+                  "from the target's layer --exit_layer, with its own one-layer KV cache) between "
+                  "layer k's output and the exit head.")
 flags.DEFINE_integer("medusa_heads", 4, "Medusa: heads (the deepest draft).", lower_bound=1)
-flags.DEFINE_integer("medusa_layers", 1, "Medusa: residual blocks per head.", lower_bound=0)
+flags.DEFINE_integer("medusa_layers", 1, "Medusa: residual blocks per head (at least one).",
+                     lower_bound=1)
 flags.DEFINE_bool("own_head", False, "Medusa and the trained exit: each head trains its own "
                   "copy of the target's LM-head rows (FasterDecoding's Medusa-1; --draft_vocab "
                   "rows, shipped with the heads) instead of sharing the frozen ones.")
@@ -391,6 +396,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
                  medusa_heads=FLAGS.medusa_heads)
   if exit_run:
     setup.update(draft_kind="exit", draft_layers=FLAGS.exit_blocks, exit_layer=FLAGS.exit_layer)
+    if FLAGS.exit_adapter:
+      setup.update(exit_adapter=True)  # (absent when off, so earlier runs still resume)
   if FLAGS.own_head:
     setup.update(own_head=True)  # (absent when off, so earlier runs still resume)
   if online:
@@ -453,8 +460,11 @@ def run_train_stage(directory: str, workdir: str) -> None:
   elif exit_run:
     from specjax.distill import heads
     from specjax.drafters.residual_head import zero_blocks
-    objective = heads.exit_objective(cfg)
+    objective = heads.exit_objective(cfg, adapter=FLAGS.exit_adapter)
     dparams = zero_blocks(1, FLAGS.exit_blocks, cfg.dim)
+    if FLAGS.exit_adapter:
+      from specjax.drafters.early_exit import adapter_layer
+      dparams["adapter"] = adapter_layer(cfg, params, FLAGS.exit_layer)
     frozen = heads.frozen_arrays(cfg, params, vocab_map)
     dcfg = dataclasses.replace(cfg, vocab_size=FLAGS.draft_vocab or cfg.vocab_size)
   if FLAGS.own_head:  # each head's copy of the frozen rows

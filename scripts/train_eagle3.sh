@@ -25,7 +25,8 @@
 # features computed once and cached (--teacher=stored: cheap epochs on a CPU; the
 # shipped heads, specjax/assets/smollm2_medusa/README.md, give the exact command).
 # exit: one such head (two blocks) on the output of the target's first $EXIT_LAYER
-# layers over the same 8,192 rows, the layer's features cached like Medusa's. Either
+# layers over the same 8,192 rows, the layer's features cached like Medusa's (add
+# --exit_adapter for a trained decoder layer in front of it). Either
 # takes --own_head: each head trains its own copy of those rows (FasterDecoding's design).
 # The defaults are the accelerator run; every knob is an environment variable, so
 # the same command runs small on a CPU.

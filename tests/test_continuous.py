@@ -52,6 +52,11 @@ def _decoder(kind, models, eos_ids=()):
                            tree_costs=(1.15, 1.25), prior_alpha=0.6, decay=0.7,
                            rank_accept=((0.55, 0.1, 0.04), (0.5, 0.1, 0.0), (0.6, 0.1, 0.0)))
     return SpeculativeDecoder(cfg, d, policy=policy, eos_ids=eos_ids), d.make_params(dparams)
+  if kind == "adapter_exit_adaptive":  # plain steps the adapter catches up on, and chains
+    drafter, dp = make_drafter("adapter_exit", cfg, params, CORPUS)
+    policy = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.2, 1.3, 1.5),
+                           prior_alpha=0.6, decay=0.7)
+    return SpeculativeDecoder(cfg, drafter, policy=policy, eos_ids=eos_ids), dp
   if kind == "lookahead":
     return SpeculativeDecoder(cfg, LookaheadDrafter(cfg.vocab_size, window=3, ngram=3,
                                                     guesses=2), eos_ids=eos_ids), ()
@@ -61,8 +66,8 @@ def _decoder(kind, models, eos_ids=()):
   return SpeculativeDecoder(cfg, drafter, gamma=gamma, tree=tree, eos_ids=eos_ids), dp
 
 
-KINDS = ["model_chain", "model_adaptive", "model_adaptive_trees", "eagle", "medusa", "early_exit", "lookahead",
-         "bigram"]
+KINDS = ["model_chain", "model_adaptive", "model_adaptive_trees", "eagle", "medusa", "early_exit",
+         "adapter_exit", "adapter_exit_adaptive", "lookahead", "bigram"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

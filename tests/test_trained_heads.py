@@ -13,17 +13,18 @@ import pytest
 
 from specjax import drafts
 from specjax.distill import features, heads, train, vocab
-from specjax.drafters import early_exit_drafter, trained_exit_drafter
+from specjax.drafters import EarlyExitDrafter, early_exit_drafter, trained_exit_drafter
+from specjax.drafters.early_exit import adapter_layer
 from specjax.drafters.medusa import MedusaDrafter, init_medusa_weights, medusa_drafter
 from specjax.drafters.residual_head import target_head, zero_blocks
-from specjax.generate import generate
+from specjax.generate import generate, prefill
 from specjax.kv_cache import init_cache
 from specjax.loaders import CheckpointError
 from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.drafter import SharedCache
-from specjax.testing import new_compiles_across_batches, tiny_model
+from specjax.testing import make_drafter, new_compiles_across_batches, tiny_model
 
 K_TOP = 8
 SEQ = 32
@@ -243,19 +244,23 @@ def test_zero_exit_head_is_the_training_free_exit(deep):
     np.testing.assert_allclose(a[1], b[1], atol=1e-5)
 
 
-def test_tiny_exit_training_raises_alpha_and_decodes_losslessly(deep, tmp_path):
-  """The exit after 1 of 3 layers, trained on stored layer-0 features: held-out α at T = 0
-  rises from the training-free exit's, as does the acceptance of real decoding, which stays
-  greedy-exact; no recompilation across batches."""
+@pytest.mark.parametrize("adapter", [False, True], ids=["head", "adapter"])
+def test_tiny_exit_training_raises_alpha_and_decodes_losslessly(deep, tmp_path, adapter):
+  """The exit after 1 of 3 layers, trained on stored layer-0 features (with or without an
+  attention adapter): held-out α at T = 0 rises from the untrained exit's, as does the
+  acceptance of real decoding, which stays greedy-exact; no recompilation across batches;
+  the directory it is shipped in loads back to the same decoder."""
   cfg, params, recs, held = deep
   vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
-  objective = heads.exit_objective(cfg)
+  objective = heads.exit_objective(cfg, adapter=adapter)
   frozen = heads.frozen_arrays(cfg, params, vm)
   draft = train.Draft(cfg=dataclasses.replace(cfg, vocab_size=len(vm)),
                       target_vocab_size=cfg.vocab_size, vocab_map=vm)
-  tc = train.TrainConfig(steps=200, batch_size=8, seq_len=SEQ, lr=2e-2, warmup_steps=2,
-                         eval_every=200, checkpoint_every=200)
+  tc = train.TrainConfig(steps=200, batch_size=8, seq_len=SEQ, lr=2e-2 if not adapter else 5e-3,
+                         warmup_steps=2, eval_every=200, checkpoint_every=200)
   weights = zero_blocks(1, 2, cfg.dim)
+  if adapter:
+    weights["adapter"] = adapter_layer(cfg, params, 1)
   trained, hist = train.train(draft, weights, recs, held, tc, str(tmp_path), k=K_TOP,
                               log=lambda m: 0, progress=False, objective=objective,
                               frozen=frozen)
@@ -278,10 +283,41 @@ def test_tiny_exit_training_raises_alpha_and_decodes_losslessly(deep, tmp_path):
   path = str(tmp_path / "exit")
   drafts.save_exit(path, cfg, trained, vm, exit_layer=1, tokenizer_sha256="abc")
   d2, dp2 = drafts.load_exit(path, cfg, params, tokenizer_sha256="abc")
-  assert d2.trained and d2.cfg.num_layers == 1
+  assert d2.trained and d2.adapter == adapter and d2.cfg.num_layers == 1
   np.testing.assert_array_equal(dec.generate(params, dp2, prompts, 12).tokens, plain.tokens)
   d3, _, note = drafts.drafter_from_path(path, cfg, params, None)
   assert d3 == d2 and "trained exit" in note
+
+
+def test_adapter_exit_drafts_are_the_training_objective_on_the_same_tokens(deep):
+  """The adapter's own cache is built from true layer-k features (the prefill's, and a
+  backlog of 6 committed tokens one row never drafted over), so at every chain depth the
+  drafted q equals the training objective's distribution teacher-forced on the same tokens:
+  the draft's input is exact at every depth, and teacher-forced α is the real one."""
+  cfg, params, _, _ = deep
+  drafter, dp = make_drafter("adapter_exit", cfg, params, None)
+  assert drafter.adapter and drafter.target_feature_layers() == (0,)
+  gamma, s = 3, 16
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, s)), jnp.int32)
+  seq_lens, prompt_lens = jnp.asarray([7, 10]), jnp.asarray([7, 4])
+  target_cache, feats = prefill(params, cfg, tokens, seq_lens - 1, init_cache(cfg, 2, s),
+                                return_hidden=True, feature_layers=(0,))
+  own = drafter.init(dp, tokens, prompt_lens, features=feats)  # row 1 saw only its prompt
+  drafts_, q, own = drafter.propose_chain(dp, SharedCache(target_cache, own), tokens, seq_lens,
+                                          jax.random.PRNGKey(1), Sampling(1.0), gamma)
+  np.testing.assert_array_equal(own.cache.lengths, seq_lens - 1)
+  full = tokens
+  for j in range(gamma - 1):  # the drafts each depth was conditioned on
+    full = full.at[jnp.arange(2), seq_lens + j].set(drafts_[:, j])
+  out = forward(params, cfg, full, jnp.arange(s)[None].repeat(2, 0), init_cache(cfg, 2, s),
+                return_layers=(0,))
+  ep = dp["exit"]
+  objective = heads.exit_objective(cfg, adapter=True)
+  batch = dict(features=out.intermediates[0], pred_pos=seq_lens[:, None] - 1 + jnp.arange(gamma))
+  logp, _ = objective.logp_and_aux({k: ep[k] for k in ("res_w", "res_b", "adapter")},
+                                   {"final_norm": ep["final_norm"], "head": ep["head"]}, None,
+                                   batch, None)
+  np.testing.assert_allclose(q[:, :, np.asarray(ep["vocab_map"])], np.exp(logp), atol=1e-5)
 
 
 def test_bad_exits_are_refused(deep, tmp_path):
@@ -298,6 +334,21 @@ def test_bad_exits_are_refused(deep, tmp_path):
     drafts.load_exit(str(tmp_path / "e"), shallow, params)
   with pytest.raises(ValueError, match="does not fit width"):
     trained_exit_drafter(cfg, params, 1, zero_blocks(1, 1, cfg.dim + 1))
+  # an attention adapter: shaped like the target's layers, declared in draft.json, trained
+  adapter = adapter_layer(cfg, params, 1)
+  with pytest.raises(ValueError, match="not shaped like the target's layers"):
+    trained_exit_drafter(cfg, params, 1, dict(w, adapter=dict(adapter, wo=adapter["wo"][:-1])))
+  with pytest.raises(ValueError, match="belongs to a trained exit"):
+    EarlyExitDrafter(cfg, adapter=True)
+  path = str(tmp_path / "a")
+  drafts.save_exit(path, cfg, dict(w, adapter=adapter), None, exit_layer=1, tokenizer_sha256="-")
+  meta = json.load(open(os.path.join(path, "draft.json")))
+  assert meta["adapter"] and drafts.load_exit(path, cfg, params)[0].adapter
+  for bad, msg in ((dict(meta, adapter=False), "does not declare an attention adapter"),
+                   (dict(meta, param_layout="q|k|v"), "stored in layout 'q|k|v'")):
+    json.dump(bad, open(os.path.join(path, "draft.json"), "w"))
+    with pytest.raises(CheckpointError, match=msg):
+      drafts.load_exit(path, cfg, params)
   d, dp = trained_exit_drafter(cfg, params, 1, w)
   with pytest.raises(ValueError, match="draft_params\\['exit'\\]"):
     d.check_params({k: v for k, v in dp.items() if k != "exit"})

@@ -46,6 +46,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.distill.train import device_batch, step_weight
+from specjax.drafters.early_exit import adapter_sequence
 from specjax.drafters.residual_head import head_logits, target_head
 from specjax.model import Params
 
@@ -69,10 +70,13 @@ class HeadObjective:
   cfg: ModelConfig
   num_heads: int
   lag: int
+  adapter: bool = False
 
   def __post_init__(self):
     if self.num_heads < 1 or self.lag < 0:
       raise ValueError(f"need num_heads >= 1 and lag >= 0, got {self.num_heads}, {self.lag}")
+    if self.adapter and (self.num_heads != 1 or self.lag != 0):
+      raise ValueError("an attention adapter is the trained exit's (one head, lag 0)")
 
   def min_position(self, step: int) -> int:
     """Head ``step`` has an input from position ``lag`` + ``step`` on."""
@@ -86,8 +90,11 @@ class HeadObjective:
     pred = batch["pred_pos"]
     b, r = pred.shape
     k = self.num_heads
+    seq = batch["features"]
+    if self.adapter:  # the trained exit's decoder layer over the whole sequence of layer-k outputs
+      seq = adapter_sequence(dp["adapter"], self.cfg, seq.astype(jnp.float32))
     src = jnp.maximum(pred[:, :, None] - self.lag - jnp.arange(k), 0)  # [B, R, K]
-    feats = jnp.take_along_axis(batch["features"], src.reshape(b, r * k, 1), axis=1)
+    feats = jnp.take_along_axis(seq, src.reshape(b, r * k, 1), axis=1)
     logits = head_logits(dp, feats.reshape(b, r, k, -1), self.cfg.norm_eps)
     logp = jnp.moveaxis(jax.nn.log_softmax(logits, axis=-1), 2, 0)
     return (logp if k > 1 else logp[0]), 0.0
@@ -98,9 +105,10 @@ def medusa_objective(cfg: ModelConfig, num_heads: int) -> HeadObjective:
   return HeadObjective(cfg, num_heads, lag=1)
 
 
-def exit_objective(cfg: ModelConfig) -> HeadObjective:
-  """The trained early exit: one head on layer k's output predicting the next token."""
-  return HeadObjective(cfg, 1, lag=0)
+def exit_objective(cfg: ModelConfig, adapter: bool = False) -> HeadObjective:
+  """The trained early exit: one head on layer k's output predicting the next token
+  (``adapter``: through a trained decoder layer first, ``early_exit.adapter_sequence``)."""
+  return HeadObjective(cfg, 1, lag=0, adapter=adapter)
 
 
 def frozen_arrays(target_cfg, target_params: Params, vocab_map=None) -> dict:

@@ -16,7 +16,18 @@ Per step, on a target cache holding the committed length s − 1 (see
 slot s − 1 and then its own drafts at s, s + 1, …, writing their layer-l < k
 entries into those scratch slots. Verification feeds the same slots again
 (the last committed token and the drafts through all L layers) and overwrites
-them, so the drafter never leaves anything behind: its state is empty.
+them, so the drafter never leaves anything behind (without an adapter, below, it
+keeps no state).
+
+A trained exit may read layer k's output through an **attention adapter** first:
+one trained decoder layer (initialised from the target's layer k, ``adapter_layer``)
+whose keys and values of committed positions need a cache of its own, one layer
+deep (``AdapterState``: 1/L of the target cache). It is built from the target's
+true layer-k outputs: the prefill's and every verification's (``observe``, the
+feature-drafter interface with ``target_feature_layers`` = (k − 1,)); ``propose``
+feeds the ones not yet fed, then the drafts as scratch. Because the draft computes
+layer k itself over the shared cache, its input is exact at every draft depth (not
+a predicted feature, as EAGLE's is), so teacher-forced α is the real one.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,11 +44,27 @@ from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.residual_head import head_logits, target_head
-from specjax.generate import last_tokens
-from specjax.model import Params, compute_dtype, forward
+from specjax.generate import last_tokens, over_backlog, over_chunks
+from specjax.kernels.packed import PackedWeight, unpacked
+from specjax.model import Params, compute_dtype, forward, run_layers
 from specjax.sampling import Sampler
 from specjax.speculative.drafter import Drafter, SharedCache
 from specjax.speculative.tree_acceptance import AcceptedPath
+
+
+@flax.struct.dataclass(kw_only=True)
+class AdapterState:
+  """A trained exit's attention adapter's own state.
+
+  Attributes:
+    cache: the adapter layer's one-layer KV cache; slots below ``cache.lengths`` were
+      built from true features (the target's layer-k outputs).
+    features: [B, S, D] the target's layer-k outputs by position, written by the
+      prefill and by every verification (``observe``).
+  """
+
+  cache: kvc.KVCache
+  features: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +76,18 @@ class EarlyExitDrafter(Drafter):
     trained: the logits come from the trained exit head ``draft_params["exit"]``
       (``residual_head`` params, optionally with a ``vocab_map`` of its rows) instead of
       the target's final norm and LM head.
+    adapter: the trained exit reads layer k's output through its own decoder layer
+      ``draft_params["exit"]["adapter"]`` first (``adapter_sequence``), which keeps a
+      one-layer KV cache of its own (filled from the target's layer-k features).
   """
 
   cfg: ModelConfig
   trained: bool = False
+  adapter: bool = False
+
+  def __post_init__(self):
+    if self.adapter and not self.trained:
+      raise ValueError("an attention adapter belongs to a trained exit (trained=True)")
 
   @property
   def vocab_size(self) -> int:
@@ -72,45 +108,131 @@ class EarlyExitDrafter(Drafter):
         np.shape(ep["head"])[-1] != d):
       raise ValueError(f"exit head of res_w {np.shape(ep['res_w'])} and head "
                        f"{np.shape(ep['head'])} does not fit width {d} (one head)")
+    if self.adapter != ("adapter" in ep):
+      raise ValueError("the exit head has an attention adapter but the drafter was built "
+                       "without one, or the other way round (trained_exit_drafter decides)")
+    if self.adapter:
+      got = {k: np.shape(v) for k, v in ep["adapter"].items()}
+      want = {k: np.shape(v) for k, v in draft_params["layers"][0].items()}
+      if got != want:
+        raise ValueError(f"the exit's adapter layer {got} is not shaped like the target's "
+                         f"layers {want}")
 
   def exit_logits(self, draft_params: Params, hidden: jax.Array) -> jax.Array:
-    """[B, D] layer k's output -> [B, V] float32 logits of the trained exit head."""
+    """[B, D] the exit's input (layer k's output, through the adapter if any) -> [B, V]
+    float32 logits of the trained exit head."""
     ep = draft_params["exit"]
     logits = head_logits(ep, hidden[:, None], self.cfg.norm_eps)[:, 0]
     return lift_logits(logits, ep["vocab_map"], self.vocab_size) if "vocab_map" in ep else logits
 
   def tolerates_skipped_steps(self) -> bool:
-    return True  # its state is the target's cache, which plain steps keep current
+    return True  # the target's cache is current after plain steps; the adapter observes them
 
   def shares_target_cache(self) -> bool:
-    return True  # ``propose`` gets the target's KV cache beside its own (empty) state
+    return True  # ``propose`` gets the target's KV cache beside its own state
 
-  def init(self, draft_params, tokens, prompt_lens, features=None) -> tuple:
-    return ()
+  def reads_target_features(self) -> bool:
+    return self.adapter  # the adapter's cache is filled from layer k's verified outputs
+
+  def target_feature_layers(self) -> tuple[int, ...]:
+    return (self.cfg.num_layers - 1,) if self.adapter else ()
+
+  def _adapter(self, draft_params: Params, x: jax.Array, positions: jax.Array,
+               cache: kvc.KVCache, num_valid=None) -> tuple[jax.Array, kvc.KVCache]:
+    return run_adapter(draft_params["exit"]["adapter"], self.cfg, x.astype(cache.k[0].dtype),
+                       positions, cache, num_valid)
+
+  def _feed(self, draft_params: Params, features: jax.Array, pos: jax.Array, valid: jax.Array,
+            cache: kvc.KVCache) -> kvc.KVCache:
+    """Writes the adapter's entries of positions ``pos`` [B, C] from the stored true
+    features, committing the first ``valid`` [B] of them."""
+    s = features.shape[1]
+    x = jnp.take_along_axis(features, jnp.clip(pos, 0, s - 1)[:, :, None], axis=1)
+    return self._adapter(draft_params, x, pos, cache, valid)[1]
+
+  def init(self, draft_params, tokens, prompt_lens, features=None) -> Any:
+    """No state; with an adapter, an ``AdapterState`` whose cache holds the prompt's
+    positions 0 … P − 2 (``features``: layer k's outputs there), fed in chunks."""
+    if not self.adapter:
+      return ()
+    b, s = tokens.shape
+    features = features[:, :s]
+    cache = kvc.init_cache(dataclasses.replace(self.cfg, num_layers=1), b, s,
+                           compute_dtype(draft_params))
+    feed = lambda idx, valid, cache: self._feed(
+        draft_params, features, jnp.broadcast_to(idx, (b, idx.shape[0])), valid, cache)
+    return AdapterState(cache=over_chunks(feed, cache, prompt_lens - 1, s), features=features)
+
+  def observe(self, state: Any, hidden: jax.Array, start: jax.Array) -> Any:
+    """Stores the target's layer-k outputs ``hidden`` [B, T, D] of positions start[b] + t
+    (the root and the accepted path, or a plain step's root); ``propose`` feeds them."""
+    b, t = hidden.shape[:2]
+    pos = start[:, None] + jnp.arange(t)[None, :]
+    feats = state.features.at[jnp.arange(b)[:, None], pos].set(
+        hidden.astype(state.features.dtype), mode="drop")
+    return state.replace(features=feats)
 
   def propose_chain(self, draft_params: Params, state: SharedCache, tokens: jax.Array,
                     seq_lens: jax.Array, key: jax.Array, sampler: Sampler, gamma: int):
-    """Drafts over the target cache's first k layers; its own state stays empty."""
+    """Drafts over the target cache's first k layers (and the adapter's own cache)."""
     k = self.cfg.num_layers
     target = state.target
     cache = kvc.KVCache(k=target.k[:k], v=target.v[:k], lengths=target.lengths)  # seq_lens - 1
+    own = state.own
+    if self.adapter:  # catch up: the entries of committed positions not yet fed (up to γ + 1
+      # after a speculative step, more after plain steps), from their true features
+      feed = lambda pos, valid, cache: self._feed(draft_params, own.features, pos, valid, cache)
+      own = own.replace(cache=over_backlog(feed, own.cache, own.cache.lengths, seq_lens - 1,
+                                           gamma + 1))
 
     def step(carry, key):
-      cache, tok, pos = carry
+      cache, own_cache, tok, pos = carry
       out = forward(draft_params, self.cfg, tok[:, None], pos[:, None], cache,
                     compute_logits=not self.trained)
-      logits = (self.exit_logits(draft_params, out.hidden[:, 0]) if self.trained
-                else out.logits[:, 0])
+      if self.adapter:
+        h, own_cache = self._adapter(draft_params, out.hidden, pos[:, None], own_cache)
+        logits = self.exit_logits(draft_params, h[:, 0])
+      elif self.trained:
+        logits = self.exit_logits(draft_params, out.hidden[:, 0])
+      else:
+        logits = out.logits[:, 0]
       nxt, q = sampler.sample(key, logits)
-      return (out.cache, nxt, pos + 1), (nxt, q)
+      return (out.cache, own_cache, nxt, pos + 1), (nxt, q)
 
     first = last_tokens(tokens, seq_lens)[:, 0]
-    _, (drafts, qs) = jax.lax.scan(step, (cache, first, seq_lens - 1),
-                                   jax.random.split(key, gamma))
-    return drafts.T, jnp.moveaxis(qs, 0, 1), state.own
+    own_cache = own.cache if self.adapter else None
+    (_, own_cache, _, _), (drafts, qs) = jax.lax.scan(
+        step, (cache, own_cache, first, seq_lens - 1), jax.random.split(key, gamma))
+    if self.adapter:  # the drafts' entries are scratch: only positions < seq_lens − 1 are true
+      own = own.replace(cache=own_cache.with_lengths(seq_lens - 1))
+    return drafts.T, jnp.moveaxis(qs, 0, 1), own
 
-  def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> tuple:
-    return ()
+  def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> Any:
+    return state  # the adapter's cache already stops at the last true feature
+
+
+def adapter_layer(cfg: ModelConfig, params: Params, num_layers: int) -> Params:
+  """A float32 copy of the target's layer ``num_layers`` (the one after the exit): the
+  attention adapter's initial weights, so that untrained it is the target's next layer."""
+  return jax.tree.map(lambda w: jnp.asarray(unpacked(w), jnp.float32),
+                      params["layers"][num_layers], is_leaf=lambda w: isinstance(w, PackedWeight))
+
+
+def run_adapter(adapter: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
+                cache: kvc.KVCache, num_valid=None) -> tuple[jax.Array, kvc.KVCache]:
+  """The adapter layer over [B, T, D] layer-k outputs at ``positions`` [B, T], against its
+  one-layer ``cache``: (outputs [B, T, D], the cache with their entries)."""
+  y, _, cache = run_layers({"layers": [adapter]}, dataclasses.replace(cfg, num_layers=1), x,
+                           positions, cache, num_valid=num_valid)
+  return y, cache
+
+
+def adapter_sequence(adapter: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+  """The adapter over whole sequences: [B, L, D] layer-k outputs at positions 0..L-1 ->
+  [B, L, D] (causal; what training reads, teacher-forced)."""
+  b, l, _ = x.shape
+  cache = kvc.init_cache(dataclasses.replace(cfg, num_layers=1), b, l, x.dtype)
+  return run_adapter(adapter, cfg, x, jnp.broadcast_to(jnp.arange(l), (b, l)), cache)[0]
 
 
 def early_exit_drafter(cfg: ModelConfig, params: Params,
@@ -131,15 +253,18 @@ def trained_exit_drafter(cfg: ModelConfig, params: Params, num_layers: int, weig
     cfg, params: the target.
     num_layers: k, the layers the draft runs (its exit is layer k − 1's output).
     weights: ``res_w`` [1, L, D, D] and ``res_b`` [1, L, D] (``distill.heads``), and
-      optionally the head's own trained rows ``head`` [1, Vd, D] (``--own_head``).
+      optionally the head's own trained rows ``head`` [1, Vd, D] (``--own_head``) and an
+      attention adapter ``adapter`` (a decoder layer's params, ``--exit_adapter``).
     vocab_map: [Vd] target ids of the head's rows (without an own head: the target's
       LM head rows there); None: all V rows.
   """
   drafter, dp = early_exit_drafter(cfg, params, num_layers)
-  drafter = dataclasses.replace(drafter, trained=True)
+  drafter = dataclasses.replace(drafter, trained=True, adapter="adapter" in weights)
   dtype = compute_dtype(params)
   ep = {"final_norm": params["final_norm"], "res_w": jnp.asarray(weights["res_w"], dtype),
         "res_b": jnp.asarray(weights["res_b"], dtype)}
+  if "adapter" in weights:
+    ep["adapter"] = {k: jnp.asarray(v, dtype) for k, v in weights["adapter"].items()}
   if vocab_map is not None:
     ep["vocab_map"] = jnp.asarray(np.asarray(vocab_map), jnp.int32)
   if "head" in weights:

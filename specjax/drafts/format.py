@@ -22,7 +22,9 @@ reduced vocabulary (``specjax.drafters.reduced_vocab`` has the convention).
                 default tree is built from), ``info``; tensors: ``res_w``,
                 ``res_b`` and, for heads with their own rows, ``head``.
   trained exit  as Medusa heads, with one head and ``exit_layer`` (k: the head
-                reads the output of the target's first k layers).
+                reads the output of the target's first k layers); with an
+                attention adapter also ``adapter: true`` and ``param_layout``,
+                and its decoder layer's tensors as ``adapter.{key}``.
 
 Both loaders open a directory through ``read_checked_metadata``, which refuses
 a draft made for another target (vocabulary size or tokenizer fingerprint), so
@@ -54,6 +56,7 @@ FORMAT = "specjax-draft-v1"
 EAGLE_FORMAT = "specjax-eagle-v1"
 MEDUSA_FORMAT = "specjax-medusa-v1"
 EXIT_FORMAT = "specjax-exit-v1"
+ADAPTER_PREFIX = "adapter."  # a trained exit's attention adapter: "adapter.wqkv", …
 _LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
 
@@ -273,6 +276,8 @@ def _save_heads(path: str, fmt: str, target_cfg: ModelConfig, weights: Params,
   own ``head`` when the heads have one) + ``vocab_map``; a shared head is the target's, taken
   at load time. ``extra`` goes into draft.json."""
   tensors = {k: np.asarray(weights[k], dtype) for k in ("res_w", "res_b", "head") if k in weights}
+  for name, w in weights.get("adapter", {}).items():  # a trained exit's decoder layer
+    tensors[ADAPTER_PREFIX + name] = np.asarray(w, dtype)
   num_heads, num_layers = tensors["res_w"].shape[:2]
   if vocab_map is not None:
     tensors["vocab_map"] = np.asarray(vocab_map, np.int32)
@@ -294,6 +299,19 @@ def _load_heads(path: str, fmt: str, what: str, target_cfg: ModelConfig,
     if name not in t:
       raise CheckpointError(f"{path}/weights.safetensors lacks tensor {name!r}")
   weights = {k: jnp.asarray(t[k], jnp.float32) for k in ("res_w", "res_b", "head") if k in t}
+  adapter = {k[len(ADAPTER_PREFIX):]: jnp.asarray(w, jnp.float32) for k, w in t.items()
+             if k.startswith(ADAPTER_PREFIX)}
+  declared = bool(meta.get("adapter", False))
+  if bool(adapter) != declared:
+    raise CheckpointError(f"{path}: draft.json {'declares' if declared else 'does not declare'} "
+                          f"an attention adapter, but weights.safetensors "
+                          f"{'holds' if adapter else 'lacks'} its tensors")
+  if adapter:
+    if meta.get("param_layout") != param_layout.LAYOUT:
+      raise CheckpointError(f"{path}: the attention adapter's projections are stored in layout "
+                            f"{meta.get('param_layout')!r}; this version reads "
+                            f"{param_layout.LAYOUT!r}")
+    weights["adapter"] = adapter
   if weights["res_w"].shape[:2] != (meta["num_heads"], meta["num_layers"]):
     raise CheckpointError(f"{path}: res_w of shape {weights['res_w'].shape} does not hold the "
                           f"{meta['num_heads']} heads of {meta['num_layers']} blocks draft.json "
@@ -340,13 +358,16 @@ def save_exit(path: str, target_cfg: ModelConfig, weights: Params,
               vocab_map: Optional[np.ndarray], *, exit_layer: int, tokenizer_sha256: str,
               info: Optional[dict] = None, dtype=np.float16) -> None:
   """Writes a trained early-exit head: one residual head on the output of the target's first
-  ``exit_layer`` layers (``drafters.early_exit.trained_exit_drafter``)."""
+  ``exit_layer`` layers (``drafters.early_exit.trained_exit_drafter``), behind its attention
+  adapter when ``weights`` hold one (tensors ``adapter.<name>`` in the target's layer layout;
+  draft.json says ``"adapter": true``)."""
   if np.shape(weights["res_w"])[0] != 1:
     raise ValueError(f"a trained exit has one head, got res_w of shape {np.shape(weights['res_w'])}")
   if not 1 <= exit_layer < target_cfg.num_layers:
     raise ValueError(f"exit_layer must be in [1, {target_cfg.num_layers - 1}], got {exit_layer}")
+  extra = dict(adapter=True, param_layout=param_layout.LAYOUT) if "adapter" in weights else {}
   _save_heads(path, EXIT_FORMAT, target_cfg, weights, vocab_map, tokenizer_sha256, info, dtype,
-              exit_layer=int(exit_layer))
+              exit_layer=int(exit_layer), **extra)
 
 
 def load_exit(path: str, target_cfg: ModelConfig, target_params: Params, *,
