@@ -553,6 +553,8 @@ def adaspec_reference(setup: dict, dparams, tc):
 
 def main(argv):
   del argv
+  if FLAGS.adaspec_keep <= 0.0:
+    raise app.UsageError(f"--adaspec_keep must be in (0, 1], got {FLAGS.adaspec_keep}")
   if (FLAGS.adaspec_keep < 1.0) != bool(FLAGS.adaspec_reference):
     raise app.UsageError("AdaSPEC needs both --adaspec_keep < 1 and --adaspec_reference")
   training_mesh()  # a bad --mesh fails before the corpus is built

@@ -42,19 +42,16 @@ def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[S
         corpus, cfg.vocab_size, top_k=4)
   if kind == "early_exit":
     return drafters.early_exit_drafter(cfg, params, 1)
-  if kind == "trained_exit":  # random exit head, half the target vocabulary (q = 0 elsewhere)
-    from specjax.drafters.medusa import random_medusa_weights
-    weights = random_medusa_weights(cfg, 1, 1, jax.random.PRNGKey(7), own_head=False)
-    return drafters.trained_exit_drafter(cfg, params, 1, weights,
-                                         np.arange(0, cfg.vocab_size, 2))
-  if kind == "adapter_exit":  # the same head behind an attention adapter: layer 1, perturbed
+  if kind in ("trained_exit", "adapter_exit"):  # random exit head, half the target vocabulary
+    # (q = 0 elsewhere); the adapter exit puts the target's layer 1, perturbed, before it
     from specjax.drafters.early_exit import adapter_layer
     from specjax.drafters.medusa import random_medusa_weights
     weights = random_medusa_weights(cfg, 1, 1, jax.random.PRNGKey(7), own_head=False)
-    keys = iter(jax.random.split(jax.random.PRNGKey(8), 16))
-    weights["adapter"] = jax.tree.map(
-        lambda w: w + 0.3 * jnp.std(w) * jax.random.normal(next(keys), w.shape),
-        adapter_layer(cfg, params, 1))
+    if kind == "adapter_exit":
+      keys = iter(jax.random.split(jax.random.PRNGKey(8), 16))
+      weights["adapter"] = jax.tree.map(
+          lambda w: w + 0.3 * jnp.std(w) * jax.random.normal(next(keys), w.shape),
+          adapter_layer(cfg, params, 1))
     return drafters.trained_exit_drafter(cfg, params, 1, weights,
                                          np.arange(0, cfg.vocab_size, 2))
   if kind == "eagle":  # random weights, half the target vocabulary (q = 0 elsewhere)

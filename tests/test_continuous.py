@@ -44,7 +44,8 @@ def _decoder(kind, models, eos_ids=()):
     policy = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.2, 1.3, 1.5),
                            prior_alpha=0.6, decay=0.7)
     return SpeculativeDecoder(cfg, d, policy=policy, eos_ids=eos_ids), d.make_params(dparams)
-  if kind == "model_adaptive_trees":  # plain steps, a chain, a static and a dynamic tree
+  if kind == "model_adaptive_trees":  # choices: plain steps, a chain, a static and a dynamic
+    # tree; on these requests it takes the chain and the static tree only
     d = ModelDrafter(dcfg)
     policy = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.1),
                            trees=(TreeTopology.from_choices([(0,), (1,), (0, 0), (0, 1)]),
@@ -54,8 +55,8 @@ def _decoder(kind, models, eos_ids=()):
     return SpeculativeDecoder(cfg, d, policy=policy, eos_ids=eos_ids), d.make_params(dparams)
   if kind == "adapter_exit_adaptive":  # plain steps the adapter catches up on, and chains
     drafter, dp = make_drafter("adapter_exit", cfg, params, CORPUS)
-    policy = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.2, 1.3, 1.5),
-                           prior_alpha=0.6, decay=0.7)
+    policy = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.4, 1.6, 1.9),
+                           prior_alpha=0.5, decay=0.7)  # costs at which it mixes all four
     return SpeculativeDecoder(cfg, drafter, policy=policy, eos_ids=eos_ids), dp
   if kind == "lookahead":
     return SpeculativeDecoder(cfg, LookaheadDrafter(cfg.vocab_size, window=3, ngram=3,
@@ -87,11 +88,15 @@ def test_every_request_gets_plain_greedy_tokens(models, kind):
   for i, p in enumerate(prompts):
     ref = generate(params, cfg, [p], budgets[i], eos_ids=())
     assert res.generated(i) == ref.generated(0), (kind, i)
-    if dec.policy is not None:
+    if dec.policy is not None:  # (its plain steps and drafts are checked below)
       continue
     alone = dec.generate(params, dp, [p], budgets[i]).per_row
     assert [res.per_row[k][i] for k in ("target_calls", "accepted")] == \
         [alone[k][0] for k in ("target_calls", "accepted")], (kind, i)
+  if dec.policy is not None:  # the policy did switch, and took plain steps where claimed
+    taken = np.asarray(res.per_row["depth_hist"]).sum(0)  # steps by depth, 0 = plain
+    assert np.count_nonzero(taken) > 1, (kind, taken)
+    assert taken[0] > 0 or kind == "model_adaptive_trees", (kind, taken)
   assert res.per_row["emitted"].tolist() == budgets
   assert np.all(res.finished_at > res.prefilled_at) and np.all(res.prefilled_at >= res.admitted_at)
 
@@ -146,6 +151,10 @@ def test_slots_refill_so_a_queue_takes_fewer_steps_than_fixed_batches(models, in
     ids = slice(i, i + 2)
     fixed += max(dec.generate(params, dp, prompts[ids], b).steps for b in budgets[ids])
   assert res.steps < 0.8 * fixed, (res.steps, fixed)
+  if dec.policy is not None:  # the policy did switch, and took plain steps where claimed
+    taken = np.asarray(res.per_row["depth_hist"]).sum(0)  # steps by depth, 0 = plain
+    assert np.count_nonzero(taken) > 1, (kind, taken)
+    assert taken[0] > 0 or kind == "model_adaptive_trees", (kind, taken)
   assert res.per_row["emitted"].tolist() == budgets
 
 

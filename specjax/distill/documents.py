@@ -3,8 +3,8 @@
 The other corpus kind, the target's own answers (``teacher.build_corpus``), costs a
 decode step per token; fixed text costs a prefill position per token. On a 2-core CPU,
 where batched decoding is compute-bound too, that was only ~1.6x cheaper per token
-(``experiments/results/corpus_ablation/``). Everything here is read offline from what Python and the installed
-packages ship:
+(``experiments/results/corpus_ablation/``). Everything here is read offline from what
+Python and the installed packages ship:
 
 * ``code``: the source files of the standard library and of installed packages;
 * ``docstring``: the docstrings of their modules, classes and functions (read with
