@@ -311,16 +311,36 @@ def test_cut_head_keeps_the_most_frequent_rows_and_the_same_weights(tmp_path):
     drafts.cut_eagle_head(str(tmp_path / "nomap"), str(tmp_path / "bad"), 4)
 
 
-def test_corpus_features_are_cached_and_refused_for_another_target(tmp_path, toy):
+def test_corpus_features_are_cached_extended_recomputed_and_refused_for_another_target(
+    tmp_path, toy, monkeypatch):
   cfg, params, recs, _ = toy
   recs = [dict(r) for r in recs[:5]]
-  features.corpus_features(str(tmp_path), "train", recs, params, cfg, progress=False)
-  first = [np.array(r["features"]) for r in recs]
-  again = [dict(r) for r in recs]
-  features.corpus_features(str(tmp_path), "train", again, params, cfg, progress=False)
-  for a, r in zip(first, again):
-    np.testing.assert_array_equal(a, r["features"])
+  computed = []
+  real = features.sequence_features
+  monkeypatch.setattr(features, "sequence_features",
+                      lambda p, c, seqs, *a, **k: computed.append(len(seqs)) or real(
+                          p, c, seqs, *a, **k))
+
+  def attach(records, c=cfg):
+    records = [dict(r) for r in records]
+    features.corpus_features(str(tmp_path), "train", records, params, c, progress=False)
+    return [np.array(r["features"]) for r in records]
+
+  first = attach(recs[:3])
+  for a, b in zip(attach(recs[:3]), first):  # cached: nothing computed
+    np.testing.assert_array_equal(a, b)
+  grown = attach(recs)  # two records appended: only they are computed
+  assert computed == [3, 2]
+  fresh = real(params, cfg, [features.record_sequence(r) for r in recs])
+  for a, b in zip(grown, fresh):
+    np.testing.assert_array_equal(a, b)
+  changed = [dict(r) for r in recs]  # same lengths, another token: all recomputed
+  changed[1]["response"] = (np.asarray(changed[1]["response"]) + 1) % cfg.vocab_size
+  attach(changed)
+  assert computed == [3, 2, 5]
+  with pytest.raises(AssertionError):
+    np.testing.assert_array_equal(attach(changed)[1], grown[1])
+  assert computed == [3, 2, 5]
   other = dataclasses.replace(cfg, name="other")
   with pytest.raises(CheckpointError, match="another target"):
-    features.corpus_features(str(tmp_path), "train", [dict(r) for r in recs], params, other,
-                             progress=False)
+    attach(recs, other)

@@ -6,14 +6,19 @@ computed once per corpus with the frozen target (length-sorted batches, one
 jitted forward per padded length) and stored as float16 next to the corpus:
 ``<corpus>/features-<split>.npy`` ([total tokens, D], records concatenated in
 corpus order) with ``features-<split>.json`` (per-record lengths and the
-target it came from), so a stale or foreign file is refused, not misread.
+target it came from). A file is never misread: one from another target is
+refused; when the corpus has grown by records appended at its end (more
+generation shards) only the new records are computed and appended; any other
+change of the records recomputes the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import logging
 import os
 from typing import Callable, Optional, Sequence
 
@@ -66,6 +71,13 @@ def record_sequence(record: dict) -> np.ndarray:
   return np.concatenate([record["prompt"], record["response"]]).astype(np.int32)
 
 
+def _tokens_digest(records: Sequence[dict]) -> str:
+  h = hashlib.sha256()
+  for r in records:
+    h.update(record_sequence(r).tobytes())
+  return h.hexdigest()
+
+
 def _target_tag(cfg: ModelConfig) -> dict:
   return {f: getattr(cfg, f) for f in ("name", "vocab_size", "dim", "num_layers")}
 
@@ -79,29 +91,44 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
   lens = [len(r["prompt"]) + len(r["response"]) for r in records]
   tag = "" if not layers else "-layers" + "_".join(map(str, layers))
   path = os.path.join(directory, f"features-{split}{tag}")
-  meta = dict(target=_target_tag(cfg), lengths=lens)
+  meta = dict(target=_target_tag(cfg), lengths=lens, tokens_sha256=_tokens_digest(records))
   if layers:
     meta["layers"] = list(layers)
   width = cfg.dim * max(1, len(layers))
+  kept = 0  # leading records whose stored features are reused
   if os.path.exists(path + ".json") and os.path.exists(path + ".npy"):
     with open(path + ".json") as f:
       stored = json.load(f)
-    if stored != meta:
-      raise CheckpointError(f"{path}.npy was computed for another target or corpus; delete it "
-                            "to recompute")
+    corpus_keys = ("lengths", "tokens_sha256")
+    if ({k: v for k, v in stored.items() if k not in corpus_keys}
+        != {k: v for k, v in meta.items() if k not in corpus_keys}):
+      raise CheckpointError(f"{path}.npy was computed for another target; delete it to "
+                            "recompute")
+    old = stored["lengths"]
     flat = np.load(path + ".npy", mmap_mode="r")
-    if flat.shape != (sum(lens), width):
-      raise CheckpointError(f"{path}.npy has shape {flat.shape}, expected {(sum(lens), width)}")
-  else:
+    if flat.shape != (sum(old), width):
+      raise CheckpointError(f"{path}.npy has shape {flat.shape}, expected {(sum(old), width)}")
+    if (old == lens[:len(old)]
+        and stored.get("tokens_sha256") == _tokens_digest(records[:len(old)])):
+      kept = len(old)
+    else:
+      logging.warning("%s.npy was computed for other records: recomputing it", path)
+  if kept < len(records):
     import tqdm
-    bar = tqdm.tqdm(total=len(records), desc=f"target features ({split})", disable=not progress)
-    feats = sequence_features(params, cfg, [record_sequence(r) for r in records], batch_size,
-                              progress=bar.update, layers=layers)
+    bar = tqdm.tqdm(total=len(records) - kept, desc=f"target features ({split})",
+                    disable=not progress)
+    feats = sequence_features(params, cfg, [record_sequence(r) for r in records[kept:]],
+                              batch_size, progress=bar.update, layers=layers)
     bar.close()
+    if kept:
+      logging.info("%s.npy: %d records appended to the %d cached", path,
+                   len(records) - kept, kept)
+      feats = [flat] + feats
     flat = np.concatenate(feats, axis=0)
     with files.atomic_path(path + ".npy", ".npy") as tmp:
       np.save(tmp, flat)
     files.write_text(path + ".json", json.dumps(meta))
+    flat = np.load(path + ".npy", mmap_mode="r")
   offs = np.concatenate([[0], np.cumsum(lens)])
   for i, r in enumerate(records):
     r["features"] = flat[offs[i]:offs[i + 1]]
