@@ -107,7 +107,7 @@ def main(argv):
     if draft.drafter.supports(full_tree(branching)):
       table, _ = calibrate(target, draft, sampler, cal, branching)
       methods = methods_for(draft, table)
-    else:  # a chain-only drafter (early exit, n-grams): its chains against plain decoding
+    else:  # a chain-only drafter (n-grams): its chains against plain decoding
       table = None
       methods = [(f"chain γ={g}", TreeTopology.chain(int(g))) for g in GAMMAS.value]
     decs = {name: SpeculativeDecoder(target.cfg, draft.drafter, tree=tree, sampler=sampler,

@@ -9,7 +9,7 @@ import pytest
 
 import specjax
 from specjax import kv_cache as kvc
-from specjax.drafters import ModelDrafter
+from specjax.drafters import ModelDrafter, early_exit_drafter
 from specjax.drafters.tree_draft import grow_dynamic
 from specjax.model import forward
 from specjax.sampling import Sampling
@@ -166,7 +166,8 @@ def test_proposals_during_decoding_match_the_brute_force(target, draft, which):
 # --- end to end ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("which", ["random_draft", "target_as_draft", "eagle"])
+@pytest.mark.parametrize("which", ["random_draft", "target_as_draft", "eagle", "exit_self",
+                                   "trained_exit", "adapter_exit"])
 def test_greedy_equals_plain_greedy_decoding(target, draft, which):
   cfg, params = target
   ref = specjax.generate(params, cfg, PROMPTS, 20, eos_ids=())
@@ -177,7 +178,7 @@ def test_greedy_equals_plain_greedy_decoding(target, draft, which):
     assert out.generated(row) == ref.generated(row)
   m = out.metrics()
   assert m["drafted"] == TREE.num_nodes * m["target_calls"]
-  if which == "target_as_draft":
+  if which in ("target_as_draft", "exit_self"):
     # EAGLE-2 may prune the greedy path from the frontier, but never its first token.
     assert min(m["accepted_at"]) > 0 and m["accept_len_hist"][0] == 0
     assert m["tokens_per_call"] > 3.0
@@ -197,8 +198,10 @@ def test_a_one_wide_self_draft_accepts_every_level(target):
 
 def _drafter(kind, target, draft):
   cfg, params = target
-  if kind == "eagle":
-    return make_drafter("eagle", cfg, params, [])
+  if kind == "exit_self":  # the early exit after every layer: the target, in its own cache
+    return early_exit_drafter(cfg, params, cfg.num_layers)
+  if kind in ("eagle", "trained_exit", "adapter_exit"):
+    return make_drafter(kind, cfg, params, [])
   dcfg, dparams = draft if kind == "random_draft" else target
   drafter = ModelDrafter(dcfg)
   return drafter, drafter.make_params(dparams)
@@ -229,8 +232,10 @@ def test_sampling_run_works(target, draft, kind):
     assert out.metrics()["tokens_per_call"] > 1.5
 
 
-def test_no_recompilation_across_prompts_and_trees(target, draft):
+@pytest.mark.parametrize("kind", ["random_draft", "adapter_exit"])
+def test_no_recompilation_across_prompts_and_trees(target, draft, kind):
   cfg, params = target
-  dec = SpeculativeDecoder(cfg, ModelDrafter(draft[0]), tree=DynamicTree(2, 3, 5),
+  drafter, dp = _drafter(kind, target, draft)
+  dec = SpeculativeDecoder(cfg, drafter, tree=DynamicTree(2, 3, 5),
                            sampler=Sampling(temperature=1.0))
-  assert new_compiles_across_batches(dec, params, dec.drafter.make_params(draft[1])) == 0
+  assert new_compiles_across_batches(dec, params, dp) == 0

@@ -47,9 +47,11 @@ def _continuations(cfg, params, extra):
 
 
 # Every kind replays a chain; a tree kind each that exercises another path (a static tree
-# drafted by depth, EAGLE's per-row dynamic parents with features, root branches).
+# drafted by depth, EAGLE's per-row dynamic parents with features, root branches, the
+# exits' trees in the target's own cache).
 SHAPES = {"noisy_self": (CHAIN, TREE), "eagle": (CHAIN, DYNAMIC),
-          "prompt_lookup": (CHAIN, ROOT_BRANCHES)}
+          "prompt_lookup": (CHAIN, ROOT_BRANCHES), "trained_exit": (CHAIN, TREE),
+          "adapter_exit": (CHAIN, DYNAMIC)}
 CACHE = 64  # one cache size for every call, so the programs are shared across budgets
 
 

@@ -24,6 +24,7 @@ from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.drafter import SharedCache
+from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.testing import make_drafter, new_compiles_across_batches, tiny_model
 
 K_TOP = 8
@@ -318,6 +319,57 @@ def test_adapter_exit_drafts_are_the_training_objective_on_the_same_tokens(deep)
                                    {"final_norm": ep["final_norm"], "head": ep["head"]}, None,
                                    batch, None)
   np.testing.assert_allclose(q[:, :, np.asarray(ep["vocab_map"])], np.exp(logp), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["trained_exit", "adapter_exit"])
+@pytest.mark.parametrize("tree", [TreeTopology((-1, -1, 0, 1, 2, 3)), DynamicTree(2, 3, 5)],
+                         ids=["static", "dynamic"])
+def test_exit_tree_nodes_are_drawn_from_the_teacher_forced_draft_of_their_ancestors(
+    deep, kind, tree):
+  """An exit's tree, drafted in the target cache's scratch slots (one row with a 6-token
+  backlog for the adapter), against the draft's distribution teacher-forced on each node's
+  ancestors from a fresh prefill through the chain path: a static tree drawn without
+  replacement at T = 1 carries exactly that q for every node; every node of a dynamic tree
+  is among the top-k tokens there. So the tree's masks, positions and caches are the
+  chain's."""
+  cfg, params, _, _ = deep
+  drafter, dp = make_drafter(kind, cfg, params, None)
+  drafter = dataclasses.replace(drafter, tree_draw="without_replacement")
+  layers, s = drafter.target_feature_layers(), 20
+  tokens = jnp.asarray(np.random.default_rng(1).integers(1, cfg.vocab_size, (2, s)), jnp.int32)
+  seq_lens, prompt_lens = jnp.asarray([7, 10]), jnp.asarray([7, 4])
+
+  def shared(toks, lens, plens):
+    out = prefill(params, cfg, toks, lens - 1, init_cache(cfg, 2, s),
+                  return_hidden=bool(layers), feature_layers=layers)
+    cache, feats = out if layers else (out, None)
+    return SharedCache(cache, drafter.init(dp, toks, plens, features=feats))
+
+  @jax.jit
+  def teacher_forced_q(toks, lens):  # the draft's q after toks[:, :lens] (one compile)
+    return drafter.propose_chain(dp, shared(toks, lens, lens), toks, lens,
+                                 jax.random.PRNGKey(0), Sampling(1.0), 1)[1][:, 0]
+
+  prop, own = jax.jit(lambda: drafter.propose(
+      dp, shared(tokens, seq_lens, prompt_lens), tokens, seq_lens, jax.random.PRNGKey(0),
+      Sampling(1.0), tree))()
+  if layers:
+    np.testing.assert_array_equal(own.cache.lengths, seq_lens - 1)
+  toks = np.asarray(prop.tokens)
+  for b in range(2):
+    parents = (np.asarray(prop.parents[b]) if isinstance(tree, DynamicTree)
+               else np.asarray(tree.parents))
+    for i in range(toks.shape[1]):
+      path, p = [], parents[i]
+      while p >= 0:
+        path, p = [int(toks[b, p])] + path, parents[p]
+      ext = tokens.at[:, int(seq_lens[b]):int(seq_lens[b]) + len(path)].set(
+          jnp.asarray(path, jnp.int32))
+      q = np.asarray(teacher_forced_q(ext, jnp.full((2,), int(seq_lens[b]) + len(path))))[b]
+      if isinstance(tree, DynamicTree):
+        assert np.sum(q > q[toks[b, i]]) < tree.top_k, (b, i)
+      else:
+        np.testing.assert_allclose(prop.q[b, i], q, atol=1e-5, err_msg=f"row {b} node {i}")
 
 
 def test_bad_exits_are_refused(deep, tmp_path):

@@ -22,7 +22,7 @@ import pytest
 
 import specjax
 from specjax import kv_cache as kvc
-from specjax.drafters import ModelDrafter
+from specjax.drafters import ModelDrafter, early_exit_drafter
 from specjax.model import forward
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
@@ -78,6 +78,10 @@ def drafts(target):
       "reduced_full_input": (reduced, reduced.make_params(vparams, vocab_map,
                                                           input_embed=params["embed"])),
       "eagle": make_drafter("eagle", cfg, params, CORPUS),
+      # Early exits share the target's cache: drafts in its scratch slots.
+      "exit_self": early_exit_drafter(cfg, params, cfg.num_layers),  # the target itself
+      **{k: make_drafter(k, cfg, params, CORPUS)
+         for k in ("early_exit", "trained_exit", "adapter_exit")},
   }
 
 
@@ -110,12 +114,15 @@ def test_greedy_tree_decoding_equals_plain_greedy(target, drafts, reference, tre
 
 
 @pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("which", ["self", "exit_self"])
 def test_target_as_its_own_draft_accepts_the_full_depth_every_step(target, drafts, reference,
-                                                                   tree):
+                                                                   tree, which):
+  """The target as a draft model with its own cache, or as an early exit after all its
+  layers drafting in the target's own cache: every step accepts the whole depth."""
   cfg, params = target
   topo = TREES[tree]
   d = topo.max_depth
-  drafter, dp = drafts["self"]
+  drafter, dp = drafts[which]
   out = _decoder(cfg, drafter, topo).generate(params, dp, PROMPTS, NEW, cache_size=CACHE)
   _assert_same_generations(out, reference, len(PROMPTS))
   r = out.per_row
@@ -129,8 +136,9 @@ def test_target_as_its_own_draft_accepts_the_full_depth_every_step(target, draft
 
 
 @pytest.mark.parametrize("tree", ["chain", "branchy", "medusa"])
-@pytest.mark.parametrize("which", ["reduced", "reduced_full_input", "eagle"])
-def test_greedy_equality_with_reduced_vocabulary_and_eagle(target, drafts, reference, tree,
+@pytest.mark.parametrize("which", ["reduced", "reduced_full_input", "eagle", "early_exit",
+                                   "trained_exit", "adapter_exit"])
+def test_greedy_equality_with_reduced_vocabulary_eagle_and_exits(target, drafts, reference, tree,
                                                            which):
   cfg, params = target
   drafter, dp = drafts[which]
@@ -377,15 +385,19 @@ def test_tree_decoding_samples_the_exact_joint(small_models, draw, sampler):
   assert 0.5 * np.abs(counts / ROWS - exact).sum() < 0.02
 
 
-@pytest.mark.parametrize("case", ["wide_more_siblings_than_support", "eagle"])
+@pytest.mark.parametrize("case", ["wide_more_siblings_than_support", "eagle", "adapter_exit"])
 def test_tree_decoding_samples_the_exact_joint_edge_cases(small_models, case):
   """Four root children drawn without replacement from a top-2 support (the last two get
-  q = 0 and must be skipped), and EAGLE's tree over half the vocabulary."""
+  q = 0 and must be skipped), EAGLE's tree over half the vocabulary, and the adapter
+  exit's point-mass tree over half the vocabulary in the target's own cache."""
   target, (dcfg, dparams) = small_models
   if case == "eagle":
     sampler, tree = Sampling(temperature=0.9, top_p=0.9), BRANCHY
     drafter, dp = make_drafter("eagle", *target, CORPUS)
     drafter = dataclasses.replace(drafter, tree_draw="without_replacement")
+  elif case == "adapter_exit":
+    sampler, tree = Sampling(temperature=0.8, top_k=6), BRANCHY
+    drafter, dp = make_drafter("adapter_exit", *target, CORPUS)
   else:
     sampler, tree = Sampling(temperature=1.0, top_k=2), TREES["wide"]
     drafter, dp = ModelDrafter(dcfg, tree_draw="without_replacement"), {"model": dparams}

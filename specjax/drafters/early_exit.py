@@ -17,7 +17,10 @@ slot s − 1 and then its own drafts at s, s + 1, …, writing their layer-l < k
 entries into those scratch slots. Verification feeds the same slots again
 (the last committed token and the drafts through all L layers) and overwrites
 them, so the drafter never leaves anything behind (without an adapter, below, it
-keeps no state).
+keeps no state). Trees work the same way, one forward per depth under the tree
+mask (``tree_draft``): node i at slot s + i, verification's layout; an EAGLE-2
+dynamic tree's frontier slots may reach past the verified block, into slots past
+the committed length that nothing reads before they are written again.
 
 A trained exit may read layer k's output through an **attention adapter** first:
 one trained decoder layer (initialised from the target's layer k, ``adapter_layer``)
@@ -42,13 +45,14 @@ import numpy as np
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.residual_head import head_logits, target_head
+from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
 from specjax.generate import last_tokens, over_backlog, over_chunks
 from specjax.kernels.packed import PackedWeight, unpacked
 from specjax.model import Params, compute_dtype, forward, run_layers
-from specjax.sampling import Sampler
+from specjax.sampling import Sampler, sample_subset
 from specjax.speculative.drafter import Drafter, SharedCache
+from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
 
 
@@ -79,15 +83,21 @@ class EarlyExitDrafter(Drafter):
     adapter: the trained exit reads layer k's output through its own decoder layer
       ``draft_params["exit"]["adapter"]`` first (``adapter_sequence``), which keeps a
       one-layer KV cache of its own (filled from the target's layer-k features).
+    tree_draw: how a static tree's children are chosen: "point_mass" (the top-c tokens)
+      or "without_replacement" (c draws, verified with the real q); see ``tree_draft``.
+      Dynamic trees always take the top-k.
   """
 
   cfg: ModelConfig
   trained: bool = False
   adapter: bool = False
+  tree_draw: str = "point_mass"
 
   def __post_init__(self):
     if self.adapter and not self.trained:
       raise ValueError("an attention adapter belongs to a trained exit (trained=True)")
+    if self.tree_draw not in TREE_DRAWS:
+      raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
 
   @property
   def vocab_size(self) -> int:
@@ -118,12 +128,29 @@ class EarlyExitDrafter(Drafter):
         raise ValueError(f"the exit's adapter layer {got} is not shaped like the target's "
                          f"layers {want}")
 
-  def exit_logits(self, draft_params: Params, hidden: jax.Array) -> jax.Array:
-    """[B, D] the exit's input (layer k's output, through the adapter if any) -> [B, V]
-    float32 logits of the trained exit head."""
-    ep = draft_params["exit"]
-    logits = head_logits(ep, hidden[:, None], self.cfg.norm_eps)[:, 0]
-    return lift_logits(logits, ep["vocab_map"], self.vocab_size) if "vocab_map" in ep else logits
+  def supports(self, topology: TreeTopology | DynamicTree) -> bool:
+    return True  # any static tree (``tree_draft.grow``) or EAGLE-2 tree (``grow_dynamic``)
+
+  def _draft_logits(self, draft_params: Params, tokens: jax.Array, positions: jax.Array,
+                    cache: kvc.KVCache, own_cache: Optional[kvc.KVCache], num_valid=None,
+                    mask=None) -> tuple[jax.Array, kvc.KVCache, Optional[kvc.KVCache]]:
+    """One draft forward of [B, T] tokens at ``positions`` over the target cache's first k
+    layers (and the adapter's cache; ``mask``/``num_valid`` as in ``model.forward``):
+    (float32 logits [B, T, Vd] over the exit's rows, the two caches)."""
+    out = forward(draft_params, self.cfg, tokens, positions, cache, mask, num_valid=num_valid,
+                  compute_logits=not self.trained)
+    if not self.trained:
+      return out.logits, out.cache, own_cache
+    hidden = out.hidden
+    if self.adapter:
+      hidden, own_cache = self._adapter(draft_params, hidden, positions, own_cache, num_valid,
+                                        mask)
+    logits = head_logits(draft_params["exit"], hidden[:, :, None], self.cfg.norm_eps)[:, :, 0]
+    return logits, out.cache, own_cache
+
+  def _row_ids(self, draft_params: Params):
+    """(exit rows -> target ids, draft probabilities over the rows -> over the target's)."""
+    return vocab_maps(draft_params.get("exit", {}).get("vocab_map"), self.vocab_size)
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # the target's cache is current after plain steps; the adapter observes them
@@ -138,9 +165,9 @@ class EarlyExitDrafter(Drafter):
     return (self.cfg.num_layers - 1,) if self.adapter else ()
 
   def _adapter(self, draft_params: Params, x: jax.Array, positions: jax.Array,
-               cache: kvc.KVCache, num_valid=None) -> tuple[jax.Array, kvc.KVCache]:
+               cache: kvc.KVCache, num_valid=None, mask=None) -> tuple[jax.Array, kvc.KVCache]:
     return run_adapter(draft_params["exit"]["adapter"], self.cfg, x.astype(cache.k[0].dtype),
-                       positions, cache, num_valid)
+                       positions, cache, num_valid, mask)
 
   def _feed(self, draft_params: Params, features: jax.Array, pos: jax.Array, valid: jax.Array,
             cache: kvc.KVCache) -> kvc.KVCache:
@@ -172,40 +199,75 @@ class EarlyExitDrafter(Drafter):
         hidden.astype(state.features.dtype), mode="drop")
     return state.replace(features=feats)
 
+  def _catch_up(self, draft_params: Params, state: SharedCache, seq_lens: jax.Array,
+                chunk: int) -> tuple[kvc.KVCache, Any]:
+    """(the target cache's first k layers, holding seq_lens − 1; the own state, whose adapter
+    cache, if any, has been fed the committed positions it lacked, ``chunk`` per forward)."""
+    target, own = state
+    cache = kvc.KVCache(k=target.k[:self.cfg.num_layers], v=target.v[:self.cfg.num_layers],
+                        lengths=target.lengths)
+    if self.adapter:  # the entries of committed positions not yet fed (up to the last
+      # step's depth + 1 after a speculative step, more after plain steps), from true features
+      feed = lambda pos, valid, c: self._feed(draft_params, own.features, pos, valid, c)
+      own = own.replace(cache=over_backlog(feed, own.cache, own.cache.lengths, seq_lens - 1,
+                                           chunk))
+    return cache, own
+
+  def _scratch(self, own: Any, own_cache: Optional[kvc.KVCache], seq_lens: jax.Array) -> Any:
+    """The own state after drafting: the drafts' adapter entries are scratch (only positions
+    below seq_lens − 1 are true)."""
+    return own.replace(cache=own_cache.with_lengths(seq_lens - 1)) if self.adapter else own
+
   def propose_chain(self, draft_params: Params, state: SharedCache, tokens: jax.Array,
                     seq_lens: jax.Array, key: jax.Array, sampler: Sampler, gamma: int):
     """Drafts over the target cache's first k layers (and the adapter's own cache)."""
-    k = self.cfg.num_layers
-    target = state.target
-    cache = kvc.KVCache(k=target.k[:k], v=target.v[:k], lengths=target.lengths)  # seq_lens - 1
-    own = state.own
-    if self.adapter:  # catch up: the entries of committed positions not yet fed (up to γ + 1
-      # after a speculative step, more after plain steps), from their true features
-      feed = lambda pos, valid, cache: self._feed(draft_params, own.features, pos, valid, cache)
-      own = own.replace(cache=over_backlog(feed, own.cache, own.cache.lengths, seq_lens - 1,
-                                           gamma + 1))
+    cache, own = self._catch_up(draft_params, state, seq_lens, gamma + 1)
+    rows = draft_params.get("exit", {}).get("vocab_map")
 
     def step(carry, key):
       cache, own_cache, tok, pos = carry
-      out = forward(draft_params, self.cfg, tok[:, None], pos[:, None], cache,
-                    compute_logits=not self.trained)
-      if self.adapter:
-        h, own_cache = self._adapter(draft_params, out.hidden, pos[:, None], own_cache)
-        logits = self.exit_logits(draft_params, h[:, 0])
-      elif self.trained:
-        logits = self.exit_logits(draft_params, out.hidden[:, 0])
-      else:
-        logits = out.logits[:, 0]
-      nxt, q = sampler.sample(key, logits)
-      return (out.cache, own_cache, nxt, pos + 1), (nxt, q)
+      logits, cache, own_cache = self._draft_logits(draft_params, tok[:, None], pos[:, None],
+                                                    cache, own_cache)
+      nxt, q = (sampler.sample(key, logits[:, 0]) if rows is None
+                else sample_subset(sampler, key, logits[:, 0], rows, self.vocab_size))
+      return (cache, own_cache, nxt, pos + 1), (nxt, q)
 
     first = last_tokens(tokens, seq_lens)[:, 0]
     own_cache = own.cache if self.adapter else None
     (_, own_cache, _, _), (drafts, qs) = jax.lax.scan(
         step, (cache, own_cache, first, seq_lens - 1), jax.random.split(key, gamma))
-    if self.adapter:  # the drafts' entries are scratch: only positions < seq_lens − 1 are true
-      own = own.replace(cache=own_cache.with_lengths(seq_lens - 1))
-    return drafts.T, jnp.moveaxis(qs, 0, 1), own
+    return drafts.T, jnp.moveaxis(qs, 0, 1), self._scratch(own, own_cache, seq_lens)
+
+  def propose(self, draft_params: Params, state: SharedCache, tokens: jax.Array,
+              seq_lens: jax.Array, key: jax.Array, sampler: Sampler,
+              topology: TreeTopology | DynamicTree):
+    """Chains as ``propose_chain``; a tree one draft forward per depth over the target
+    cache's scratch slots, node i at slot root + 1 + i (verification's layout, which
+    overwrites them; ``tree_draft``)."""
+    if topology.is_chain:
+      return super().propose(draft_params, state, tokens, seq_lens, key, sampler, topology)
+    b = tokens.shape[0]
+    cache, own = self._catch_up(draft_params, state, seq_lens, topology.max_depth + 1)
+    own_cache = own.cache if self.adapter else None
+    root_logits, cache, own_cache = self._draft_logits(  # the root: the last committed token
+        draft_params, last_tokens(tokens, seq_lens), (seq_lens - 1)[:, None], cache, own_cache)
+
+    def expand(level_tokens, _, depth, mask):
+      nonlocal cache, own_cache
+      t, w = mask.shape[-2:]  # [T, W] (static trees) or [B, T, W] (dynamic)
+      logits, cache, own_cache = self._draft_logits(
+          draft_params, level_tokens, jnp.broadcast_to((seq_lens - 1 + depth)[:, None], (b, t)),
+          cache, own_cache, num_valid=jnp.zeros((b,), jnp.int32),
+          mask=jnp.broadcast_to(jnp.asarray(mask), (b, t, w)))
+      return logits, None
+
+    to_target, lift_q = self._row_ids(draft_params)
+    if isinstance(topology, DynamicTree):
+      proposal, _ = grow_dynamic(topology, root_logits[:, 0], None, expand, to_target)
+    else:
+      proposal = grow(topology, sampler, key, root_logits[:, 0], None, expand, to_target, lift_q,
+                      self.tree_draw)
+    return proposal, self._scratch(own, own_cache, seq_lens)
 
   def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> Any:
     return state  # the adapter's cache already stops at the last true feature
@@ -219,11 +281,12 @@ def adapter_layer(cfg: ModelConfig, params: Params, num_layers: int) -> Params:
 
 
 def run_adapter(adapter: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
-                cache: kvc.KVCache, num_valid=None) -> tuple[jax.Array, kvc.KVCache]:
+                cache: kvc.KVCache, num_valid=None, mask=None) -> tuple[jax.Array, kvc.KVCache]:
   """The adapter layer over [B, T, D] layer-k outputs at ``positions`` [B, T], against its
-  one-layer ``cache``: (outputs [B, T, D], the cache with their entries)."""
+  one-layer ``cache`` (``mask``/``num_valid`` as in ``model.forward``): (outputs [B, T, D],
+  the cache with their entries)."""
   y, _, cache = run_layers({"layers": [adapter]}, dataclasses.replace(cfg, num_layers=1), x,
-                           positions, cache, num_valid=num_valid)
+                           positions, cache, mask, num_valid=num_valid)
   return y, cache
 
 
