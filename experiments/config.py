@@ -17,8 +17,8 @@ EXPERIMENTS = ("gamma_sweep", "adaptive", "temperature_sweep", "drafts_alpha", "
 # draft-free methods are opt-in (--experiment=tree_sweep, draft_free or all): they do not fit
 # the default run's time budget (experiments/README.md, Sizing).
 DEFAULT_EXPERIMENTS = EXPERIMENTS[:4]
-DRAFT_NAMES = ("default", "eagle", "medusa", "trained_exit", "bigram", "unigram",
-               "prompt_lookup", "jacobi", "jacobi_random", "lookahead", "tiny")
+DRAFT_NAMES = ("default", "eagle", "medusa", "trained_exit", "adapter_exit", "bigram",
+               "unigram", "prompt_lookup", "jacobi", "jacobi_random", "lookahead", "tiny")
 # The methods that need no draft model, which the draft_free experiment times.
 DRAFT_FREE = ("prompt_lookup", "jacobi", "jacobi_random", "lookahead")
 # Drafts whose drafter brings its own tree (``Drafter.default_tree``): no γ to sweep.
@@ -35,7 +35,8 @@ class ExperimentConfig:
       .gguf path or an HF directory.
     draft: "eagle" (the shipped EAGLE-3 feature drafter, the default) |
       "default" (the shipped distilled token draft) | "early_exit:K" (training-free) |
-      "trained_exit" (the shipped trained early exit) | "bigram" | "unigram" |
+      "trained_exit" | "adapter_exit" (the shipped trained early exits, the second through
+      an attention adapter) | "bigram" | "unigram" |
       "prompt_lookup" | "jacobi" | "jacobi_random" (Jacobi decoding, no draft model) |
       "lookahead" (lookahead decoding, its own tree) | "medusa" (the shipped Medusa-1
       heads, their own tree) | "tiny" | path of a specjax draft directory (token, EAGLE or

@@ -91,8 +91,8 @@ def _resolve_draft(spec: str, target: Target,
     return _default_eagle(target)
   if spec == "medusa":
     return _default_medusa(target)
-  if spec == "trained_exit":
-    return _default_exit(target)
+  if spec in ("trained_exit", "adapter_exit"):
+    return _default_exit(target, adapter=spec == "adapter_exit")
   if spec.startswith("early_exit"):
     k = int(spec.split(":", 1)[1]) if ":" in spec else default_early_exit_layers(cfg)
     drafter, params = drafters.early_exit_drafter(cfg, target.params, k)
@@ -120,9 +120,9 @@ def _resolve_draft(spec: str, target: Target,
   if os.path.exists(spec):
     return _draft_from_path(spec, target)
   raise ValueError(f"unknown --draft {spec!r}: use default, eagle, medusa, early_exit:K, "
-                   "trained_exit, bigram, unigram, prompt_lookup, jacobi, jacobi_random, "
-                   "lookahead, tiny, or the path of a draft directory (token, EAGLE, Medusa or "
-                   "trained exit), .gguf file or HF dir")
+                   "trained_exit, adapter_exit, bigram, unigram, prompt_lookup, jacobi, "
+                   "jacobi_random, lookahead, tiny, or the path of a draft directory (token, "
+                   "EAGLE, Medusa or trained exit), .gguf file or HF dir")
 
 
 def _model_draft(name: str, dcfg: ModelConfig, dparams: Params, vocab_map: Optional[np.ndarray],
@@ -191,20 +191,26 @@ def _default_medusa(target: Target) -> Draft:
                f"their {drafter.default_tree().num_nodes}-node tree from held-out accuracies")
 
 
-def _default_exit(target: Target) -> Draft:
-  """The shipped trained early exit (a random exit head after layer 1 for the tiny target)."""
+def _default_exit(target: Target, adapter: bool = False) -> Draft:
+  """A shipped trained early exit, with or without its attention adapter (for the tiny
+  target: a random exit head after layer 1, and the target's layer 1 as the adapter)."""
+  name = "adapter_exit" if adapter else "trained_exit"
   if target.name == TINY:
     import jax
+    from specjax.drafters.early_exit import adapter_layer
     from specjax.drafters.medusa import random_medusa_weights
     weights = random_medusa_weights(target.cfg, 1, 1, jax.random.PRNGKey(2), own_head=False)
+    if adapter:
+      weights["adapter"] = adapter_layer(target.cfg, target.params, 1)
     drafter, dp = drafters.trained_exit_drafter(target.cfg, target.params, 1, weights)
-    return Draft("trained_exit", drafter, dp, "random exit head after layer 1")
+    return Draft(name, drafter, dp, "random exit head after layer 1")
   from specjax.drafts import default_exit_drafter
-  drafter, dp = default_exit_drafter(target.cfg, target.params, target.tokenizer)
+  drafter, dp = default_exit_drafter(target.cfg, target.params, target.tokenizer, adapter)
   rows = dp["exit"]["head"].shape[0]
-  return Draft("trained_exit", drafter, dp,
-               f"first {drafter.cfg.num_layers} of {target.cfg.num_layers} layers + a trained "
-               f"exit head ({rows} rows)")
+  return Draft(name, drafter, dp,
+               f"first {drafter.cfg.num_layers} of {target.cfg.num_layers} layers + "
+               f"{'an attention adapter and ' if adapter else ''}a trained exit head "
+               f"({rows} rows)")
 
 
 def _draft_from_path(path: str, target: Target) -> Draft:

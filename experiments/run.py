@@ -26,8 +26,9 @@ flags.DEFINE_string("experiment", "default", f"{', '.join(config_lib.EXPERIMENTS
                     "list (draft_free times prompt lookup, Jacobi and lookahead).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
-                    "(the shipped distilled token draft) | early_exit:K | trained_exit (the "
-                    "shipped trained early exit) | bigram | unigram | "
+                    "(the shipped distilled token draft) | early_exit:K | trained_exit | "
+                    "adapter_exit (the shipped trained early exits, the second through an "
+                    "attention adapter) | bigram | unigram | "
                     "prompt_lookup | lookahead | medusa (the shipped Medusa-1 heads; these two "
                     "bring their own tree: drafts_alpha and draft_free only) "
                     "| jacobi | jacobi_random (Jacobi decoding, prompt-lookup or random fill) | "

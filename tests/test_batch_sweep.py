@@ -50,6 +50,6 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
 def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
   out = _sweep(tmp_path / "sweep.md", "--trees=2:2")  # no node budget
   assert out.returncode != 0 and "bad flag value" in out.stderr
-  out = _sweep(tmp_path / "sweep.md", "--draft=early_exit:1")  # a chains-only drafter
+  out = _sweep(tmp_path / "sweep.md", "--draft=prompt_lookup")  # root branches only
   assert out.returncode != 0 and "cannot build the trees" in out.stderr
   assert not (tmp_path / "sweep.json").exists()

@@ -655,7 +655,9 @@ def test_trained_exits_resolve_by_name_and_by_directory(tmp_path):
   from specjax.drafters.residual_head import zero_blocks
   target = load_target("tiny")
   d = load_draft("trained_exit", target, lambda: [])
-  assert d.drafter.trained and d.name == "trained_exit"
+  assert d.drafter.trained and not d.drafter.adapter and d.name == "trained_exit"
+  d = load_draft("adapter_exit", target, lambda: [])
+  assert d.drafter.adapter and d.name == "adapter_exit"
   drafts.save_exit(str(tmp_path / "x"), target.cfg, zero_blocks(1, 1, target.cfg.dim), None,
                    exit_layer=1, tokenizer_sha256="-")
   d = load_draft(str(tmp_path / "x"), target, lambda: [])

@@ -4,9 +4,9 @@ import pytest
 
 import specjax
 from specjax.drafters import JacobiDrafter, LookaheadDrafter, ModelDrafter
-from specjax.drafts import default_drafter, default_eagle_drafter
+from specjax.drafts import default_drafter, default_eagle_drafter, default_exit_drafter
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
-from specjax.speculative import SpeculativeDecoder
+from specjax.speculative import DynamicTree, SpeculativeDecoder
 from specjax.testing import tiny_model
 
 pytestmark = pytest.mark.real_model
@@ -23,10 +23,10 @@ def target():
   return cfg, params, [chat_prompt(tok, t) for t in TEXTS]
 
 
-def _check(target, drafter, draft_params, prompts, gamma, new=32):
-  """``gamma`` None: the drafter's own tree (lookahead)."""
+def _check(target, drafter, draft_params, prompts, gamma, new=32, tree=None):
+  """``gamma`` and ``tree`` None: the drafter's own tree (lookahead)."""
   cfg, params, _ = target
-  dec = SpeculativeDecoder(cfg, drafter, gamma=gamma)
+  dec = SpeculativeDecoder(cfg, drafter, gamma=gamma, tree=tree)
   out = dec.generate(params, draft_params, prompts, new)
   ref = specjax.generate(params, cfg, prompts, new)
   for row in range(len(prompts)):
@@ -55,6 +55,8 @@ def _drafter(target, which):
     return default_drafter()
   if which == "eagle":
     return default_eagle_drafter(cfg, params)
+  if which == "adapter_exit":
+    return default_exit_drafter(cfg, params, adapter=True)
   dcfg, dparams = (cfg, params) if which == "target_as_draft" else tiny_model(
       vocab_size=cfg.vocab_size, dim=32, num_layers=1)
   drafter = ModelDrafter(dcfg)
@@ -68,11 +70,18 @@ def test_batch4(target, which):
   _check(target, *_drafter(target, which), target[2], gamma=5, new=48)
 
 
-@pytest.mark.parametrize("which", ["default", "eagle"])
+@pytest.mark.parametrize("which", ["default", "eagle", "adapter_exit"])
 def test_shipped_drafts_are_lossless_and_get_accepted(target, which):
-  """The shipped distilled token draft and EAGLE drafter, as users load them."""
+  """The shipped distilled token draft, EAGLE drafter and adapter exit, as users load them."""
   out = _check(target, *_drafter(target, which), target[2][:2], gamma=3)
   assert out.metrics()["alpha"] > 0.2  # E[β] up to the first rejection; random drafts get ~0
+
+
+def test_shipped_adapter_exit_drafts_a_lossless_dynamic_tree(target):
+  """The adapter exit's EAGLE-2 tree in the target's own cache, on the real model."""
+  out = _check(target, *_drafter(target, "adapter_exit"), target[2][:2], gamma=None,
+               tree=DynamicTree(top_k=4, depth=3, num_nodes=8))
+  assert out.metrics()["tokens_per_call"] > 1.5
 
 
 @pytest.mark.parametrize("which", ["jacobi", "lookahead"])

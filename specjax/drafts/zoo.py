@@ -2,7 +2,8 @@
 
 ``default_drafter``, ``default_eagle_drafter``, ``default_medusa_drafter`` and
 ``default_exit_drafter`` are the drafts in ``specjax/assets/`` (token draft, EAGLE-3 head,
-Medusa-1 heads and a trained early exit for SmolLM2-135M-Instruct),
+Medusa-1 heads and two trained early exits, with and without an attention adapter, for
+SmolLM2-135M-Instruct),
 ready for ``SpeculativeDecoder``; ``drafter_from_path`` is the one entry point
 for a draft given as a path, whatever its kind. Every one of them checks the
 draft against the target's tokenizer fingerprint.
@@ -30,6 +31,7 @@ DEFAULT_DRAFT_DIR = os.path.join(_ASSETS, "smollm2_draft")
 DEFAULT_EAGLE_DIR = os.path.join(_ASSETS, "smollm2_eagle3")
 DEFAULT_MEDUSA_DIR = os.path.join(_ASSETS, "smollm2_medusa")
 DEFAULT_EXIT_DIR = os.path.join(_ASSETS, "smollm2_exit")
+DEFAULT_ADAPTER_EXIT_DIR = os.path.join(_ASSETS, "smollm2_exit_adapter")
 
 
 def load_default_draft(tokenizer=None, target_vocab_size: Optional[int] = None,
@@ -74,11 +76,13 @@ def default_medusa_drafter(target_cfg: ModelConfig, target_params: Params, token
                      tokenizer_sha256=_fingerprint(tokenizer))
 
 
-def default_exit_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):
-  """The shipped trained early exit for SmolLM2-135M-Instruct: (EarlyExitDrafter,
-  draft_params)."""
-  return load_exit(DEFAULT_EXIT_DIR, target_cfg, target_params,
-                   tokenizer_sha256=_fingerprint(tokenizer))
+def default_exit_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None,
+                         adapter: bool = False):
+  """A shipped trained early exit for SmolLM2-135M-Instruct: (EarlyExitDrafter,
+  draft_params). ``adapter=False``: the exit head after 6 layers (``smollm2_exit``);
+  True: after 10 layers, through an attention adapter (``smollm2_exit_adapter``)."""
+  return load_exit(DEFAULT_ADAPTER_EXIT_DIR if adapter else DEFAULT_EXIT_DIR, target_cfg,
+                   target_params, tokenizer_sha256=_fingerprint(tokenizer))
 
 
 def _fingerprint(tokenizer=None) -> str:
