@@ -56,7 +56,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.eagle_arch import SPECJAX, EagleArch
 from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.residual_head import target_head
-from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
+from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, over_chunks
 from specjax.kernels.accumulate import einsum_f32
 from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, policy_of, unpacked
@@ -106,8 +106,7 @@ class EagleDrafter(Drafter):
   arch: EagleArch = SPECJAX
 
   def __post_init__(self):
-    if self.tree_draw not in TREE_DRAWS:
-      raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
+    check_tree_draw(self.tree_draw)
     if not isinstance(self.arch, EagleArch):
       raise TypeError(f"arch must be an EagleArch, got {type(self.arch).__name__}")
     object.__setattr__(self, "feature_layers",

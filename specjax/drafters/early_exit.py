@@ -46,7 +46,7 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.drafters.residual_head import head_logits, target_head
-from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
+from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
 from specjax.generate import last_tokens, over_backlog, over_chunks
 from specjax.kernels.packed import PackedWeight, unpacked
 from specjax.model import Params, compute_dtype, forward, run_layers
@@ -96,8 +96,7 @@ class EarlyExitDrafter(Drafter):
   def __post_init__(self):
     if self.adapter and not self.trained:
       raise ValueError("an attention adapter belongs to a trained exit (trained=True)")
-    if self.tree_draw not in TREE_DRAWS:
-      raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
+    check_tree_draw(self.tree_draw)
 
   @property
   def vocab_size(self) -> int:
@@ -148,9 +147,10 @@ class EarlyExitDrafter(Drafter):
     logits = head_logits(draft_params["exit"], hidden[:, :, None], self.cfg.norm_eps)[:, :, 0]
     return logits, out.cache, own_cache
 
-  def _row_ids(self, draft_params: Params):
-    """(exit rows -> target ids, draft probabilities over the rows -> over the target's)."""
-    return vocab_maps(draft_params.get("exit", {}).get("vocab_map"), self.vocab_size)
+  @staticmethod
+  def _rows(draft_params: Params) -> Optional[jax.Array]:
+    """[Vd] the target ids of the trained exit head's rows; None: all V (or untrained)."""
+    return draft_params.get("exit", {}).get("vocab_map")
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # the target's cache is current after plain steps; the adapter observes them
@@ -222,7 +222,7 @@ class EarlyExitDrafter(Drafter):
                     seq_lens: jax.Array, key: jax.Array, sampler: Sampler, gamma: int):
     """Drafts over the target cache's first k layers (and the adapter's own cache)."""
     cache, own = self._catch_up(draft_params, state, seq_lens, gamma + 1)
-    rows = draft_params.get("exit", {}).get("vocab_map")
+    rows = self._rows(draft_params)
 
     def step(carry, key):
       cache, own_cache, tok, pos = carry
@@ -261,7 +261,7 @@ class EarlyExitDrafter(Drafter):
           mask=jnp.broadcast_to(jnp.asarray(mask), (b, t, w)))
       return logits, None
 
-    to_target, lift_q = self._row_ids(draft_params)
+    to_target, lift_q = vocab_maps(self._rows(draft_params), self.vocab_size)
     if isinstance(topology, DynamicTree):
       proposal, _ = grow_dynamic(topology, root_logits[:, 0], None, expand, to_target)
     else:

@@ -34,7 +34,7 @@ from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
 from specjax.drafters.reduced_vocab import full_input
-from specjax.drafters.tree_draft import TREE_DRAWS, grow, grow_dynamic, vocab_maps
+from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, prefill
 from specjax.model import Params, compute_dtype, forward
 from specjax.sampling import Sampler, sample_subset
@@ -77,8 +77,7 @@ class ModelDrafter(Drafter):
   tree_draw: str = "point_mass"
 
   def __post_init__(self):
-    if self.tree_draw not in TREE_DRAWS:
-      raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {self.tree_draw!r}")
+    check_tree_draw(self.tree_draw)
 
   def supports(self, topology: TreeTopology | DynamicTree) -> bool:
     return True  # any static tree (``tree_draft.grow``) or EAGLE-2 tree (``grow_dynamic``)

@@ -45,6 +45,12 @@ from specjax.speculative.tree import DynamicTree, TreeTopology
 
 TREE_DRAWS = ("point_mass", "without_replacement")
 
+
+def check_tree_draw(draw: str) -> None:
+  """Raises ValueError unless ``draw`` is one of ``TREE_DRAWS`` (a drafter's ``tree_draw``)."""
+  if draw not in TREE_DRAWS:
+    raise ValueError(f"tree_draw must be one of {TREE_DRAWS}, got {draw!r}")
+
 # expand(tokens [B, T] target ids, carry of the nodes' parents [B, T, ...], depth,
 #        mask [T, W]) -> (logits [B, T, Vd], carry [B, T, ...])
 Expand = Callable[[jax.Array, Any, int, np.ndarray], tuple[jax.Array, Any]]
@@ -83,8 +89,7 @@ def grow(tree: TreeTopology, sampler: Sampler, key: jax.Array, root_logits: jax.
       "without_replacement").
     draw: one of ``TREE_DRAWS``.
   """
-  if draw not in TREE_DRAWS:
-    raise ValueError(f"unknown tree draw {draw!r}; expected one of {TREE_DRAWS}")
+  check_tree_draw(draw)
   sampled = draw == "without_replacement" and not isinstance(sampler, Greedy)
   bp = tree.block_parents
   ranks = np.asarray(tree.ranks)
