@@ -290,6 +290,16 @@ def test_tiny_exit_training_raises_alpha_and_decodes_losslessly(deep, tmp_path, 
   assert d3 == d2 and "trained exit" in note
 
 
+def _shared_state(drafter, dp, cfg, params, tokens, seq_lens, prompt_lens):
+  """What ``propose`` gets for rows ``tokens[b, :seq_lens[b]]``: the target's cache of them
+  (a prefill) beside the exit's own state, whose adapter saw ``prompt_lens[b]`` of them."""
+  layers = drafter.target_feature_layers()
+  out = prefill(params, cfg, tokens, seq_lens - 1, init_cache(cfg, *tokens.shape),
+                return_hidden=bool(layers), feature_layers=layers)
+  cache, feats = out if layers else (out, None)
+  return SharedCache(cache, drafter.init(dp, tokens, prompt_lens, features=feats))
+
+
 def test_adapter_exit_drafts_are_the_training_objective_on_the_same_tokens(deep):
   """The adapter's own cache is built from true layer-k features (the prefill's, and a
   backlog of 6 committed tokens one row never drafted over), so at every chain depth the
@@ -301,11 +311,10 @@ def test_adapter_exit_drafts_are_the_training_objective_on_the_same_tokens(deep)
   gamma, s = 3, 16
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, s)), jnp.int32)
   seq_lens, prompt_lens = jnp.asarray([7, 10]), jnp.asarray([7, 4])
-  target_cache, feats = prefill(params, cfg, tokens, seq_lens - 1, init_cache(cfg, 2, s),
-                                return_hidden=True, feature_layers=(0,))
-  own = drafter.init(dp, tokens, prompt_lens, features=feats)  # row 1 saw only its prompt
-  drafts_, q, own = drafter.propose_chain(dp, SharedCache(target_cache, own), tokens, seq_lens,
-                                          jax.random.PRNGKey(1), Sampling(1.0), gamma)
+  # row 1's adapter saw only its prompt: a backlog of 6 committed tokens
+  state = _shared_state(drafter, dp, cfg, params, tokens, seq_lens, prompt_lens)
+  drafts_, q, own = drafter.propose_chain(dp, state, tokens, seq_lens, jax.random.PRNGKey(1),
+                                          Sampling(1.0), gamma)
   np.testing.assert_array_equal(own.cache.lengths, seq_lens - 1)
   full = tokens
   for j in range(gamma - 1):  # the drafts each depth was conditioned on
@@ -335,15 +344,10 @@ def test_exit_tree_nodes_are_drawn_from_the_teacher_forced_draft_of_their_ancest
   cfg, params, _, _ = deep
   drafter, dp = make_drafter(kind, cfg, params, None)
   drafter = dataclasses.replace(drafter, tree_draw="without_replacement")
-  layers, s = drafter.target_feature_layers(), 20
+  s = 20
   tokens = jnp.asarray(np.random.default_rng(1).integers(1, cfg.vocab_size, (2, s)), jnp.int32)
   seq_lens, prompt_lens = jnp.asarray([7, 10]), jnp.asarray([7, 4])
-
-  def shared(toks, lens, plens):
-    out = prefill(params, cfg, toks, lens - 1, init_cache(cfg, 2, s),
-                  return_hidden=bool(layers), feature_layers=layers)
-    cache, feats = out if layers else (out, None)
-    return SharedCache(cache, drafter.init(dp, toks, plens, features=feats))
+  shared = lambda toks, lens, plens: _shared_state(drafter, dp, cfg, params, toks, lens, plens)
 
   @jax.jit
   def teacher_forced_q(toks, lens):  # the draft's q after toks[:, :lens] (one compile)
@@ -353,7 +357,7 @@ def test_exit_tree_nodes_are_drawn_from_the_teacher_forced_draft_of_their_ancest
   prop, own = jax.jit(lambda: drafter.propose(
       dp, shared(tokens, seq_lens, prompt_lens), tokens, seq_lens, jax.random.PRNGKey(0),
       Sampling(1.0), tree))()
-  if layers:
+  if drafter.adapter:
     np.testing.assert_array_equal(own.cache.lengths, seq_lens - 1)
   toks = np.asarray(prop.tokens)
   for b in range(2):
