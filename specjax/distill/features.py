@@ -128,7 +128,7 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
     with files.atomic_path(path + ".npy", ".npy") as tmp:
       np.save(tmp, flat)
     files.write_text(path + ".json", json.dumps(meta))
-    flat = np.load(path + ".npy", mmap_mode="r")
+    flat = np.load(path + ".npy", mmap_mode="r")  # as on a cache hit: mapped, not in memory
   offs = np.concatenate([[0], np.cumsum(lens)])
   for i, r in enumerate(records):
     r["features"] = flat[offs[i]:offs[i + 1]]
