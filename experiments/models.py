@@ -15,6 +15,8 @@ from specjax import validation
 from specjax.model import Params, cast_params, compute_dtype
 from specjax.drafters.eagle import head_rows
 
+from experiments.config import DRAFT_NAMES
+
 TINY = "tiny"
 
 
@@ -119,10 +121,9 @@ def _resolve_draft(spec: str, target: Target,
     return _random_tiny_draft(cfg)
   if os.path.exists(spec):
     return _draft_from_path(spec, target)
-  raise ValueError(f"unknown --draft {spec!r}: use default, eagle, medusa, early_exit:K, "
-                   "trained_exit, adapter_exit, bigram, unigram, prompt_lookup, jacobi, "
-                   "jacobi_random, lookahead, tiny, or the path of a draft directory (token, "
-                   "EAGLE, Medusa or trained exit), .gguf file or HF dir")
+  raise ValueError(f"unknown --draft {spec!r}: use {', '.join(DRAFT_NAMES)}, early_exit:K, "
+                   "or the path of a draft directory (token, EAGLE, Medusa or trained exit), "
+                   ".gguf file or HF dir")
 
 
 def _model_draft(name: str, dcfg: ModelConfig, dparams: Params, vocab_map: Optional[np.ndarray],
@@ -142,6 +143,13 @@ def _random_tiny_draft(cfg: ModelConfig) -> Draft:
   dcfg, dparams = tiny_model(seed=1, vocab_size=cfg.vocab_size, num_layers=1, dim=16,
                              num_heads=2, num_kv_heads=1, ffn_dim=32)
   return _model_draft(TINY, dcfg, dparams, None, cfg.vocab_size, "random tiny model")
+
+
+def _random_tiny_drafter(kind: str, target: Target, note: str) -> Draft:
+  """The tiny target's stand-in for a shipped feature drafter: the random one the tests use."""
+  from specjax.testing import make_drafter
+  drafter, dp = make_drafter(kind, target.cfg, target.params, ())
+  return Draft(kind, drafter, dp, note)
 
 
 def _default_draft(target: Target) -> Draft:
@@ -165,11 +173,7 @@ def _default_draft(target: Target) -> Draft:
 def _default_eagle(target: Target) -> Draft:
   """The shipped EAGLE drafter (a random one for the tiny target)."""
   if target.name == TINY:
-    import jax
-    from specjax.drafters.eagle import random_eagle_weights
-    weights = random_eagle_weights(target.cfg, 1, jax.random.PRNGKey(1))
-    drafter, dp = drafters.eagle_drafter(target.cfg, target.params, weights)
-    return Draft("eagle", drafter, dp, "random EAGLE weights")
+    return _random_tiny_drafter("eagle", target, "random EAGLE weights")
   from specjax.drafts import default_eagle_drafter
   drafter, dp = default_eagle_drafter(target.cfg, target.params, target.tokenizer)
   return Draft("eagle", drafter, dp, f"EAGLE feature drafter ({drafter.cfg.num_layers} layer, "
@@ -179,11 +183,7 @@ def _default_eagle(target: Target) -> Draft:
 def _default_medusa(target: Target) -> Draft:
   """The shipped Medusa-1 heads on their own tree (random heads for the tiny target)."""
   if target.name == TINY:
-    import jax
-    from specjax.drafters.medusa import random_medusa_weights
-    weights = random_medusa_weights(target.cfg, 3, 1, jax.random.PRNGKey(1), own_head=False)
-    drafter, dp = drafters.medusa_drafter(target.cfg, target.params, weights)
-    return Draft("medusa", drafter, dp, "random Medusa heads")
+    return _random_tiny_drafter("medusa", target, "random Medusa heads")
   from specjax.drafts import default_medusa_drafter
   drafter, dp = default_medusa_drafter(target.cfg, target.params, target.tokenizer)
   return Draft("medusa", drafter, dp,
@@ -193,17 +193,10 @@ def _default_medusa(target: Target) -> Draft:
 
 def _default_exit(target: Target, adapter: bool = False) -> Draft:
   """A shipped trained early exit, with or without its attention adapter (for the tiny
-  target: a random exit head after layer 1, and the target's layer 1 as the adapter)."""
+  target: a random exit head after layer 1, and a perturbed copy of layer 1 as the adapter)."""
   name = "adapter_exit" if adapter else "trained_exit"
   if target.name == TINY:
-    import jax
-    from specjax.drafters.early_exit import adapter_layer
-    from specjax.drafters.medusa import random_medusa_weights
-    weights = random_medusa_weights(target.cfg, 1, 1, jax.random.PRNGKey(2), own_head=False)
-    if adapter:
-      weights["adapter"] = adapter_layer(target.cfg, target.params, 1)
-    drafter, dp = drafters.trained_exit_drafter(target.cfg, target.params, 1, weights)
-    return Draft(name, drafter, dp, "random exit head after layer 1")
+    return _random_tiny_drafter(name, target, "random exit head after layer 1")
   from specjax.drafts import default_exit_drafter
   drafter, dp = default_exit_drafter(target.cfg, target.params, target.tokenizer, adapter)
   rows = dp["exit"]["head"].shape[0]

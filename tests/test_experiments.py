@@ -329,6 +329,14 @@ def test_config_accepts_draft_names_paths_and_early_exit(tmp_path):
     ExperimentConfig(draft=spec)
 
 
+def test_an_unknown_draft_lists_every_name():
+  from experiments import models
+  from experiments.config import DRAFT_NAMES
+  with pytest.raises(ValueError, match="unknown --draft 'nonesuch'") as e:
+    models.load_draft("nonesuch", models.load_target("tiny"), lambda: [])
+  assert all(name in str(e.value) for name in DRAFT_NAMES)
+
+
 def test_num_prompts_beyond_the_builtin_set_is_refused():
   with pytest.raises(prompts.PromptFileError, match="--num_prompts=100000: the built-in"):
     prompts.load_items(None, 100_000)
