@@ -89,6 +89,8 @@ def test_heads_without_an_input_are_not_scored(toy):
   assert objective.min_position(0) == 1 and heads.exit_objective(cfg).min_position(0) == 0
   with pytest.raises(ValueError, match="lag >= 0"):
     heads.HeadObjective(cfg, 2, lag=-1)
+  with pytest.raises(ValueError, match="one head at lag 0"):
+    heads.AdapterExitObjective(cfg, num_heads=2)
 
 
 @pytest.mark.parametrize("online", [False, True])

@@ -70,13 +70,10 @@ class HeadObjective:
   cfg: ModelConfig
   num_heads: int
   lag: int
-  adapter: bool = False
 
   def __post_init__(self):
     if self.num_heads < 1 or self.lag < 0:
       raise ValueError(f"need num_heads >= 1 and lag >= 0, got {self.num_heads}, {self.lag}")
-    if self.adapter and (self.num_heads != 1 or self.lag != 0):
-      raise ValueError("an attention adapter is the trained exit's (one head, lag 0)")
 
   def min_position(self, step: int) -> int:
     """Head ``step`` has an input from position ``lag`` + ``step`` on."""
@@ -90,14 +87,35 @@ class HeadObjective:
     pred = batch["pred_pos"]
     b, r = pred.shape
     k = self.num_heads
-    seq = batch["features"]
-    if self.adapter:  # the trained exit's decoder layer over the whole sequence of layer-k outputs
-      seq = adapter_sequence(dp["adapter"], self.cfg, seq.astype(jnp.float32))
+    seq = self.head_inputs(dp, batch["features"])
     src = jnp.maximum(pred[:, :, None] - self.lag - jnp.arange(k), 0)  # [B, R, K]
     feats = jnp.take_along_axis(seq, src.reshape(b, r * k, 1), axis=1)
     logits = head_logits(dp, feats.reshape(b, r, k, -1), self.cfg.norm_eps)
     logp = jnp.moveaxis(jax.nn.log_softmax(logits, axis=-1), 2, 0)
     return (logp if k > 1 else logp[0]), 0.0
+
+  def head_inputs(self, dp, features: jax.Array) -> jax.Array:
+    """[B, S, D] what the heads read at every position: the stored features themselves."""
+    del dp
+    return features
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterExitObjective(HeadObjective):
+  """The adapter exit's objective: one head (lag 0) on the output of a trained decoder
+  layer (``params["adapter"]``, ``early_exit.adapter_sequence``) run over the whole
+  sequence of layer-k outputs."""
+
+  num_heads: int = 1
+  lag: int = 0
+
+  def __post_init__(self):
+    if self.num_heads != 1 or self.lag != 0:
+      raise ValueError("the adapter exit has one head at lag 0, got "
+                       f"num_heads={self.num_heads}, lag={self.lag}")
+
+  def head_inputs(self, dp, features: jax.Array) -> jax.Array:
+    return adapter_sequence(dp["adapter"], self.cfg, features.astype(jnp.float32))
 
 
 def medusa_objective(cfg: ModelConfig, num_heads: int) -> HeadObjective:
@@ -108,7 +126,7 @@ def medusa_objective(cfg: ModelConfig, num_heads: int) -> HeadObjective:
 def exit_objective(cfg: ModelConfig, adapter: bool = False) -> HeadObjective:
   """The trained early exit: one head on layer k's output predicting the next token
   (``adapter``: through a trained decoder layer first, ``early_exit.adapter_sequence``)."""
-  return HeadObjective(cfg, 1, lag=0, adapter=adapter)
+  return AdapterExitObjective(cfg) if adapter else HeadObjective(cfg, 1, lag=0)
 
 
 def frozen_arrays(target_cfg, target_params: Params, vocab_map=None) -> dict:
