@@ -341,6 +341,9 @@ def test_corpus_features_are_cached_extended_recomputed_and_refused_for_another_
   with pytest.raises(AssertionError):
     np.testing.assert_array_equal(attach(changed)[1], grown[1])
   assert computed == [3, 2, 5]
+  for a, b in zip(attach(recs[:2]), fresh):  # fewer records than cached: recomputed
+    np.testing.assert_array_equal(a, b)
+  assert computed == [3, 2, 5, 2]
   other = dataclasses.replace(cfg, name="other")
   with pytest.raises(CheckpointError, match="another target"):
     attach(recs, other)

@@ -71,11 +71,15 @@ def record_sequence(record: dict) -> np.ndarray:
   return np.concatenate([record["prompt"], record["response"]]).astype(np.int32)
 
 
-def _tokens_digest(records: Sequence[dict]) -> str:
+def _tokens_digests(records: Sequence[dict], prefix: int) -> tuple[str, str]:
+  """The sha256 of the first ``prefix`` records' tokens and of all of them, in one pass."""
   h = hashlib.sha256()
-  for r in records:
+  head = h.hexdigest() if prefix == 0 else None
+  for i, r in enumerate(records):
     h.update(record_sequence(r).tobytes())
-  return h.hexdigest()
+    if i + 1 == prefix:
+      head = h.hexdigest()
+  return head, h.hexdigest()
 
 
 def _target_tag(cfg: ModelConfig) -> dict:
@@ -91,25 +95,27 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
   lens = [len(r["prompt"]) + len(r["response"]) for r in records]
   tag = "" if not layers else "-layers" + "_".join(map(str, layers))
   path = os.path.join(directory, f"features-{split}{tag}")
-  meta = dict(target=_target_tag(cfg), lengths=lens, tokens_sha256=_tokens_digest(records))
+  stored = None
+  if os.path.exists(path + ".json") and os.path.exists(path + ".npy"):
+    with open(path + ".json") as f:
+      stored = json.load(f)
+  old = stored["lengths"] if stored else []
+  old_sha, sha = _tokens_digests(records, len(old))  # old_sha None: fewer records than cached
+  meta = dict(target=_target_tag(cfg), lengths=lens, tokens_sha256=sha)
   if layers:
     meta["layers"] = list(layers)
   width = cfg.dim * max(1, len(layers))
   kept = 0  # leading records whose stored features are reused
-  if os.path.exists(path + ".json") and os.path.exists(path + ".npy"):
-    with open(path + ".json") as f:
-      stored = json.load(f)
+  if stored:
     corpus_keys = ("lengths", "tokens_sha256")
     if ({k: v for k, v in stored.items() if k not in corpus_keys}
         != {k: v for k, v in meta.items() if k not in corpus_keys}):
       raise CheckpointError(f"{path}.npy was computed for another target; delete it to "
                             "recompute")
-    old = stored["lengths"]
     flat = np.load(path + ".npy", mmap_mode="r")
     if flat.shape != (sum(old), width):
       raise CheckpointError(f"{path}.npy has shape {flat.shape}, expected {(sum(old), width)}")
-    if (old == lens[:len(old)]
-        and stored.get("tokens_sha256") == _tokens_digest(records[:len(old)])):
+    if old == lens[:len(old)] and stored.get("tokens_sha256") == old_sha:
       kept = len(old)
     else:
       logging.warning("%s.npy was computed for other records: recomputing it", path)
