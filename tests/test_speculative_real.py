@@ -4,7 +4,8 @@ import pytest
 
 import specjax
 from specjax.drafters import JacobiDrafter, LookaheadDrafter, ModelDrafter
-from specjax.drafts import default_drafter, default_eagle_drafter, default_exit_drafter
+from specjax.drafts import (default_drafter, default_eagle_drafter, default_exit_drafter,
+                            default_medusa_drafter)
 from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
 from specjax.speculative import DynamicTree, SpeculativeDecoder
 from specjax.testing import tiny_model
@@ -82,6 +83,14 @@ def test_shipped_adapter_exit_drafts_a_lossless_dynamic_tree(target):
   out = _check(target, *_drafter(target, "adapter_exit"), target[2][:2], gamma=None,
                tree=DynamicTree(top_k=4, depth=3, num_nodes=8))
   assert out.metrics()["tokens_per_call"] > 1.5
+
+
+def test_shipped_medusa_heads_are_lossless_on_their_own_tree(target):
+  """The shipped Medusa-1 heads as users load them, on their default 16-node tree."""
+  cfg, params, prompts = target
+  drafter, dp = default_medusa_drafter(cfg, params)
+  out = _check(target, drafter, dp, prompts[:2], gamma=None)
+  assert out.metrics()["tokens_per_call"] > 1.3  # random heads emit ~1
 
 
 @pytest.mark.parametrize("which", ["jacobi", "lookahead"])
