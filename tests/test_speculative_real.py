@@ -58,6 +58,8 @@ def _drafter(target, which):
     return default_eagle_drafter(cfg, params)
   if which == "adapter_exit":
     return default_exit_drafter(cfg, params, adapter=True)
+  if which == "medusa":
+    return default_medusa_drafter(cfg, params)
   dcfg, dparams = (cfg, params) if which == "target_as_draft" else tiny_model(
       vocab_size=cfg.vocab_size, dim=32, num_layers=1)
   drafter = ModelDrafter(dcfg)
@@ -87,10 +89,8 @@ def test_shipped_adapter_exit_drafts_a_lossless_dynamic_tree(target):
 
 def test_shipped_medusa_heads_are_lossless_on_their_own_tree(target):
   """The shipped Medusa-1 heads as users load them, on their default 16-node tree."""
-  cfg, params, prompts = target
-  drafter, dp = default_medusa_drafter(cfg, params)
-  out = _check(target, drafter, dp, prompts[:2], gamma=None)
-  assert out.metrics()["tokens_per_call"] > 1.3  # random heads emit ~1
+  out = _check(target, *_drafter(target, "medusa"), target[2][:2], gamma=None)
+  assert out.metrics()["tokens_per_call"] > 1.3  # 1.73 on the tree benchmark's prompts
 
 
 @pytest.mark.parametrize("which", ["jacobi", "lookahead"])

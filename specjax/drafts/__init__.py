@@ -27,13 +27,15 @@ from specjax.drafts.format import (EAGLE_FORMAT, EXIT_FORMAT, FORMAT, MEDUSA_FOR
                                    read_checked_metadata, read_draft_metadata, save_draft,
                                    save_eagle, save_exit, save_medusa, tokenizer_fingerprint)
 from specjax.drafts.zoo import (DEFAULT_ADAPTER_EXIT_DIR, DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR,
-                                DEFAULT_EXIT_DIR, DEFAULT_MEDUSA_DIR, default_drafter, default_eagle_drafter,
-                                default_exit_drafter, default_medusa_drafter, drafter_from_path,
-                                load_default_draft, reads_target_rows)
+                                DEFAULT_EXIT_DIR, DEFAULT_MEDUSA_DIR, default_drafter,
+                                default_eagle_drafter, default_exit_drafter,
+                                default_medusa_drafter, drafter_from_path, load_default_draft,
+                                reads_target_rows)
 
 __all__ = [
     "DEFAULT_ADAPTER_EXIT_DIR", "DEFAULT_DRAFT_DIR", "DEFAULT_EAGLE_DIR", "DEFAULT_EXIT_DIR",
-    "DEFAULT_MEDUSA_DIR", "EAGLE_FORMAT", "EXIT_FORMAT", "FORMAT", "MEDUSA_FORMAT", "cut_eagle_head",
+    "DEFAULT_MEDUSA_DIR", "EAGLE_FORMAT", "EXIT_FORMAT", "FORMAT", "MEDUSA_FORMAT",
+    "cut_eagle_head",
     "default_drafter", "default_eagle_drafter", "default_exit_drafter", "default_medusa_drafter",
     "drafter_from_path", "expand_to_full_vocab", "export_hf", "load_default_draft",
     "load_draft", "load_eagle", "load_exit", "load_medusa", "load_published_eagle",
