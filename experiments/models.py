@@ -145,7 +145,7 @@ def _random_tiny_draft(cfg: ModelConfig) -> Draft:
   return _model_draft(TINY, dcfg, dparams, None, cfg.vocab_size, "random tiny model")
 
 
-def _random_tiny_drafter(kind: str, target: Target, note: str) -> Draft:
+def _random_feature_draft(kind: str, target: Target, note: str) -> Draft:
   """The tiny target's stand-in for a shipped feature drafter: the random one the tests use."""
   from specjax.testing import make_drafter
   drafter, dp = make_drafter(kind, target.cfg, target.params, ())
@@ -173,7 +173,7 @@ def _default_draft(target: Target) -> Draft:
 def _default_eagle(target: Target) -> Draft:
   """The shipped EAGLE drafter (a random one for the tiny target)."""
   if target.name == TINY:
-    return _random_tiny_drafter("eagle", target, "random EAGLE weights")
+    return _random_feature_draft("eagle", target, "random EAGLE weights")
   from specjax.drafts import default_eagle_drafter
   drafter, dp = default_eagle_drafter(target.cfg, target.params, target.tokenizer)
   return Draft("eagle", drafter, dp, f"EAGLE feature drafter ({drafter.cfg.num_layers} layer, "
@@ -183,7 +183,7 @@ def _default_eagle(target: Target) -> Draft:
 def _default_medusa(target: Target) -> Draft:
   """The shipped Medusa-1 heads on their own tree (random heads for the tiny target)."""
   if target.name == TINY:
-    return _random_tiny_drafter("medusa", target, "random Medusa heads")
+    return _random_feature_draft("medusa", target, "random Medusa heads")
   from specjax.drafts import default_medusa_drafter
   drafter, dp = default_medusa_drafter(target.cfg, target.params, target.tokenizer)
   return Draft("medusa", drafter, dp,
@@ -196,7 +196,7 @@ def _default_exit(target: Target, adapter: bool = False) -> Draft:
   target: a random exit head after layer 1, and a perturbed copy of layer 1 as the adapter)."""
   name = "adapter_exit" if adapter else "trained_exit"
   if target.name == TINY:
-    return _random_tiny_drafter(name, target, "random exit head after layer 1")
+    return _random_feature_draft(name, target, "random exit head after layer 1")
   from specjax.drafts import default_exit_drafter
   drafter, dp = default_exit_drafter(target.cfg, target.params, target.tokenizer, adapter)
   rows = dp["exit"]["head"].shape[0]
