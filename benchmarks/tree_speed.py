@@ -13,7 +13,7 @@ Per temperature:
      node budget N from that table;
   3. every method (chains of each γ, the best trees, dynamic trees when the
      drafter supports them; for Medusa heads also the trees their stored held-out
-     accuracies give) decodes the held-out prompts one at a time,
+     accuracies give and their per-step dynamic trees) decodes the held-out prompts one at a time,
      interleaved with plain decoding of the same prompt in every round;
      speedup = Σ plain seconds / Σ method seconds over the prompts, per round
      (median and range reported); at T = 0 every output is checked against
@@ -68,18 +68,21 @@ def calibrate(target, draft, sampler, prompts, branching):
 
 def methods_for(draft, table):
   """Chains, the best static tree per budget, an EAGLE-2 dynamic tree of the same N and
-  depth (frontier k = min(4, N)) where the drafter builds them, and for Medusa heads the
-  tree their own held-out accuracies give at each budget (``MedusaDrafter.tree``)."""
+  depth (frontier k = min(4, N)) where the drafter builds them; for Medusa heads instead
+  the tree their own held-out accuracies give at each budget (``MedusaDrafter.tree``) and
+  their per-step best tree of all heads and ranks (``MedusaDrafter.dynamic_tree``)."""
   out = [(f"chain γ={g}", TreeTopology.chain(int(g))) for g in GAMMAS.value]
   for n in map(int, BUDGETS.value):
     tree = best_static_tree(table, n)
     if not tree.is_chain:
       out.append((f"best tree N={n}", tree))
     k, d = min(4, n), max(tree.max_depth, 2)
-    if d <= n <= k + (d - 1) * k * k:
+    if isinstance(draft.drafter, MedusaDrafter):
+      if draft.drafter.accuracy is not None:
+        out.append((f"heads' tree N={n}", draft.drafter.tree(n)))
+      out.append((f"heads' dynamic N={n}", draft.drafter.dynamic_tree(n)))
+    elif d <= n <= k + (d - 1) * k * k:
       out.append((f"dynamic k={k} N={n}", DynamicTree(k, d, n)))
-    if isinstance(draft.drafter, MedusaDrafter) and draft.drafter.accuracy is not None:
-      out.append((f"heads' tree N={n}", draft.drafter.tree(n)))
   return [(name, t) for name, t in out if draft.drafter.supports(t)]
 
 

@@ -29,6 +29,16 @@ point mass, verified by ``tree_acceptance``: the longest matching path under
 greedy decoding, recursive rejection with q = 1 when sampling, so the output
 law is the target's. Chains take each head's top-1.
 
+Static trees (Medusa's) fix which ranks are drafted from accuracies averaged
+over a corpus. A ``DynamicTree`` (k, D, N) instead keeps, per row and step,
+the N paths of the Cartesian product of the first D heads' top-k with the
+highest product of the heads' own probabilities (``best_product_paths``):
+the same independence model as ``medusa_tree``, priced by this context's
+confidences instead of their average, as EAGLE-2 does for a draft model. The
+candidates are every path, not EAGLE-2's frontier of k per depth (the heads'
+children do not depend on the parent, so all Σ k^d paths cost one top-k per
+head); a departure from Medusa-1, whose trees are static.
+
 The drafter is stateless but for the feature it reads: ``observe`` keeps the
 last verified path's features (at most K + 1 entries, a window [B, K + 1, D])
 and where they start; ``propose`` reads the one at position s − 2. So plain
@@ -45,6 +55,7 @@ target ids; tokens outside are never drafted).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import flax.struct
@@ -58,11 +69,12 @@ from specjax.model import Params, compute_dtype
 from specjax.sampling import Sampler
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.proposal import Proposal
-from specjax.speculative.tree import TreeTopology
+from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree
 from specjax import validation
 
 TOP_K = 10  # FasterDecoding's TOPK: the most children any node may have
+MAX_PRODUCT_PATHS = 1 << 17  # a DynamicTree's candidates Σ_{d<=D} k^d, scored every step
 
 PARAM_KEYS = frozenset({"final_norm", "res_w", "res_b", "head"})
 
@@ -122,8 +134,19 @@ class MedusaDrafter(Drafter):
 
   def tree_error(self, topology) -> Optional[str]:
     """Why the heads cannot draft ``topology`` (None: they can)."""
+    if isinstance(topology, DynamicTree):
+      if topology.depth > self.num_heads:
+        return (f"{topology} is {topology.depth} deep, but {self.num_heads} heads draft "
+                f"{self.num_heads} tokens at most")
+      if topology.top_k > self.top_k:
+        return f"{topology} ranks top_k={topology.top_k} tokens, beyond the heads' {self.top_k}"
+      paths = sum(topology.top_k ** d for d in range(1, topology.depth + 1))
+      if paths > MAX_PRODUCT_PATHS:
+        return (f"{topology} scores {paths} candidate paths a step, more than "
+                f"{MAX_PRODUCT_PATHS}: use a smaller top_k or depth")
+      return None
     if not isinstance(topology, TreeTopology):
-      return f"{topology} is not a static TreeTopology (Medusa trees are static)"
+      return f"{topology} is neither a TreeTopology nor a DynamicTree"
     if topology.max_depth > self.num_heads:
       return (f"{topology} is {topology.max_depth} deep, but {self.num_heads} heads draft "
               f"{self.num_heads} tokens at most")
@@ -137,7 +160,9 @@ class MedusaDrafter(Drafter):
 
   def buildable(self) -> str:
     return (f"static trees (chains included) of depth <= {self.num_heads} (the heads) with "
-            f"sibling ranks < {self.top_k} (top_k), e.g. TreeTopology.from_choices(...)")
+            f"sibling ranks < {self.top_k} (top_k), e.g. TreeTopology.from_choices(...), and "
+            f"DynamicTree(top_k <= {self.top_k}, depth <= {self.num_heads}, num_nodes) of at "
+            f"most {MAX_PRODUCT_PATHS} paths Σ_d top_k^d")
 
   def choices_tree(self, choices: Sequence[Sequence[int]]) -> TreeTopology:
     """A Medusa choice list (paths of per-head ranks, e.g. FasterDecoding's mc_sim_7b_63) as
@@ -167,6 +192,12 @@ class MedusaDrafter(Drafter):
            else np.asarray(self.accuracy)[:, :self.top_k])
     return medusa_tree(acc, min(validation.as_int(num_nodes, "num_nodes", 1), room),
                        top_k=self.top_k)
+
+  def dynamic_tree(self, num_nodes: int) -> DynamicTree:
+    """The per-step best tree of ``num_nodes`` nodes over all K heads and their top_k ranks
+    (``best_product_paths``); the depth is K, or fewer heads when N < K."""
+    n = validation.as_int(num_nodes, "num_nodes", 1)
+    return DynamicTree(top_k=self.top_k, depth=min(self.num_heads, n), num_nodes=n)
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # a plain step's feature arrives by ``observe``; nothing else is kept
@@ -248,13 +279,79 @@ class MedusaDrafter(Drafter):
     if error is not None:
       raise ValueError(f"MedusaDrafter cannot build {topology}: {error}")
     logits = self.head_logits(draft_params, self.feature(state, seq_lens))  # [B, K, Vd]
-    depth = np.asarray(topology.depth) - 1
-    ranks = np.asarray(topology.ranks)
-    ids = jax.lax.top_k(logits[:, :int(depth.max()) + 1], int(ranks.max()) + 1)[1]
-    drafts = ids[:, depth, ranks]  # node i: head depth_i − 1, rank_i
+    if isinstance(topology, DynamicTree):
+      ids, parents = best_product_paths(logits[:, :topology.depth], topology.top_k,
+                                        topology.num_nodes)
+    else:
+      depth = np.asarray(topology.depth) - 1
+      ranks = np.asarray(topology.ranks)
+      ids = jax.lax.top_k(logits[:, :int(depth.max()) + 1], int(ranks.max()) + 1)[1]
+      ids, parents = ids[:, depth, ranks], None  # node i: head depth_i − 1, rank_i
     if "vocab_map" in draft_params:
-      drafts = draft_params["vocab_map"][drafts]
-    return Proposal(tokens=drafts.astype(jnp.int32), draw="point_mass"), state
+      ids = draft_params["vocab_map"][ids]
+    return Proposal(tokens=ids.astype(jnp.int32), parents=parents, draw="point_mass"), state
+
+
+# --- per-step trees from the heads' probabilities ---------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def product_paths(top_k: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+  """Every path of sibling ranks < k of length 1…D, depth-major and in rank order within a
+  depth (so a path comes after its parent and after its lower-ranked siblings):
+  (ranks [P, D], −1 past the path's end; parent [P], the parent's index, −1 at depth 1),
+  P = Σ_{d<=D} k^d."""
+  ranks, parent, level, start = [], [], [()], 0
+  for _ in range(depth):
+    nxt = []
+    for i, prefix in enumerate(level):
+      for r in range(top_k):
+        nxt.append(prefix + (r,))
+        parent.append(start + i - len(level) if prefix else -1)
+    start += len(nxt)
+    ranks += nxt
+    level = nxt
+  table = np.full((len(ranks), depth), -1, np.int32)
+  for i, path in enumerate(ranks):
+    table[i, :len(path)] = path
+  return table, np.asarray(parent, np.int32)
+
+
+def best_product_paths(logits: jax.Array, top_k: int, num_nodes: int
+                       ) -> tuple[jax.Array, jax.Array]:
+  """The ``num_nodes`` most probable paths of the heads' Cartesian product, per row.
+
+  A path's score is the sum of its heads' log-probabilities (raw logits, temperature 1,
+  as EAGLE-2's scores): its chance of acceptance if the heads were calibrated and
+  independent. A child never outscores its parent, nor a sibling the lower-ranked one
+  before it, and ties go to the earlier path (``jax.lax.top_k`` keeps index order), so
+  the chosen paths form a tree; kept in pool order, which is breadth-first.
+
+  Args:
+    logits: [B, D, Vd] the first D heads' logits.
+    top_k: k, the ranks of each head a path may take.
+    num_nodes: N <= Σ k^d.
+
+  Returns:
+    (ids [B, N], the draft-vocabulary token of each node; parents [B, N] int32, −1 at
+    depth 1).
+  """
+  b, depth, _ = logits.shape
+  ranks, parent = product_paths(top_k, depth)  # [P, D], [P]
+  logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), top_k)
+  on_path = ranks >= 0
+  terms = logp[:, np.arange(depth)[None, :], np.maximum(ranks, 0)]  # [B, P, D]
+  scores = jnp.sum(jnp.where(on_path, terms, 0.0), axis=-1)
+  chosen = jnp.sort(jax.lax.top_k(scores, num_nodes)[1], axis=1)  # [B, N] pool indices
+  rows = jnp.arange(b)[:, None]
+  node_of = jnp.full((b, ranks.shape[0]), -1, jnp.int32).at[rows, chosen].set(
+      jnp.arange(num_nodes, dtype=jnp.int32))
+  par = jnp.asarray(parent)[chosen]
+  parents = jnp.where(par >= 0, jnp.take_along_axis(node_of, jnp.maximum(par, 0), axis=1), -1)
+  head = on_path.sum(axis=1) - 1  # [P] the head of each path's last token, and its rank
+  rank = ranks[np.arange(ranks.shape[0]), head]
+  tokens = ids[rows, jnp.asarray(head)[chosen], jnp.asarray(rank)[chosen]]
+  return tokens, parents.astype(jnp.int32)
 
 
 # --- trees from the heads' accuracies ------------------------------------------------
