@@ -353,11 +353,7 @@ class SpeculativeDecoder:
     leading = jnp.sum(jnp.cumprod(rank0, axis=1), axis=1)  # [B] rank-0 drafts from the root
     active = ~before.done
     hit = jax.nn.one_hot(index, self.policy.num_choices, dtype=jnp.int32) * active[:, None]
-    c = after.counters
-    counters = c.replace(
-        choice_steps=c.choice_steps + hit,
-        choice_estimate=c.choice_estimate
-        + hit * self.policy.estimate(before.policy, index)[:, None])
+    counters = after.counters.add_choices(hit, self.policy.estimate(before.policy, index))
     return after.replace(counters=counters,
                          policy=self.policy.observe(before.policy, index, leading, active))
 
@@ -387,10 +383,7 @@ class SpeculativeDecoder:
     draft_state = state.draft_state
     if self.drafter.reads_target_features():
       draft_state = self.drafter.observe(draft_state, target_features(out, layers), start)
-    a = (~state.done).astype(jnp.int32)
-    c = state.counters
-    counters = c.replace(target_calls=c.target_calls + a, emitted=c.emitted + n_emit,
-                         depth_hist=c.depth_hist.at[:, 0].add(a))
+    counters = state.counters.add_plain_steps((~state.done).astype(jnp.int32), n_emit)
     return sharding.constrain(new.replace(target_cache=out.cache.with_lengths(new.seq_lens - 1),
                                           draft_state=draft_state, rng=rng,
                                           steps=state.steps + 1, counters=counters), b)
@@ -552,18 +545,13 @@ class SpeculativeDecoder:
     tokens, lens = self.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)
     out = generate_packed(target_params, self.target_cfg, tokens, lens, max_new_tokens,
                           self.sampler, seed=seed, eos_ids=self.eos_ids, start=start)
-    steps = (out.seq_lens - out.prompt_lens).astype(np.int32)  # one target call per token
-    zeros = counters_to_host(self.zero_counters(len(steps)))
-    counters = {k: np.array(v) for k, v in zeros.items()}  # writable copies
-    prior = np.float32(self.policy.prior_alpha)  # its price for plain steps: α_c at ρ̂ = 1
-    for name in ("target_calls", "emitted"):
-      counters[name] = steps.copy()
-    counters["depth_hist"][:, 0] = steps
-    counters["choice_steps"][:, 0] = steps
-    counters["choice_estimate"][:, 0] = steps * prior
+    steps = jnp.asarray(out.seq_lens - out.prompt_lens, jnp.int32)  # one call per token
+    plain = jax.nn.one_hot(0, self.policy.num_choices, dtype=jnp.int32)  # choice 0: γ = 0
+    counters = self.zero_counters(len(steps)).add_plain_steps(steps, steps).add_choices(
+        steps[:, None] * plain, self.policy.prior_alpha)  # its price for plain steps
     return SpecResult(tokens=out.tokens, prompt_lens=out.prompt_lens, seq_lens=out.seq_lens,
                       steps=out.steps, seconds=time.perf_counter() - start, gamma=self.gamma,
-                      per_row=counters, prefill_seconds=out.prefill_seconds)
+                      per_row=counters_to_host(counters), prefill_seconds=out.prefill_seconds)
 
   def stream(self, target_params: Params, draft_params: Any,
              prompts: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int = 0,

@@ -67,6 +67,20 @@ class SpecCounters:
                choice_steps=z(batch_size, num_choices),
                choice_estimate=jnp.zeros((batch_size, num_choices), jnp.float32))
 
+  def add_plain_steps(self, steps: jax.Array, emitted: jax.Array) -> "SpecCounters":
+    """These counters after ``steps`` [B] more plain decoding steps (one target call each,
+    counted at depth 0) that emitted ``emitted`` [B] tokens."""
+    return self.replace(target_calls=self.target_calls + steps, emitted=self.emitted + emitted,
+                        depth_hist=self.depth_hist.at[:, 0].add(steps))
+
+  def add_choices(self, steps: jax.Array, estimate) -> "SpecCounters":
+    """These counters after ``steps`` [B, K] more steps of each policy choice, each chosen on
+    the running acceptance estimate ``estimate`` ([B] or a scalar)."""
+    estimate = jnp.asarray(estimate, jnp.float32)
+    return self.replace(choice_steps=self.choice_steps + steps,
+                        choice_estimate=self.choice_estimate
+                        + steps * jnp.reshape(estimate, estimate.shape + (1,)))
+
 
 @flax.struct.dataclass(kw_only=True)
 class SpecState:
