@@ -285,7 +285,9 @@ class DynamicTree:
   Each step the drafter expands a frontier of the ``top_k`` best nodes per
   depth (by cumulative draft log-probability) for ``depth`` levels and keeps
   the ``num_nodes`` best of all candidates (``tree_draft.grow_dynamic``); the
-  proposal carries per-row ``parents`` [B, N]. Hashable: a valid static jit
+  proposal carries per-row ``parents`` [B, N]. Medusa heads, whose children do not
+  depend on the parent, score every path of their top-k instead of a frontier
+  (``drafters.medusa.best_product_paths``). Hashable: a valid static jit
   argument, like ``TreeTopology``, whose interface the decoder reads
   (``num_nodes``, ``max_depth``, ``is_chain``, ``max_children``).
 
