@@ -95,12 +95,33 @@ def test_heads_match_an_independent_forward_at_depths_one_to_k(target, heads):
     ranked = np.argsort(-want, axis=-1, kind="stable")[:, :3]
     np.testing.assert_array_equal(np.asarray(prop.tokens[0]), ranked.reshape(-1))
     assert prop.draw == "point_mass" and prop.q is None
+    # A dynamic tree's node of depth d and sibling rank r holds the same token.
+    prop, _ = drafter.propose(dp, state, jnp.asarray([seq[:s]]), jnp.asarray([s]),
+                              jax.random.PRNGKey(0), Greedy(), DynamicTree(3, 3, 8))
+    parents = np.asarray(prop.parents[0])
+    depth = np.asarray(depth_from_parents(prop.parents, 3))[0, 1:]
+    rank = [int(np.sum(parents[:i] == parents[i])) for i in range(8)]
+    np.testing.assert_array_equal(np.asarray(prop.tokens[0]), ranked[depth - 1, rank])
+    assert depth.max() > 1  # not just the root's top-k
+
+
+def _paths(ids, parents, b):
+  """Row b's nodes as token paths from the root (parents before children checked)."""
+  out = []
+  for i in range(ids.shape[1]):
+    assert parents[b, i] < i
+    path, j = [], i
+    while j >= 0:
+      path.append(int(ids[b, j]))
+      j = int(parents[b, j])
+    out.append(tuple(reversed(path)))
+  return out
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_dynamic_tree_keeps_the_most_probable_paths_of_the_product(seed):
   """Against brute force over every path of the heads' top-k: the N paths of highest
-  summed log-probability, each node's parent its prefix, parents before children."""
+  summed log-probability, each node's parent its prefix."""
   k, depth, n = 3, 3, 11
   logits = 2.0 * jax.random.normal(jax.random.PRNGKey(seed), (2, depth, 12))
   ids, parents = best_product_paths(logits, k, n)
@@ -111,15 +132,25 @@ def test_dynamic_tree_keeps_the_most_probable_paths_of_the_product(seed):
     score = [sum(logp[b, h, order[h, r]] for h, r in enumerate(p)) for p in paths]
     best = [paths[i] for i in np.argsort(-np.asarray(score), kind="stable")[:n]]
     want = {tuple(order[h, r] for h, r in enumerate(p)) for p in best}
-    got = []
-    for i in range(n):
-      assert parents[b, i] < i
-      path, j = [], i
-      while j >= 0:
-        path.append(int(ids[b, j]))
-        j = int(parents[b, j])
-      got.append(tuple(reversed(path)))
-    assert set(got) == want and len(got) == n
+    got = _paths(ids, parents, b)
+    assert len(set(got)) == n and set(got) == want
+
+
+@pytest.mark.parametrize("n", [1, 5, 14])
+def test_dynamic_tree_is_a_tree_under_ties_and_impossible_tokens(n):
+  """Heads with tied logits, a head certain of one token (log-probability 0: children tie
+  their parent) and −inf entries still give a tree closed under prefixes and lower sibling
+  ranks, up to the whole product (N = 2 + 4 + 8)."""
+  neg = -np.inf
+  logits = jnp.asarray([[[1.0, 1.0, 0.0, neg], [5.0, neg, neg, neg], [0.0, 0.0, 0.0, 0.0]]])
+  ids, parents = best_product_paths(logits, 2, n)
+  got = _paths(ids, parents, 0)
+  assert len(set(got)) == n
+  ranks = [[0, 1], [0, 1], [0, 1, 2, 3]]  # each head's tokens by rank (top_k: stable ties)
+  for path in got:
+    assert path[:-1] in set(got) | {()}
+    r = ranks[len(path) - 1].index(path[-1])
+    assert r == 0 or path[:-1] + (ranks[len(path) - 1][r - 1],) in got
 
 
 # --------------------------------------------------------------- greedy equality
@@ -157,7 +188,7 @@ def test_greedy_equality_when_drafts_are_accepted(dynamic):
   for i in range(len(prompts)):
     assert out.generated(i) == ref.generated(i)
   # The static root holds all 8 tokens, so every step accepts a draft; the dynamic tree
-  # may trade root ranks for deeper nodes (1.86 measured).
+  # may trade root ranks for deeper nodes (1.86 with these weights).
   assert out.metrics()["tokens_per_call"] > (1.5 if dynamic else 2.0)
 
 
@@ -189,13 +220,16 @@ def test_heads_read_the_feature_of_position_s_minus_2_at_every_step(plain_steps)
   assert plain > 0 if plain_steps else accepted >= {1, 2}
 
 
-def test_shared_head_and_reduced_vocabulary_decode_losslessly(target):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_shared_head_and_reduced_vocabulary_decode_losslessly(target, dynamic):
   cfg, params = target
   weights = random_medusa_weights(cfg, 2, 1, jax.random.PRNGKey(4), own_head=False)
   vocab_map = np.arange(0, cfg.vocab_size, 2)
   drafter, dp = medusa_drafter(cfg, params, weights, vocab_map=vocab_map)
   assert drafter.shared_head and dp["head"].shape == (cfg.vocab_size // 2, cfg.dim)
-  dec = SpeculativeDecoder(cfg, drafter, tree=drafter.choices_tree([(0,), (1,), (0, 0)]))
+  tree = (drafter.dynamic_tree(3) if dynamic
+          else drafter.choices_tree([(0,), (1,), (0, 0)]))
+  dec = SpeculativeDecoder(cfg, drafter, tree=tree)
   out = dec.generate(params, dp, PROMPTS, 10)
   ref = generate(params, cfg, PROMPTS, 10)
   for i in range(len(PROMPTS)):
@@ -204,7 +238,7 @@ def test_shared_head_and_reduced_vocabulary_decode_losslessly(target):
   state = drafter.init(dp, jnp.asarray([PROMPTS[0]]), jnp.asarray([7]),
                        features=jnp.asarray(_features(cfg, params, PROMPTS[0])[None]))
   prop, _ = drafter.propose(dp, state, jnp.asarray([PROMPTS[0]]), jnp.asarray([7]),
-                            jax.random.PRNGKey(0), Greedy(), TreeTopology.chain(2))
+                            jax.random.PRNGKey(0), Greedy(), tree)
   assert np.all(np.asarray(prop.tokens) % 2 == 0)
 
 
@@ -309,6 +343,11 @@ def test_default_tree_fits_the_heads(target, k, top_k):
   tree = drafter.default_tree()
   assert drafter.supports(tree)
   assert tree.num_nodes == min(4 * k, 64, sum(top_k ** d for d in range(1, k + 1)))
+  for n in (1, 7, 400):  # cut to what the heads and DynamicTree admit, never refused
+    dynamic = drafter.dynamic_tree(n)
+    assert drafter.supports(dynamic) and dynamic.num_nodes <= n
+  seven = drafter.dynamic_tree(7)
+  assert seven.num_nodes == min(7, seven.pool_size)
 
 
 # --------------------------------------------------------------- refusals

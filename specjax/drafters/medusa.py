@@ -55,7 +55,6 @@ target ids; tokens outside are never drafted).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Sequence
 
 import flax.struct
@@ -65,6 +64,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.drafters.residual_head import head_logits, target_head, zero_blocks
+from specjax.drafters.tree_draft import keep_best
 from specjax.model import Params, compute_dtype
 from specjax.sampling import Sampler
 from specjax.speculative.drafter import Drafter
@@ -140,7 +140,7 @@ class MedusaDrafter(Drafter):
                 f"{self.num_heads} tokens at most")
       if topology.top_k > self.top_k:
         return f"{topology} ranks top_k={topology.top_k} tokens, beyond the heads' {self.top_k}"
-      paths = sum(topology.top_k ** d for d in range(1, topology.depth + 1))
+      paths = num_paths(topology.top_k, topology.depth)
       if paths > MAX_PRODUCT_PATHS:
         return (f"{topology} scores {paths} candidate paths a step, more than "
                 f"{MAX_PRODUCT_PATHS}: use a smaller top_k or depth")
@@ -187,17 +187,23 @@ class MedusaDrafter(Drafter):
   def tree(self, num_nodes: int) -> TreeTopology:
     """The best static tree of ``num_nodes`` nodes (fewer when the heads' top_k ranks hold
     fewer) under the measured ``accuracy`` or, without one, ``prior_accuracy``."""
-    room = sum(self.top_k ** d for d in range(1, self.num_heads + 1))
+    room = num_paths(self.top_k, self.num_heads)
     acc = (prior_accuracy(self.num_heads, self.top_k) if self.accuracy is None
            else np.asarray(self.accuracy)[:, :self.top_k])
     return medusa_tree(acc, min(validation.as_int(num_nodes, "num_nodes", 1), room),
                        top_k=self.top_k)
 
   def dynamic_tree(self, num_nodes: int) -> DynamicTree:
-    """The per-step best tree of ``num_nodes`` nodes over all K heads and their top_k ranks
-    (``best_product_paths``); the depth is K, or fewer heads when N < K."""
+    """The per-step best tree of ``num_nodes`` nodes over the K heads' top_k ranks
+    (``best_product_paths``): depth K and k = top_k, both cut to N (a deeper path or a
+    lower rank could never be kept), the depth further until at most
+    ``MAX_PRODUCT_PATHS`` paths are scored, and N to what ``DynamicTree`` admits,
+    k + (D − 1) k² (310 for 4 heads of 10 ranks)."""
     n = validation.as_int(num_nodes, "num_nodes", 1)
-    return DynamicTree(top_k=self.top_k, depth=min(self.num_heads, n), num_nodes=n)
+    k, depth = min(self.top_k, n), min(self.num_heads, n)
+    while depth > 1 and num_paths(k, depth) > MAX_PRODUCT_PATHS:
+      depth -= 1
+    return DynamicTree(top_k=k, depth=depth, num_nodes=min(n, k + (depth - 1) * k * k))
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # a plain step's feature arrives by ``observe``; nothing else is kept
@@ -274,7 +280,7 @@ class MedusaDrafter(Drafter):
     return jnp.where((seq_lens >= 2)[:, None], f, 0)
 
   def propose(self, draft_params, state: MedusaState, tokens, seq_lens, key, sampler: Sampler,
-              topology: TreeTopology):
+              topology: TreeTopology | DynamicTree):
     error = self.tree_error(topology)
     if error is not None:
       raise ValueError(f"MedusaDrafter cannot build {topology}: {error}")
@@ -295,63 +301,45 @@ class MedusaDrafter(Drafter):
 # --- per-step trees from the heads' probabilities ---------------------------------------
 
 
-@functools.lru_cache(maxsize=16)
-def product_paths(top_k: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
-  """Every path of sibling ranks < k of length 1…D, depth-major and in rank order within a
-  depth (so a path comes after its parent and after its lower-ranked siblings):
-  (ranks [P, D], −1 past the path's end; parent [P], the parent's index, −1 at depth 1),
-  P = Σ_{d<=D} k^d."""
-  ranks, parent, level, start = [], [], [()], 0
-  for _ in range(depth):
-    nxt = []
-    for i, prefix in enumerate(level):
-      for r in range(top_k):
-        nxt.append(prefix + (r,))
-        parent.append(start + i - len(level) if prefix else -1)
-    start += len(nxt)
-    ranks += nxt
-    level = nxt
-  table = np.full((len(ranks), depth), -1, np.int32)
-  for i, path in enumerate(ranks):
-    table[i, :len(path)] = path
-  return table, np.asarray(parent, np.int32)
+def num_paths(top_k: int, depth: int) -> int:
+  """Σ_{d<=D} k^d: the paths of sibling ranks < k of length 1…D (the nodes of the full
+  Cartesian product of D heads' top-k)."""
+  return sum(top_k ** d for d in range(1, depth + 1))
 
 
 def best_product_paths(logits: jax.Array, top_k: int, num_nodes: int
                        ) -> tuple[jax.Array, jax.Array]:
   """The ``num_nodes`` most probable paths of the heads' Cartesian product, per row.
 
-  A path's score is the sum of its heads' log-probabilities (raw logits, temperature 1,
-  as EAGLE-2's scores): its chance of acceptance if the heads were calibrated and
-  independent. A child never outscores its parent, nor a sibling the lower-ranked one
-  before it, and ties go to the earlier path (``jax.lax.top_k`` keeps index order), so
-  the chosen paths form a tree; kept in pool order, which is breadth-first.
+  The pool is every path of ranks < k, depth-major, and within a depth by parent then
+  rank, so entry i·k + r of depth d is the rank-r child of entry i of depth d − 1. A
+  path's score is its parent's plus its head's log-probability (raw logits, temperature
+  1, as EAGLE-2's scores): its chance of acceptance if the heads were calibrated and
+  independent. So a child never outscores its parent, nor a sibling the lower-ranked one
+  before it, and ``tree_draft.keep_best`` keeps a tree (ties: the earlier path).
 
   Args:
     logits: [B, D, Vd] the first D heads' logits.
     top_k: k, the ranks of each head a path may take.
-    num_nodes: N <= Σ k^d.
+    num_nodes: N <= Σ_{d<=D} k^d.
 
   Returns:
-    (ids [B, N], the draft-vocabulary token of each node; parents [B, N] int32, −1 at
-    depth 1).
+    (ids [B, N], the draft-vocabulary token of each node, breadth-first; parents [B, N]
+    int32, −1 at depth 1).
   """
   b, depth, _ = logits.shape
-  ranks, parent = product_paths(top_k, depth)  # [P, D], [P]
   logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), top_k)
-  on_path = ranks >= 0
-  terms = logp[:, np.arange(depth)[None, :], np.maximum(ranks, 0)]  # [B, P, D]
-  scores = jnp.sum(jnp.where(on_path, terms, 0.0), axis=-1)
-  chosen = jnp.sort(jax.lax.top_k(scores, num_nodes)[1], axis=1)  # [B, N] pool indices
-  rows = jnp.arange(b)[:, None]
-  node_of = jnp.full((b, ranks.shape[0]), -1, jnp.int32).at[rows, chosen].set(
-      jnp.arange(num_nodes, dtype=jnp.int32))
-  par = jnp.asarray(parent)[chosen]
-  parents = jnp.where(par >= 0, jnp.take_along_axis(node_of, jnp.maximum(par, 0), axis=1), -1)
-  head = on_path.sum(axis=1) - 1  # [P] the head of each path's last token, and its rank
-  rank = ranks[np.arange(ranks.shape[0]), head]
-  tokens = ids[rows, jnp.asarray(head)[chosen], jnp.asarray(rank)[chosen]]
-  return tokens, parents.astype(jnp.int32)
+  scores, tokens, pool_parent = [logp[:, 0]], [ids[:, 0]], [np.full(top_k, -1, np.int32)]
+  offset = 0  # pool index of the parents' first entry
+  for d in range(1, depth):
+    width = top_k ** d  # the parents: head d − 1's entries
+    scores.append((scores[-1][:, :, None] + logp[:, d, None, :]).reshape(b, width * top_k))
+    tokens.append(jnp.tile(ids[:, d], (1, width)))
+    pool_parent.append(np.repeat(offset + np.arange(width, dtype=np.int32), top_k))
+    offset += width
+  chosen, parents = keep_best(jnp.concatenate(scores, axis=1), np.concatenate(pool_parent),
+                              num_nodes)
+  return jnp.take_along_axis(jnp.concatenate(tokens, axis=1), chosen, axis=1), parents
 
 
 # --- trees from the heads' accuracies ------------------------------------------------

@@ -183,12 +183,32 @@ def grow_dynamic(tree: DynamicTree, root_logits: jax.Array, root_carry: Any, exp
       mask = jnp.concatenate([jnp.take_along_axis(mask, parent[:, :, None], axis=1),
                               jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))], axis=2)
   scores, ids = jnp.concatenate(scores, axis=1), jnp.concatenate(ids, axis=1)
-  pool_parent = jnp.concatenate(pool_parent, axis=1)
-  chosen = jnp.sort(jax.lax.top_k(scores, n)[1], axis=1)  # [B, N] pool indices, breadth-first
-  node_of = jnp.full((b, tree.pool_size), -1, jnp.int32).at[rows, chosen].set(
-      jnp.arange(n, dtype=jnp.int32))
-  par = jnp.take_along_axis(pool_parent, chosen, axis=1)
-  parents = jnp.where(par >= 0, jnp.take_along_axis(node_of, jnp.maximum(par, 0), axis=1), -1)
+  chosen, parents = keep_best(scores, jnp.concatenate(pool_parent, axis=1), n)
   tokens = to_target(jnp.take_along_axis(ids, chosen, axis=1)).astype(jnp.int32)
-  proposal = Proposal(tokens=tokens, parents=parents.astype(jnp.int32), draw="point_mass")
+  proposal = Proposal(tokens=tokens, parents=parents, draw="point_mass")
   return proposal, jnp.take_along_axis(slots, chosen, axis=1)
+
+
+def keep_best(scores: jax.Array, pool_parent: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+  """The ``n`` best entries of a candidate pool per row, as a tree.
+
+  The pool is breadth-first (a parent before its children) and no child scores above its
+  parent; ties go to the smaller index (``jax.lax.top_k`` keeps index order), so every kept
+  entry's parent is kept too.
+
+  Args:
+    scores: [B, P] each candidate's score.
+    pool_parent: [B, P] or [P] each candidate's parent's pool index, −1 at depth 1.
+    n: N <= P.
+
+  Returns:
+    (chosen [B, N] pool indices in pool order, which is breadth-first; parents [B, N] int32,
+    each kept entry's parent as an index into ``chosen``, −1 at depth 1).
+  """
+  b, p = scores.shape
+  chosen = jnp.sort(jax.lax.top_k(scores, n)[1], axis=1)
+  node_of = jnp.full((b, p), -1, jnp.int32).at[jnp.arange(b)[:, None], chosen].set(
+      jnp.arange(n, dtype=jnp.int32))
+  par = jnp.take_along_axis(jnp.broadcast_to(pool_parent, (b, p)), chosen, axis=1)
+  parents = jnp.where(par >= 0, jnp.take_along_axis(node_of, jnp.maximum(par, 0), axis=1), -1)
+  return chosen, parents.astype(jnp.int32)
