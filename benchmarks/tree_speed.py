@@ -76,12 +76,13 @@ def methods_for(draft, table):
     tree = best_static_tree(table, n)
     if not tree.is_chain:
       out.append((f"best tree N={n}", tree))
-    k, d = min(4, n), max(tree.max_depth, 2)
     if isinstance(draft.drafter, MedusaDrafter):
       if draft.drafter.accuracy is not None:
         out.append((f"heads' tree N={n}", draft.drafter.tree(n)))
       out.append((f"heads' dynamic N={n}", draft.drafter.dynamic_tree(n)))
-    elif d <= n <= k + (d - 1) * k * k:
+      continue
+    k, d = min(4, n), max(tree.max_depth, 2)
+    if d <= n <= k + (d - 1) * k * k:
       out.append((f"dynamic k={k} N={n}", DynamicTree(k, d, n)))
   return [(name, t) for name, t in out if draft.drafter.supports(t)]
 
