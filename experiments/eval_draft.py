@@ -190,7 +190,7 @@ def main(argv):
       f"T{t}_gamma{g}": (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
       for t, a in ((0, a0), (1, a1)) if a is not None for g in (1, 2, 3, 4)}
   res["size_bytes"] = {f: os.path.getsize(os.path.join(path, f))
-                       for f in ("weights.safetensors", "draft.json")}
+                       for f in drafts.weight_files(path) + ["draft.json"]}
   logging.info("%s", json.dumps(res, indent=2))
   if FLAGS.results:
     with open(FLAGS.results, "w") as f:

@@ -1,7 +1,7 @@
 """Draft models on disk: the directory formats, the shipped SmolLM2 drafts, HF export.
 
   ``format``  the token, EAGLE, Medusa and trained-exit draft directories (``draft.json`` +
-              ``weights.safetensors``), their writers and loaders, and the one
+              ``weights.safetensors`` or its shards), their writers and loaders, and the one
               check both loaders share (``read_checked_metadata``): a draft is
               never paired with a target whose vocabulary or tokenizer
               fingerprint differs from the one it was made for.
@@ -25,7 +25,8 @@ from specjax.drafts.export import expand_to_full_vocab, export_hf
 from specjax.drafts.format import (EAGLE_FORMAT, EXIT_FORMAT, FORMAT, MEDUSA_FORMAT,
                                    cut_eagle_head, load_draft, load_eagle, load_exit, load_medusa,
                                    read_checked_metadata, read_draft_metadata, save_draft,
-                                   save_eagle, save_exit, save_medusa, tokenizer_fingerprint)
+                                   save_eagle, save_exit, save_medusa, tokenizer_fingerprint,
+                                   weight_files)
 from specjax.drafts.zoo import (DEFAULT_ADAPTER_EXIT_DIR, DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR,
                                 DEFAULT_EXIT_DIR, DEFAULT_MEDUSA_DIR, default_drafter,
                                 default_eagle_drafter, default_exit_drafter,
@@ -41,5 +42,5 @@ __all__ = [
     "load_draft", "load_eagle", "load_exit", "load_medusa", "load_published_eagle",
     "load_published_medusa", "published_eagle_weights", "published_medusa_weights",
     "read_checked_metadata", "read_draft_metadata", "reads_target_rows", "save_draft",
-    "save_eagle", "save_exit", "save_medusa", "tokenizer_fingerprint",
+    "save_eagle", "save_exit", "save_medusa", "tokenizer_fingerprint", "weight_files",
 ]

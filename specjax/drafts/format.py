@@ -1,6 +1,7 @@
 """The draft directory formats, token and EAGLE, behind one checked loader.
 
-A draft directory holds ``draft.json`` and ``weights.safetensors``. The JSON
+A draft directory holds ``draft.json`` and ``weights.safetensors`` (or, past
+``MAX_FILE_BYTES``, shards listed by ``weights.safetensors.index.json``). The JSON
 names the format (``FORMAT`` for token drafts, ``EAGLE_FORMAT`` for EAGLE
 heads), the target vocabulary size and a sha256 fingerprint of the target
 tokenizer's token list (``tokenizer_fingerprint``); the tensors are float16
@@ -56,6 +57,8 @@ FORMAT = "specjax-draft-v1"
 EAGLE_FORMAT = "specjax-eagle-v1"
 MEDUSA_FORMAT = "specjax-medusa-v1"
 EXIT_FORMAT = "specjax-exit-v1"
+INDEX_FILE = "weights.safetensors.index.json"
+MAX_FILE_BYTES = 15_000_000  # a draft's weight files stay under 16 MB each (shards beyond)
 ADAPTER_PREFIX = "adapter."  # a trained exit's attention adapter: "adapter.wqkv", …
 _LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
@@ -69,14 +72,90 @@ def tokenizer_fingerprint(tokenizer) -> str:
 # ------------------------------------------------------------------ the directory
 
 
-def _write_draft_dir(path: str, tensors: dict[str, np.ndarray], meta: dict) -> None:
-  """A draft directory of either format: weights.safetensors and draft.json."""
+def _write_draft_dir(path: str, tensors: dict[str, np.ndarray], meta: dict, *,
+                     max_file_bytes: Optional[int] = None) -> None:
+  """A draft directory of any format: draft.json and its tensors in safetensors files of at
+  most ``max_file_bytes`` (default ``MAX_FILE_BYTES``) each: ``weights.safetensors`` when they fit one, otherwise shards
+  ``weights-0000i-of-0000n.safetensors`` listed by ``weights.safetensors.index.json`` (HF's
+  index layout), a tensor larger than one file cut along its first axis into parts
+  ``name@0``, ``name@1``, … (the index's ``split`` says how many). Weight files of an earlier
+  draft in ``path`` are removed first, so the directory never mixes two drafts."""
   from safetensors.numpy import save_file
 
+  max_file_bytes = MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes
+  if max_file_bytes < 1:
+    raise ValueError(f"max_file_bytes must be positive, got {max_file_bytes}")
   os.makedirs(path, exist_ok=True)
-  save_file(tensors, os.path.join(path, "weights.safetensors"))
+  for name in os.listdir(path):
+    if name.startswith("weights") and name.endswith((".safetensors", ".index.json")):
+      os.remove(os.path.join(path, name))
+  tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+  if sum(t.nbytes for t in tensors.values()) <= max_file_bytes:
+    save_file(tensors, os.path.join(path, "weights.safetensors"))
+  else:
+    parts, split = {}, {}
+    for name, t in tensors.items():
+      rows = max(1, max_file_bytes // (t.nbytes // len(t))) if t.ndim and t.nbytes else 0
+      if t.nbytes > max_file_bytes and len(t) > 1:  # parts of `rows` rows (a row may not fit)
+        chunks = [t[i:i + rows] for i in range(0, len(t), rows)]
+        split[name] = len(chunks)
+        parts.update({f"{name}@{i}": np.ascontiguousarray(c) for i, c in enumerate(chunks)})
+      else:  # fits a file (or cannot be cut: it gets a file of its own)
+        parts[name] = t
+    shards: list[dict[str, np.ndarray]] = []
+    for key, t in parts.items():  # first fit, in the tensors' order
+      shard = next((s for s in shards if sum(x.nbytes for x in s.values()) + t.nbytes
+                    <= max_file_bytes), None)
+      if shard is None:
+        shards.append(shard := {})
+      shard[key] = t
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"weights-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, os.path.join(path, fname))
+      weight_map.update(dict.fromkeys(shard, fname))
+    index = dict(metadata=dict(total_size=int(sum(t.nbytes for t in parts.values()))),
+                 weight_map=weight_map, split=split)
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+      json.dump(index, f, indent=1)
   with open(os.path.join(path, "draft.json"), "w") as f:
     json.dump(meta, f, indent=2)
+
+
+def weight_files(path: str) -> list[str]:
+  """The files holding a draft directory's tensors: ``weights.safetensors``, or the index and
+  the shards it names (for size reports and copies)."""
+  if not os.path.exists(os.path.join(path, INDEX_FILE)):
+    return ["weights.safetensors"]
+  index = read_json_object(os.path.join(path, INDEX_FILE), f"{INDEX_FILE} in {path!r}")
+  return [INDEX_FILE] + sorted(set(index.get("weight_map", {}).values()))
+
+
+def _read_tensors(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of a draft directory, whole (shards read and split tensors joined)."""
+  from safetensors import safe_open
+
+  def read(fname):
+    with safe_open(os.path.join(path, fname), framework="numpy") as f:
+      return {k: f.get_tensor(k) for k in f.keys()}
+
+  if not os.path.exists(os.path.join(path, INDEX_FILE)):
+    return read("weights.safetensors")
+  index = read_json_object(os.path.join(path, INDEX_FILE), f"{INDEX_FILE} in {path!r}")
+  weight_map, split = index.get("weight_map", {}), index.get("split", {})
+  parts = {}
+  for fname in sorted(set(weight_map.values())):
+    parts.update(read(fname))
+  if set(parts) != set(weight_map):
+    raise CheckpointError(f"{path}: the shards hold {sorted(set(parts) ^ set(weight_map))[:4]} "
+                          f"other than {INDEX_FILE} lists")
+  for name, n in split.items():
+    keys = [f"{name}@{i}" for i in range(n)]
+    if any(k not in parts for k in keys):
+      raise CheckpointError(f"{path}: tensor {name!r} is split into {n} parts, but the "
+                            f"shards lack {[k for k in keys if k not in parts]}")
+    parts[name] = np.concatenate([parts.pop(k) for k in keys])
+  return parts
 
 
 def read_draft_metadata(path: str, formats: tuple[str, ...] = (FORMAT,)) -> dict[str, Any]:
@@ -154,26 +233,17 @@ def load_draft(path: str, *, target_vocab_size: Optional[int] = None,
     ValueError: the draft was made for a different vocabulary size or tokenizer.
     CheckpointError (a ValueError): missing or corrupt files.
   """
-  from safetensors import safe_open
-
   meta = read_checked_metadata(path, (FORMAT,), target_vocab_size=target_vocab_size,
                                tokenizer_sha256=tokenizer_sha256)
   cfg = config_from_hf_dict(meta["config"])
-  weights = os.path.join(path, "weights.safetensors")
-  if not os.path.exists(weights):
-    raise CheckpointError(f"draft {path!r} has no weights.safetensors")
-  try:
-    with safe_open(weights, framework="numpy") as f:
-      tensors = {k: f.get_tensor(k) for k in f.keys()}
-  except Exception as e:  # safetensors raises its own error types
-    raise CheckpointError(f"corrupt draft weights {weights}: {e}") from None
+  tensors = _read_weights(path, "draft")
   vocab_map = tensors.pop("vocab_map", None)
   in_map = tensors.pop("input_map", None)
   in_map = None if in_map is None else in_map.astype(np.int32)
   if meta.get("reduced_vocab") and vocab_map is None:
     raise CheckpointError(f"draft {path!r} declares a reduced vocabulary but has no vocab_map")
   try:  # params_from_hf refuses missing, misshapen and non-finite tensors
-    params = params_from_hf(cfg, tensors.__getitem__, dtype, source=weights, names=tensors)
+    params = params_from_hf(cfg, tensors.__getitem__, dtype, source=path, names=tensors)
   except KeyError as e:
     raise CheckpointError(f"{path}: {e.args[0]}") from None
   if with_input_map:
@@ -220,7 +290,6 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
                                tokenizer_sha256=tokenizer_sha256)
   _check_width(path, meta, target_cfg, "EAGLE draft")
   t = _read_weights(path, "EAGLE")
-  weights_file = os.path.join(path, "weights.safetensors")
   f32 = lambda name: jnp.asarray(t[name], jnp.float32)
   layout = meta.get("param_layout")
   if layout not in (None, param_layout.LAYOUT):
@@ -236,24 +305,23 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
     weights = dict({k: f32(k) for k in TRAINED_KEYS
                     if k != "layers" and (fused or k not in FUSION_KEYS)}, layers=layers)
   except KeyError as e:
-    raise CheckpointError(f"{weights_file} lacks tensor {e.args[0]}") from None
+    raise CheckpointError(f"{path}: the weights lack tensor {e.args[0]}") from None
   return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"),
                        tuple(meta.get("feature_layers", ())))
 
 
 def _read_weights(path: str, what: str) -> dict[str, np.ndarray]:
-  """The tensors of ``path``/weights.safetensors, refusing a missing, corrupt or non-finite file."""
-  from safetensors import safe_open
-
-  weights_file = os.path.join(path, "weights.safetensors")
+  """The tensors of ``path`` (``weights.safetensors`` or its shards), refusing a missing,
+  corrupt or non-finite file."""
   try:
-    with safe_open(weights_file, framework="numpy") as f:
-      t = {k: f.get_tensor(k) for k in f.keys()}
+    t = _read_tensors(path)
+  except CheckpointError:
+    raise
   except Exception as e:  # safetensors raises its own error types (missing file included)
-    raise CheckpointError(f"missing or corrupt {what} weights {weights_file}: {e}") from None
+    raise CheckpointError(f"missing or corrupt {what} weights in {path}: {e}") from None
   for name, w in t.items():
     if np.issubdtype(w.dtype, np.floating) and not all_finite(w):
-      raise CheckpointError(f"{weights_file}: tensor {name!r} holds non-finite values (NaN or "
+      raise CheckpointError(f"{path}: tensor {name!r} holds non-finite values (NaN or "
                             "inf): the draft is corrupt")
   return t
 
@@ -297,14 +365,14 @@ def _load_heads(path: str, fmt: str, what: str, target_cfg: ModelConfig,
   t = _read_weights(path, what)
   for name in ("res_w", "res_b"):
     if name not in t:
-      raise CheckpointError(f"{path}/weights.safetensors lacks tensor {name!r}")
+      raise CheckpointError(f"{path}: the weights lack tensor {name!r}")
   weights = {k: jnp.asarray(t[k], jnp.float32) for k in ("res_w", "res_b", "head") if k in t}
   adapter = {k[len(ADAPTER_PREFIX):]: jnp.asarray(w, jnp.float32) for k, w in t.items()
              if k.startswith(ADAPTER_PREFIX)}
   declared = bool(meta.get("adapter", False))
   if bool(adapter) != declared:
     raise CheckpointError(f"{path}: draft.json {'declares' if declared else 'does not declare'} "
-                          f"an attention adapter, but weights.safetensors "
+                          f"an attention adapter, but its weights "
                           f"{'holds' if adapter else 'lacks'} its tensors")
   if adapter:
     if meta.get("param_layout") != param_layout.LAYOUT:
@@ -396,10 +464,8 @@ def cut_eagle_head(src: str, dst: str, rows: int) -> None:
   Raises:
     ValueError: ``rows`` < 2 or beyond the head, or a ``src`` without a reduced vocabulary.
   """
-  from safetensors.numpy import load_file
-
   meta = read_draft_metadata(src, (EAGLE_FORMAT,))
-  tensors = load_file(os.path.join(src, "weights.safetensors"))
+  tensors = _read_weights(src, "EAGLE")
   if "vocab_map" not in tensors:
     raise ValueError(f"EAGLE draft {src!r} reads the target's full head: there is no "
                      "frequency-ranked vocab_map to cut")
