@@ -186,9 +186,12 @@ def _default_medusa(target: Target) -> Draft:
     return _random_feature_draft("medusa", target, "random Medusa heads")
   from specjax.drafts import default_medusa_drafter
   drafter, dp = default_medusa_drafter(target.cfg, target.params, target.tokenizer)
+  rows = (f"{head_rows(dp)}-row shared head" if drafter.shared_head
+           else f"own {dp['head'].shape[1]}-row heads")
   return Draft("medusa", drafter, dp,
-               f"Medusa-1 heads ({drafter.num_heads} heads, {head_rows(dp)}-row shared head), "
-               f"their {drafter.default_tree().num_nodes}-node tree from held-out accuracies")
+               f"Medusa-1 heads ({drafter.num_heads} heads of {drafter.num_layers} blocks, "
+               f"{rows}), their {drafter.default_tree().num_nodes}-node tree from held-out "
+               "accuracies")
 
 
 def _default_exit(target: Target, adapter: bool = False) -> Draft:

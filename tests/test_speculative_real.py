@@ -90,7 +90,7 @@ def test_shipped_adapter_exit_drafts_a_lossless_dynamic_tree(target):
 def test_shipped_medusa_heads_are_lossless_on_their_own_tree(target):
   """The shipped Medusa-1 heads as users load them, on their default 16-node tree."""
   out = _check(target, *_drafter(target, "medusa"), target[2][:2], gamma=None)
-  assert out.metrics()["tokens_per_call"] > 1.3  # 1.73 on the tree benchmark's prompts
+  assert out.metrics()["tokens_per_call"] > 1.6  # 2.10 here, 1.77 on the tree benchmark's 8
 
 
 @pytest.mark.parametrize("which", ["jacobi", "lookahead"])
