@@ -5,6 +5,8 @@
               check both loaders share (``read_checked_metadata``): a draft is
               never paired with a target whose vocabulary or tokenizer
               fingerprint differs from the one it was made for.
+  ``shards``  a directory's tensors on disk: one ``weights.safetensors``, or past 15 MB
+              shards listed by an index, so no file goes over 16 MB (``weight_files``).
   ``zoo``     the drafts shipped in ``specjax/assets/`` (``default_drafter``,
               ``default_eagle_drafter``, ``default_medusa_drafter``, ``default_exit_drafter``)
               and ``drafter_from_path``, the one
@@ -25,8 +27,8 @@ from specjax.drafts.export import expand_to_full_vocab, export_hf
 from specjax.drafts.format import (EAGLE_FORMAT, EXIT_FORMAT, FORMAT, MEDUSA_FORMAT,
                                    cut_eagle_head, load_draft, load_eagle, load_exit, load_medusa,
                                    read_checked_metadata, read_draft_metadata, save_draft,
-                                   save_eagle, save_exit, save_medusa, tokenizer_fingerprint,
-                                   weight_files)
+                                   save_eagle, save_exit, save_medusa, tokenizer_fingerprint)
+from specjax.drafts.shards import weight_files
 from specjax.drafts.zoo import (DEFAULT_ADAPTER_EXIT_DIR, DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR,
                                 DEFAULT_EXIT_DIR, DEFAULT_MEDUSA_DIR, default_drafter,
                                 default_eagle_drafter, default_exit_drafter,

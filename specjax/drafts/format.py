@@ -1,7 +1,7 @@
 """The draft directory formats, token and EAGLE, behind one checked loader.
 
-A draft directory holds ``draft.json`` and ``weights.safetensors`` (or, past
-``MAX_FILE_BYTES``, shards listed by ``weights.safetensors.index.json``). The JSON
+A draft directory holds ``draft.json`` and ``weights.safetensors`` (or, past 15 MB, shards
+listed by ``weights.safetensors.index.json``: ``specjax.drafts.shards``). The JSON
 names the format (``FORMAT`` for token drafts, ``EAGLE_FORMAT`` for EAGLE
 heads), the target vocabulary size and a sha256 fingerprint of the target
 tokenizer's token list (``tokenizer_fingerprint``); the tensors are float16
@@ -50,6 +50,7 @@ from specjax.loaders.hf import (CheckpointError, config_from_hf_dict, config_to_
                                 read_json_object)
 from specjax.loaders.hf_layout import params_from_hf, params_to_hf
 from specjax import param_layout
+from specjax.drafts import shards
 from specjax.model import Params
 from specjax.validation import all_finite
 
@@ -57,8 +58,6 @@ FORMAT = "specjax-draft-v1"
 EAGLE_FORMAT = "specjax-eagle-v1"
 MEDUSA_FORMAT = "specjax-medusa-v1"
 EXIT_FORMAT = "specjax-exit-v1"
-INDEX_FILE = "weights.safetensors.index.json"
-MAX_FILE_BYTES = 15_000_000  # a draft's weight files stay under 16 MB each (shards beyond)
 ADAPTER_PREFIX = "adapter."  # a trained exit's attention adapter: "adapter.wqkv", …
 _LAYER_KEYS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
@@ -72,90 +71,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
 # ------------------------------------------------------------------ the directory
 
 
-def _write_draft_dir(path: str, tensors: dict[str, np.ndarray], meta: dict, *,
-                     max_file_bytes: Optional[int] = None) -> None:
-  """A draft directory of any format: draft.json and its tensors in safetensors files of at
-  most ``max_file_bytes`` (default ``MAX_FILE_BYTES``) each: ``weights.safetensors`` when they fit one, otherwise shards
-  ``weights-0000i-of-0000n.safetensors`` listed by ``weights.safetensors.index.json`` (HF's
-  index layout), a tensor larger than one file cut along its first axis into parts
-  ``name@0``, ``name@1``, … (the index's ``split`` says how many). Weight files of an earlier
-  draft in ``path`` are removed first, so the directory never mixes two drafts."""
-  from safetensors.numpy import save_file
-
-  max_file_bytes = MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes
-  if max_file_bytes < 1:
-    raise ValueError(f"max_file_bytes must be positive, got {max_file_bytes}")
+def _write_draft_dir(path: str, tensors: dict[str, np.ndarray], meta: dict) -> None:
+  """A draft directory of any format: its tensors (``shards.write_tensors``: one file, or
+  shards of at most ``shards.MAX_FILE_BYTES`` each), then draft.json. An earlier draft.json
+  goes first, so a write cut short leaves no directory that pairs old metadata with new
+  weights."""
   os.makedirs(path, exist_ok=True)
-  for name in os.listdir(path):
-    if name.startswith("weights") and name.endswith((".safetensors", ".index.json")):
-      os.remove(os.path.join(path, name))
-  tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-  if sum(t.nbytes for t in tensors.values()) <= max_file_bytes:
-    save_file(tensors, os.path.join(path, "weights.safetensors"))
-  else:
-    parts, split = {}, {}
-    for name, t in tensors.items():
-      rows = max(1, max_file_bytes // (t.nbytes // len(t))) if t.ndim and t.nbytes else 0
-      if t.nbytes > max_file_bytes and len(t) > 1:  # parts of `rows` rows (a row may not fit)
-        chunks = [t[i:i + rows] for i in range(0, len(t), rows)]
-        split[name] = len(chunks)
-        parts.update({f"{name}@{i}": np.ascontiguousarray(c) for i, c in enumerate(chunks)})
-      else:  # fits a file (or cannot be cut: it gets a file of its own)
-        parts[name] = t
-    shards: list[dict[str, np.ndarray]] = []
-    for key, t in parts.items():  # first fit, in the tensors' order
-      shard = next((s for s in shards if sum(x.nbytes for x in s.values()) + t.nbytes
-                    <= max_file_bytes), None)
-      if shard is None:
-        shards.append(shard := {})
-      shard[key] = t
-    weight_map = {}
-    for i, shard in enumerate(shards):
-      fname = f"weights-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      save_file(shard, os.path.join(path, fname))
-      weight_map.update(dict.fromkeys(shard, fname))
-    index = dict(metadata=dict(total_size=int(sum(t.nbytes for t in parts.values()))),
-                 weight_map=weight_map, split=split)
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-      json.dump(index, f, indent=1)
-  with open(os.path.join(path, "draft.json"), "w") as f:
+  meta_file = os.path.join(path, "draft.json")
+  if os.path.exists(meta_file):
+    os.remove(meta_file)
+  shards.write_tensors(path, tensors)
+  with open(meta_file, "w") as f:
     json.dump(meta, f, indent=2)
-
-
-def weight_files(path: str) -> list[str]:
-  """The files holding a draft directory's tensors: ``weights.safetensors``, or the index and
-  the shards it names (for size reports and copies)."""
-  if not os.path.exists(os.path.join(path, INDEX_FILE)):
-    return ["weights.safetensors"]
-  index = read_json_object(os.path.join(path, INDEX_FILE), f"{INDEX_FILE} in {path!r}")
-  return [INDEX_FILE] + sorted(set(index.get("weight_map", {}).values()))
-
-
-def _read_tensors(path: str) -> dict[str, np.ndarray]:
-  """Every tensor of a draft directory, whole (shards read and split tensors joined)."""
-  from safetensors import safe_open
-
-  def read(fname):
-    with safe_open(os.path.join(path, fname), framework="numpy") as f:
-      return {k: f.get_tensor(k) for k in f.keys()}
-
-  if not os.path.exists(os.path.join(path, INDEX_FILE)):
-    return read("weights.safetensors")
-  index = read_json_object(os.path.join(path, INDEX_FILE), f"{INDEX_FILE} in {path!r}")
-  weight_map, split = index.get("weight_map", {}), index.get("split", {})
-  parts = {}
-  for fname in sorted(set(weight_map.values())):
-    parts.update(read(fname))
-  if set(parts) != set(weight_map):
-    raise CheckpointError(f"{path}: the shards hold {sorted(set(parts) ^ set(weight_map))[:4]} "
-                          f"other than {INDEX_FILE} lists")
-  for name, n in split.items():
-    keys = [f"{name}@{i}" for i in range(n)]
-    if any(k not in parts for k in keys):
-      raise CheckpointError(f"{path}: tensor {name!r} is split into {n} parts, but the "
-                            f"shards lack {[k for k in keys if k not in parts]}")
-    parts[name] = np.concatenate([parts.pop(k) for k in keys])
-  return parts
 
 
 def read_draft_metadata(path: str, formats: tuple[str, ...] = (FORMAT,)) -> dict[str, Any]:
@@ -314,7 +241,7 @@ def _read_weights(path: str, what: str) -> dict[str, np.ndarray]:
   """The tensors of ``path`` (``weights.safetensors`` or its shards), refusing a missing,
   corrupt or non-finite file."""
   try:
-    t = _read_tensors(path)
+    t = shards.read_tensors(path)
   except CheckpointError:
     raise
   except Exception as e:  # safetensors raises its own error types (missing file included)
