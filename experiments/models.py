@@ -187,7 +187,7 @@ def _default_medusa(target: Target) -> Draft:
   from specjax.drafts import default_medusa_drafter
   drafter, dp = default_medusa_drafter(target.cfg, target.params, target.tokenizer)
   rows = (f"{head_rows(dp)}-row shared head" if drafter.shared_head
-           else f"own {dp['head'].shape[1]}-row heads")
+          else f"own {head_rows(dp)}-row heads")
   return Draft("medusa", drafter, dp,
                f"Medusa-1 heads ({drafter.num_heads} heads of {drafter.num_layers} blocks, "
                f"{rows}), their {drafter.default_tree().num_nodes}-node tree from held-out "

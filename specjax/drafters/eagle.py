@@ -321,9 +321,10 @@ def split_params(dp: Params) -> tuple[Params, Params]:
 
 
 def head_rows(dp: Params) -> int:
-  """How many rows the draft head has (the reduced vocabulary's size, or V), packed or not."""
+  """How many rows the draft head has (the reduced vocabulary's size, or V), packed or not;
+  for heads of their own rows ([K, Vd, D], Medusa's), each head's."""
   head = dp["head"]
-  return head.shape[1] if isinstance(head, PackedWeight) else head.shape[0]
+  return head.shape[1] if isinstance(head, PackedWeight) else head.shape[-2]
 
 
 def pack_eagle_params(dp: Params, policy: MatmulPolicy) -> Params:

@@ -134,23 +134,19 @@ class MedusaDrafter(Drafter):
 
   def tree_error(self, topology) -> Optional[str]:
     """Why the heads cannot draft ``topology`` (None: they can)."""
+    if not isinstance(topology, (TreeTopology, DynamicTree)):
+      return f"{topology} is neither a TreeTopology nor a DynamicTree"
+    if topology.max_depth > self.num_heads:
+      return (f"{topology} is {topology.max_depth} deep, but {self.num_heads} heads draft "
+              f"{self.num_heads} tokens at most")
     if isinstance(topology, DynamicTree):
-      if topology.depth > self.num_heads:
-        return (f"{topology} is {topology.depth} deep, but {self.num_heads} heads draft "
-                f"{self.num_heads} tokens at most")
       if topology.top_k > self.top_k:
         return f"{topology} ranks top_k={topology.top_k} tokens, beyond the heads' {self.top_k}"
       paths = num_paths(topology.top_k, topology.depth)
       if paths > MAX_PRODUCT_PATHS:
         return (f"{topology} scores {paths} candidate paths a step, more than "
                 f"{MAX_PRODUCT_PATHS}: use a smaller top_k or depth")
-      return None
-    if not isinstance(topology, TreeTopology):
-      return f"{topology} is neither a TreeTopology nor a DynamicTree"
-    if topology.max_depth > self.num_heads:
-      return (f"{topology} is {topology.max_depth} deep, but {self.num_heads} heads draft "
-              f"{self.num_heads} tokens at most")
-    if max(topology.ranks) >= self.top_k:
+    elif max(topology.ranks) >= self.top_k:
       return (f"{topology} asks for sibling rank {max(topology.ranks)}, beyond the heads' "
               f"top_k={self.top_k}")
     return None
