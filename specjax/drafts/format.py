@@ -300,7 +300,7 @@ def _load_heads(path: str, fmt: str, what: str, target_cfg: ModelConfig,
   if bool(adapter) != declared:
     raise CheckpointError(f"{path}: draft.json {'declares' if declared else 'does not declare'} "
                           f"an attention adapter, but its weights "
-                          f"{'holds' if adapter else 'lacks'} its tensors")
+                          f"{'hold' if adapter else 'lack'} its tensors")
   if adapter:
     if meta.get("param_layout") != param_layout.LAYOUT:
       raise CheckpointError(f"{path}: the attention adapter's projections are stored in layout "
