@@ -68,12 +68,14 @@ def write_tensors(path: str, tensors: dict[str, np.ndarray],
     split[name] = {"parts": len(chunks), "shape": list(t.shape)}
     parts.update({f"{name}{PART}{i}": c for i, c in enumerate(chunks)})
   shards: list[dict[str, np.ndarray]] = []
+  sizes: list[int] = []  # tensor bytes in each shard so far
   for key, t in parts.items():  # first fit, in the tensors' order
-    shard = next((s for s in shards
-                  if sum(x.nbytes for x in s.values()) + t.nbytes <= limit), None)
-    if shard is None:
-      shards.append(shard := {})
-    shard[key] = t
+    i = next((i for i, size in enumerate(sizes) if size + t.nbytes <= limit), len(shards))
+    if i == len(shards):
+      shards.append({})
+      sizes.append(0)
+    shards[i][key] = t
+    sizes[i] += t.nbytes
   weight_map = {}
   for i, shard in enumerate(shards):
     fname = f"weights-{i + 1:05d}-of-{len(shards):05d}.safetensors"
