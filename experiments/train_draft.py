@@ -140,6 +140,10 @@ flags.DEFINE_float("adaspec_keep", 1.0, "AdaSPEC token selection: train on this 
                    lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_string("adaspec_reference", None, "AdaSPEC: the --workdir of a finished run of the "
                     "same draft on the same corpus; its last checkpoint is the reference draft.")
+flags.DEFINE_string("init_from", None, "Warm start: the --workdir of an earlier run of the same "
+                    "draft (kind, layers, head, vocabulary size) on any corpus; this run starts "
+                    "from its last checkpoint's parameters and keeps its vocabulary, with a fresh "
+                    "optimizer and schedule.")
 flags.DEFINE_string("mesh", "", "Train on a DATAxMODEL device mesh (e.g. 2x4; docs/sharding.md): "
                     "batch rows over data, the target and the draft's heads over model. Empty: "
                     "one device.")
@@ -407,6 +411,9 @@ def run_train_stage(directory: str, workdir: str) -> None:
   if target_input:
     setup.update(target_input=True)  # (absent when off, so earlier runs still resume)
   reference_setup = dict(setup)
+  if FLAGS.init_from:  # (absent when off, so earlier runs still resume)
+    init_setup = check_warm_start(reference_setup)  # the same draft, before any compute
+    setup.update(init_from=os.path.abspath(FLAGS.init_from))
   if FLAGS.adaspec_keep < 1.0:  # (absent when off, so earlier runs still resume)
     setup.update(adaspec_keep=FLAGS.adaspec_keep,
                  adaspec_reference=os.path.abspath(FLAGS.adaspec_reference))
@@ -431,6 +438,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
         np.add.at(counts, r["prompt"], 1.0)
     specials = [i for i in tok.all_special_ids if i < cfg.vocab_size][:8]
     vocab_map = vocab.select_vocab(counts, FLAGS.draft_vocab, always=specials)
+    if FLAGS.init_from:  # the continued draft's rows stay the ids they were trained for
+      vocab_map = init_vocab_map(FLAGS.init_from, FLAGS.draft_vocab)
     if token_run:
       in_map = vocab.nearest_input_map(vocab_map, np.asarray(params["embed"]))
   objective = frozen = None
@@ -485,6 +494,11 @@ def run_train_stage(directory: str, workdir: str) -> None:
       keep_fraction=FLAGS.adaspec_keep)
   if FLAGS.adaspec_keep < 1.0:
     frozen = dict(frozen or {}, reference=adaspec_reference(reference_setup, dparams, tc))
+  if FLAGS.init_from:
+    dparams, step = _last_params(FLAGS.init_from, dparams, tc)
+    logging.info("warm start from %s at its step %d (%s responses, %s tokens; this corpus: "
+                 "%d, %d)", FLAGS.init_from, step, init_setup.get("train_responses"),
+                 init_setup.get("train_tokens"), setup["train_responses"], setup["train_tokens"])
   logging.info("draft %s, %.2fM params; %s", dcfg, dcfg.num_params / 1e6, tc)
   start = time.time()
   online_teacher = None
@@ -530,25 +544,63 @@ def run_train_stage(directory: str, workdir: str) -> None:
   logging.info("draft written to %s: %s", out, json.dumps(last))
 
 
+def _run_setup(workdir: str, flag: str) -> dict:
+  path = os.path.join(workdir, "setup.json")
+  if not (os.path.exists(path) and os.path.isdir(os.path.join(workdir, "checkpoints"))):
+    raise app.UsageError(f"--{flag}={workdir} holds no training run (no setup.json and "
+                         "checkpoints/)")
+  with open(path) as f:
+    return json.load(f)
+
+
+def _last_params(workdir: str, dparams, tc):
+  """(the parameters of ``workdir``'s last checkpoint, its step)."""
+  from specjax.distill import checkpoint as ckpt
+  from specjax.distill import train
+  mngr = ckpt.manager(os.path.join(workdir, "checkpoints"))
+  state = ckpt.restore(mngr, train.init_state(dparams, tc))
+  return state["params"], int(state["step"])
+
+
 def adaspec_reference(setup: dict, dparams, tc):
   """The reference draft's parameters: the last checkpoint of --adaspec_reference, a run
   whose setup (corpus, draft, vocabulary) is this one's."""
-  from specjax.distill import checkpoint as ckpt
-  from specjax.distill import train
-  path = os.path.join(FLAGS.adaspec_reference, "setup.json")
-  if not os.path.exists(path):
-    raise app.UsageError(f"--adaspec_reference={FLAGS.adaspec_reference} holds no training run "
-                         "(no setup.json)")
-  with open(path) as f:
-    theirs = json.load(f)
+  theirs = _run_setup(FLAGS.adaspec_reference, "adaspec_reference")
   if theirs != setup:
     raise app.UsageError(f"--adaspec_reference={FLAGS.adaspec_reference} trained another setup: "
                          f"{theirs} vs {setup}")
-  mngr = ckpt.manager(os.path.join(FLAGS.adaspec_reference, "checkpoints"))
-  state = ckpt.restore(mngr, train.init_state(dparams, tc))
+  params, step = _last_params(FLAGS.adaspec_reference, dparams, tc)
   logging.info("AdaSPEC reference: %s at step %d, keeping %.0f%% of positions",
-               FLAGS.adaspec_reference, int(state["step"]), 100 * FLAGS.adaspec_keep)
-  return state["params"]
+               FLAGS.adaspec_reference, step, 100 * FLAGS.adaspec_keep)
+  return params
+
+
+def init_vocab_map(workdir: str, size: int):
+  """The draft vocabulary of the run in ``workdir`` (its written draft's ``vocab_map``)."""
+  from specjax.drafts import shards
+  out = os.path.join(workdir, "draft")
+  try:
+    vm = shards.read_tensors(out).get("vocab_map")
+  except Exception as e:  # a run stopped before writing its draft, or damaged files
+    raise app.UsageError(f"--init_from={workdir}: no readable draft in {out} to take the "
+                         f"vocabulary from ({type(e).__name__}: {e}); finish that run first"
+                         ) from None
+  if vm is None or len(vm) != size:
+    raise app.UsageError(f"--init_from={workdir}: its draft's vocabulary has "
+                         f"{'no' if vm is None else len(vm)} rows, this run's "
+                         f"--draft_vocab={size}")
+  return vm
+
+
+def check_warm_start(setup: dict) -> dict:
+  """--init_from's setup, refused unless it trained the same draft (on any corpus)."""
+  from specjax.distill import checkpoint as ckpt
+  theirs = _run_setup(FLAGS.init_from, "init_from")
+  diff = ckpt.draft_mismatch(theirs, setup)
+  if diff:
+    raise app.UsageError(f"--init_from={FLAGS.init_from} trained another draft: "
+                         + ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in diff.items()))
+  return theirs
 
 
 def main(argv):
@@ -558,6 +610,8 @@ def main(argv):
   if (FLAGS.adaspec_keep < 1.0) != bool(FLAGS.adaspec_reference):
     raise app.UsageError("AdaSPEC needs both --adaspec_keep < 1 and --adaspec_reference")
   training_mesh()  # a bad --mesh fails before the corpus is built
+  if FLAGS.init_from:
+    _run_setup(FLAGS.init_from, "init_from")
   if FLAGS.own_head and FLAGS.draft_kind not in ("medusa", "exit"):
     raise app.UsageError("--own_head is for --draft_kind=medusa or exit (their heads' LM-head "
                          f"rows), not {FLAGS.draft_kind}")

@@ -456,6 +456,7 @@ def test_saving_over_a_sharded_checkpoint_removes_its_stale_shards(tmp_path):
     (["--stage=train", "--adaspec_keep=0.8"], "AdaSPEC needs both --adaspec_keep < 1 and"),
     (["--stage=train", "--adaspec_keep=0", "--adaspec_reference=x"],
      "--adaspec_keep must be in (0, 1], got 0.0"),
+    (["--stage=train", "--init_from=nowhere"], "--init_from=nowhere holds no training run"),
 ])
 def test_train_draft_refuses_bad_flags_before_touching_a_corpus(tmp_path, flags, message):
   """Refused before any corpus or model is touched (a subprocess: the script's flags would

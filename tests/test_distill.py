@@ -383,6 +383,20 @@ def test_interrupted_run_resumes_at_saved_step(toy, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_warm_start_may_change_the_corpus_but_not_the_draft():
+  """--init_from continues a draft on another corpus: only data keys may differ."""
+  exit10 = dict(corpus="/c/a", draft_vocab=8192, draft_layers=1, train_responses=10,
+                train_tokens=900, draft_kind="exit", exit_layer=10, exit_adapter=True)
+  more_data = dict(exit10, corpus="/c/b", train_responses=20, train_tokens=1800,
+                   teacher="online", teacher_topk=64, init_from="/runs/a")
+  assert ckpt.draft_mismatch(exit10, more_data) == {}
+  assert ckpt.draft_mismatch(exit10, dict(more_data, exit_layer=6)) == {"exit_layer": (10, 6)}
+  no_adapter = {k: v for k, v in exit10.items() if k != "exit_adapter"}
+  assert ckpt.draft_mismatch(exit10, no_adapter) == {"exit_adapter": (True, None)}
+  assert set(ckpt.draft_mismatch(exit10, dict(exit10, draft_vocab=16384, own_head=True))) == {
+      "draft_vocab", "own_head"}
+
+
 def test_missing_or_corrupt_checkpoint_is_a_clear_error(toy, tmp_path):
   draft, params = _draft(toy)
   state = train.init_state(params, TC)

@@ -1,4 +1,5 @@
-"""Orbax checkpointing of the training state, with clear errors for missing or corrupt steps."""
+"""Orbax checkpointing of the training state, with clear errors for missing or corrupt steps,
+and which parts of a run's setup make it another draft."""
 
 from __future__ import annotations
 
@@ -48,3 +49,17 @@ def restore(mngr: ocp.CheckpointManager, like: Any, step: Optional[int] = None) 
 
 def latest_step(mngr: ocp.CheckpointManager) -> Optional[int]:
   return mngr.latest_step()
+
+
+# What a run's setup.json records about its data rather than its draft: a warm start
+# (experiments.train_draft --init_from) may change these and still continue the same draft.
+CORPUS_SETUP_KEYS = ("corpus", "train_responses", "train_tokens", "corpus_kind", "text_corpus",
+                     "teacher", "teacher_topk", "adaspec_keep", "adaspec_reference", "init_from")
+
+
+def draft_mismatch(theirs: dict, ours: dict) -> dict:
+  """{key: (theirs, ours)} for the setup keys on which two runs train different drafts
+  (kind, layers, exit layer, adapter, head, vocabulary size...); a key one setup lacks
+  counts as different. The corpus keys (``CORPUS_SETUP_KEYS``) are ignored."""
+  keys = (set(theirs) | set(ours)) - set(CORPUS_SETUP_KEYS)
+  return {k: (theirs.get(k), ours.get(k)) for k in sorted(keys) if theirs.get(k) != ours.get(k)}
