@@ -163,7 +163,7 @@ def load_draft(path: str, *, target_vocab_size: Optional[int] = None,
   meta = read_checked_metadata(path, (FORMAT,), target_vocab_size=target_vocab_size,
                                tokenizer_sha256=tokenizer_sha256)
   cfg = config_from_hf_dict(meta["config"])
-  tensors = _read_weights(path, "draft")
+  tensors = _read_weights(path, "draft", check_finite=False)  # params_from_hf checks them
   vocab_map = tensors.pop("vocab_map", None)
   in_map = tensors.pop("input_map", None)
   in_map = None if in_map is None else in_map.astype(np.int32)
@@ -237,16 +237,16 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
                        tuple(meta.get("feature_layers", ())))
 
 
-def _read_weights(path: str, what: str) -> dict[str, np.ndarray]:
-  """The tensors of ``path`` (``weights.safetensors`` or its shards), refusing a missing,
-  corrupt or non-finite file."""
+def _read_weights(path: str, what: str, check_finite: bool = True) -> dict[str, np.ndarray]:
+  """The tensors of ``path`` (``weights.safetensors`` or its shards), refusing a missing or
+  corrupt file and (unless the caller checks them itself) non-finite values."""
   try:
     t = shards.read_tensors(path)
   except CheckpointError:
     raise
   except Exception as e:  # safetensors raises its own error types (missing file included)
     raise CheckpointError(f"missing or corrupt {what} weights in {path}: {e}") from None
-  for name, w in t.items():
+  for name, w in t.items() if check_finite else ():
     if np.issubdtype(w.dtype, np.floating) and not all_finite(w):
       raise CheckpointError(f"{path}: tensor {name!r} holds non-finite values (NaN or "
                             "inf): the draft is corrupt")
