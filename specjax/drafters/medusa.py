@@ -199,7 +199,8 @@ class MedusaDrafter(Drafter):
     k, depth = min(self.top_k, n), min(self.num_heads, n)
     while depth > 1 and num_paths(k, depth) > MAX_PRODUCT_PATHS:
       depth -= 1
-    return DynamicTree(top_k=k, depth=depth, num_nodes=min(n, k + (depth - 1) * k * k))
+    return DynamicTree(top_k=k, depth=depth,
+                       num_nodes=min(n, DynamicTree(k, depth, depth).pool_size))
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # a plain step's feature arrives by ``observe``; nothing else is kept
