@@ -427,7 +427,9 @@ def run_train_stage(directory: str, workdir: str) -> None:
     with open(setup_file, "w") as f:
       json.dump(setup, f, indent=2)
   vocab_map = in_map = None
-  if FLAGS.draft_vocab:
+  if FLAGS.draft_vocab and FLAGS.init_from:  # the continued draft's rows keep their ids
+    vocab_map = init_vocab_map(FLAGS.init_from, FLAGS.draft_vocab)
+  elif FLAGS.draft_vocab:
     # Rank by use in responses (expected counts) and, for a token draft, in
     # prompts: it reads the prompt too, and a prompt token outside its
     # vocabulary loses meaning. (EAGLE reads every id through the target's
@@ -438,10 +440,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
         np.add.at(counts, r["prompt"], 1.0)
     specials = [i for i in tok.all_special_ids if i < cfg.vocab_size][:8]
     vocab_map = vocab.select_vocab(counts, FLAGS.draft_vocab, always=specials)
-    if FLAGS.init_from:  # the continued draft's rows stay the ids they were trained for
-      vocab_map = init_vocab_map(FLAGS.init_from, FLAGS.draft_vocab)
-    if token_run:
-      in_map = vocab.nearest_input_map(vocab_map, np.asarray(params["embed"]))
+  if vocab_map is not None and token_run:
+    in_map = vocab.nearest_input_map(vocab_map, np.asarray(params["embed"]))
   objective = frozen = None
   if not token_run and not online:
     from specjax.distill import features

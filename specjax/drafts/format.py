@@ -246,10 +246,11 @@ def _read_weights(path: str, what: str, check_finite: bool = True) -> dict[str, 
     raise
   except Exception as e:  # safetensors raises its own error types (missing file included)
     raise CheckpointError(f"missing or corrupt {what} weights in {path}: {e}") from None
-  for name, w in t.items() if check_finite else ():
-    if np.issubdtype(w.dtype, np.floating) and not all_finite(w):
-      raise CheckpointError(f"{path}: tensor {name!r} holds non-finite values (NaN or "
-                            "inf): the draft is corrupt")
+  if check_finite:
+    for name, w in t.items():
+      if np.issubdtype(w.dtype, np.floating) and not all_finite(w):
+        raise CheckpointError(f"{path}: tensor {name!r} holds non-finite values (NaN or "
+                              "inf): the draft is corrupt")
   return t
 
 
