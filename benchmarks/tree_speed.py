@@ -82,7 +82,7 @@ def methods_for(draft, table):
       out.append((f"heads' dynamic N={n}", draft.drafter.dynamic_tree(n)))
       continue
     k, d = min(4, n), max(tree.max_depth, 2)
-    if d <= n <= DynamicTree(k, d, d).pool_size:
+    if d <= n <= DynamicTree.candidates(k, d):
       out.append((f"dynamic k={k} N={n}", DynamicTree(k, d, n)))
   return [(name, t) for name, t in out if draft.drafter.supports(t)]
 

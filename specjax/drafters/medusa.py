@@ -200,7 +200,7 @@ class MedusaDrafter(Drafter):
     while depth > 1 and num_paths(k, depth) > MAX_PRODUCT_PATHS:
       depth -= 1
     return DynamicTree(top_k=k, depth=depth,
-                       num_nodes=min(n, DynamicTree(k, depth, depth).pool_size))
+                       num_nodes=min(n, DynamicTree.candidates(k, depth)))
 
   def tolerates_skipped_steps(self) -> bool:
     return True  # a plain step's feature arrives by ``observe``; nothing else is kept

@@ -314,10 +314,16 @@ class DynamicTree:
       raise ValueError(f"DynamicTree num_nodes={self.num_nodes} exceeds the {self.pool_size} "
                        f"candidates of top_k={self.top_k}, depth={self.depth} (k + (D - 1) k²)")
 
+  @staticmethod
+  def candidates(top_k: int, depth: int) -> int:
+    """Candidates drafted per step by a frontier of ``top_k`` over ``depth`` levels: k at
+    depth 1, k² at each later depth; the most ``num_nodes`` such a tree admits."""
+    return top_k + (depth - 1) * top_k ** 2
+
   @property
   def pool_size(self) -> int:
-    """Candidates drafted per step: k at depth 1, k² at each later depth."""
-    return self.top_k + (self.depth - 1) * self.top_k ** 2
+    """Candidates drafted per step (``candidates(top_k, depth)``)."""
+    return DynamicTree.candidates(self.top_k, self.depth)
 
   @property
   def max_depth(self) -> int:
