@@ -232,9 +232,21 @@ def test_one_pass_rows_is_read_from_the_kernels_row_block(tmp_path):
     sm._one_pass_rows(str(edited))
 
 
+def test_prefetch_rows_says_from_which_m_the_flag_changes_the_kernel():
+  # AVX-512's flag also drives the streaming pass's prefetch (M > 1); elsewhere only the
+  # passes from cache prefetch, past one pass. The policy measures from there on.
+  first = {"avx512": 2, "avx2": sm.ONE_PASS_ROWS + 1, "portable": sm.ONE_PASS_ROWS + 1}
+  for variant in VARIANTS:
+    assert sm.prefetch_rows(variant) == first[sm.isa(variant)]
+  timings = {1: (20.0, 14.0, 13.0), 4: (40.0, 30.0, 25.0), 8: (60.0, 40.0, 33.0)}
+  assert [pol.choose(timings, prefetch_rows=2).prefetch_at(m) for m in (1, 2, 4, 8)] == [
+      False, True, True, True]
+  assert [pol.choose(timings).prefetch_at(m) for m in (1, 4, 8)] == [False, False, True]
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-# One pass over each panel up to 6 rows (no prefetch), then one per block of 6 rows: 2 passes
-# at 7 and 12 rows, 5 at 30.
+# One pass over each panel up to 6 rows (AVX-512's flag then prefetches the streamed panel
+# ahead), then one per block of 6 rows: 2 passes at 7 and 12 rows, 5 at 30.
 @pytest.mark.parametrize("rows", [2, 6, 7, 12, 30])
 def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, variant):
   w = _rand((200, 64 * 9 + 5), rows)

@@ -6,7 +6,7 @@ before it had an AVX2 path: no fixed rule holds everywhere. So on first use
 ``policy_for`` times both on the model's own projection shapes for a grid of
 row counts M (decode M = batch, verify M = batch x (γ + 1), prefill chunks
 M = batch x 64), keeps the kernel exactly where it was faster, with its
-next-panel prefetch on where that was faster still, and caches the
+software prefetch on where that was faster still, and caches the
 decision on disk, keyed by CPU model and flags, jaxlib version, kernel source
 and the weight shapes (``cache_key``). ``SPECJAX_MATMUL=xla|kernel|auto``
 overrides it (default ``auto``).
@@ -56,8 +56,8 @@ class MatmulPolicy:
     source: why (``"measured"``, ``"SPECJAX_MATMUL=xla"``, ...), for logs.
     ratios: per grid point, measured kernel time / XLA time, the faster of the
       kernel's two modes (empty if not measured).
-    prefetch: per grid point, whether the kernel prefetches the next panel
-      there (``streaming_matmul(prefetch=)``); empty: never.
+    prefetch: per grid point, whether the kernel software-prefetches there
+      (``streaming_matmul(prefetch=)``); empty: never.
   """
 
   grid: tuple[int, ...]
@@ -80,7 +80,7 @@ class MatmulPolicy:
     return self.kernel[self._at(rows)]
 
   def prefetch_at(self, rows: int) -> bool:
-    """Whether the kernel prefetches the next panel for ``rows`` rows."""
+    """Whether the kernel software-prefetches for ``rows`` rows."""
     return bool(self.prefetch) and self.prefetch[self._at(rows)]
 
   @property
@@ -127,14 +127,17 @@ XLA = MatmulPolicy(grid=(1,), kernel=(False,), source="XLA's dot")
 KERNEL = MatmulPolicy(grid=(1,), kernel=(True,), source="streaming kernel")
 
 
-def choose(timings: dict[int, tuple[float, ...]], source: str = "measured") -> MatmulPolicy:
+def choose(timings: dict[int, tuple[float, ...]], source: str = "measured",
+           prefetch_rows: Optional[int] = None) -> MatmulPolicy:
   """The policy from {M: (XLA seconds, kernel seconds[, kernel-with-prefetch seconds])}:
   the kernel only where one of its modes was faster than XLA, prefetching where that
-  mode was the faster of the two."""
+  mode was the faster of the two, from ``prefetch_rows`` rows on (below, the two modes run
+  the same code and a difference measured there is noise; default ONE_PASS_ROWS + 1: up to
+  ONE_PASS_ROWS rows the kernel reads each panel once and only its passes from cache
+  prefetch, unless the kernel says otherwise, ``streaming_matmul.prefetch_rows``)."""
   grid = tuple(sorted(timings))
-  # Up to ONE_PASS_ROWS rows the kernel reads each panel once: nothing runs from cache to
-  # prefetch during, and a difference measured there is noise.
-  prefetch = tuple(m > sm.ONE_PASS_ROWS and len(timings[m]) > 2 and timings[m][2] < timings[m][1]
+  first = sm.ONE_PASS_ROWS + 1 if prefetch_rows is None else prefetch_rows
+  prefetch = tuple(m >= first and len(timings[m]) > 2 and timings[m][2] < timings[m][1]
                    for m in grid)
   best = {m: timings[m][2 if p else 1] for m, p in zip(grid, prefetch)}  # the mode that runs
   return MatmulPolicy(grid=grid, kernel=tuple(best[m] < timings[m][0] for m in grid),
@@ -255,7 +258,8 @@ def policy_for(params: dict, tie_embeddings: bool,
     pass
   _log.warning("specjax: timing the streaming kernel against XLA's dot on this CPU (%s, "
                "kernel path %s); once per machine, cached in %s", sm.cpu_model(), sm.isa(), path)
-  policy = choose(measure_fn(weights), source=f"measured on {sm.cpu_model()}, {sm.isa()}")
+  policy = choose(measure_fn(weights), source=f"measured on {sm.cpu_model()}, {sm.isa()}",
+                  prefetch_rows=sm.prefetch_rows())
   files.write_text(path, json.dumps(policy.to_json()))  # concurrent processes: whole files
   _log.warning("specjax matmul: %s", policy.describe())
   return policy

@@ -22,10 +22,14 @@
 // Prefetch (the ``prefetch`` attribute): for M > 6 a panel is read several
 // times (one pass per row block); the passes share out the lines of each row of
 // the panel this thread will probably claim next and software-prefetch them into
-// L2 (on AVX2 a panel row is one line: all in the first pass). Whether that pays
-// depends on the host (it was 12-22% faster on one AVX2 EPYC and 5-40% slower on another:
-// benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
-// kernel itself and turns it on per M.
+// L2 (on AVX2 a panel row is one line: all in the first pass). On AVX-512 the
+// attribute also makes the streaming pass (the first, from memory) prefetch the
+// panel kAhead rows ahead for any M > 1, which AVX2 always does. Whether either pays
+// depends on the host (the next-panel prefetch was 12-22% faster on one AVX2 EPYC and
+// 5-40% slower on another, the streaming pass's 12-14% faster at M = 3-9 on an Intel
+// Xeon: benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
+// kernel itself and turns it on per M, from the first M it changes
+// (``SpecjaxStreamingMatmulPrefetchRows``).
 //
 // Each (row, column) accumulates over k = 0..K-1 in order with one fused
 // multiply-add per step, whatever the tile, M, panel split, prefetch or thread count:
@@ -70,8 +74,10 @@ inline void Store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf Zero() { return _mm512_setzero_ps(); }
 inline vf Fma(vf acc, vf w, float x) { return _mm512_fmadd_ps(w, _mm512_set1_ps(x), acc); }
 constexpr int kVecs = 4;  // vectors per panel row
-constexpr int kUnroll = 1;  // unmeasured on AVX-512, as is kAhead > 0
-constexpr int kAhead = 0;
+constexpr int kUnroll = 1;  // 2 and 4 measured the same on an Intel Xeon
+// With the prefetch attribute, the streaming pass prefetches 16 panel rows (4 KB) ahead.
+constexpr int kAhead = 16;
+constexpr bool kAheadByAttribute = true;
 #elif defined(SPECJAX_AVX2)
 constexpr const char* kIsa = "avx2";
 constexpr int kLanes = 8;
@@ -85,6 +91,7 @@ constexpr int kVecs = 2;
 constexpr int kUnroll = 4;
 // A pass that streams a panel for several rows prefetches the line 16 rows (1 KB) ahead.
 constexpr int kAhead = 16;
+constexpr bool kAheadByAttribute = false;  // always, for M > 1
 #else  // portable: GCC vector extensions (AVX pairs, NEON quads, ...)
 constexpr const char* kIsa = "portable";
 constexpr int kLanes = 16;
@@ -96,6 +103,7 @@ inline vf Fma(vf acc, vf w, float x) { return acc + w * x; }  // FMA via -ffp-co
 constexpr int kVecs = 4;
 constexpr int kUnroll = 1;
 constexpr int kAhead = 0;
+constexpr bool kAheadByAttribute = false;
 #endif
 
 constexpr int kPanel = kVecs * kLanes;  // columns per panel (W)
@@ -169,14 +177,16 @@ inline void Tile(const float* __restrict x, int64_t K, const float* __restrict p
     for (int j = 0; j < C; ++j) Store(y + r * ldy + j * kLanes, acc[r][j]);
 }
 
-// Rows [0, M) of one panel: blocks of 6 rows and a remainder block, each one pass
-// over the whole panel (the first from memory, the others from cache).
+constexpr int B = 6;  // rows per register block: ONE_PASS_ROWS in streaming_matmul.py
+
+// Rows [0, M) of one panel: blocks of B rows and a remainder block, each one pass
+// over the whole panel (the first from memory, the others from cache). ``next``: the
+// panel to prefetch during the passes from cache, or null.
 void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
-           const float* next) {
-  constexpr int B = 6;  // ONE_PASS_ROWS in streaming_matmul.py
+           const float* next, bool prefetch) {
   Prefetch pf;
   pf.next = next;
-  pf.ahead = M > 1;
+  pf.ahead = M > 1 && (prefetch || !kAheadByAttribute);
   pf.passes = (M + B - 1) / B;
   int64_t m = 0;
 #define SPECJAX_ROWS(R) Tile<R, kVecs, kUnroll>(x + m * K, K, panel, y + m * ldy, ldy, pf)
@@ -216,7 +226,7 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     for (int64_t p = i * kGroup; p < end; ++p) {
       const int64_t guess = p + 1 < end ? p + 1 : (i + workers) * kGroup;
       Panel(xs, M, K, ps + p * K * kPanel, ys + p * kPanel, P * kPanel,
-            prefetch && guess < P ? ps + guess * K * kPanel : nullptr);
+            prefetch && guess < P ? ps + guess * K * kPanel : nullptr, prefetch != 0);
     }
   });
   return ffi::Error::Success();
@@ -229,6 +239,10 @@ extern "C" const char* SpecjaxStreamingMatmulIsa() { return kIsa; }
 
 // The panel width W (columns per panel) the library's panels must have.
 extern "C" int SpecjaxStreamingMatmulPanel() { return kPanel; }
+
+// The fewest rows M at which the ``prefetch`` attribute changes what the kernel does:
+// from 2 where it drives the streaming pass's prefetch, else past one pass (B + 1).
+extern "C" int SpecjaxStreamingMatmulPrefetchRows() { return kAheadByAttribute ? 2 : B + 1; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxStreamingMatmul, StreamingMatmulImpl,
                               ffi::Ffi::Bind()

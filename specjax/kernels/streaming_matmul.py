@@ -92,6 +92,7 @@ def build_library(path: str, variant: str, source: str = _SOURCE) -> None:
 
 _ISA: dict[str, str] = {}
 _PANEL: dict[str, int] = {}
+_PREFETCH_ROWS: dict[str, int] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,6 +117,8 @@ def _register(variant: str = "native") -> Optional[str]:
     _ISA[variant] = lib.SpecjaxStreamingMatmulIsa().decode()
     lib.SpecjaxStreamingMatmulPanel.restype = ctypes.c_int
     _PANEL[variant] = int(lib.SpecjaxStreamingMatmulPanel())
+    lib.SpecjaxStreamingMatmulPrefetchRows.restype = ctypes.c_int
+    _PREFETCH_ROWS[variant] = int(lib.SpecjaxStreamingMatmulPrefetchRows())
   except (OSError, RuntimeError, AttributeError) as e:
     return f"could not build the streaming matmul kernel: {e}"
   return None
@@ -144,6 +147,13 @@ def panel_width(variant: str = "native") -> int:
   return _PANEL[variant] if available(variant) else DEFAULT_PANEL
 
 
+def prefetch_rows(variant: str = "native") -> int:
+  """The fewest rows at which ``streaming_matmul(prefetch=True)`` differs from ``False``:
+  2 where the flag also drives the streaming pass's prefetch (the AVX-512 path), else
+  ONE_PASS_ROWS + 1 (only the passes from cache prefetch), also where no kernel is built."""
+  return _PREFETCH_ROWS[variant] if available(variant) else ONE_PASS_ROWS + 1
+
+
 def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
                      prefetch: bool = False) -> jax.Array:
   """x [M, K] float32 @ panels [P, K, W] float32 -> [M, P * W] float32 (CPU kernel).
@@ -151,8 +161,9 @@ def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
   W must be the variant's ``panel_width``: pack with ``to_panels(w, variant)``.
 
   ``prefetch``: software-prefetch the next panel while one is computed from cache
-  (M > ONE_PASS_ROWS; below, it does nothing); the same bits either way, only the speed
-  differs by host.
+  (M > ONE_PASS_ROWS) and, on the AVX-512 path, the streamed panel ahead of the first pass
+  (M > 1; the AVX2 path always does that); below ``prefetch_rows(variant)`` rows it does
+  nothing. The same bits either way, only the speed differs by host.
   """
   reason = _register(variant)
   if reason is not None:
