@@ -323,6 +323,14 @@ def test_policy_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
   assert pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure).never
 
 
+def test_close_calls_are_the_row_counts_the_kernel_neither_clearly_wins_nor_loses():
+  timings = {1: (20.0, 21.0, 22.0), 2: (20.0, 14.0, 15.0), 4: (20.0, 25.0, 17.5),
+             8: (20.0, 30.0, 24.0), 16: (20.0, 10.0, 20.0)}
+  # 1: 1.05 (the Xeon's flip); 4: the prefetching mode at 0.875; 8: 1.2, a clear loss
+  assert pol.close_calls(timings) == [1, 4]
+  assert pol.close_calls({1: (2.0, 1.0)}) == [] and pol.close_calls({1: (1.0, 1.1)}) == [1]
+
+
 def test_real_measurement_covers_the_grid():
   w = [_rand((64, 128), 0), _rand((128, 64), 1)]
   t = pol.measure(w, grid=(1, 3), repeats=1)
