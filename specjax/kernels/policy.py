@@ -173,7 +173,8 @@ def _chain(matmul: Callable, ks: Sequence[int]):
 
 # A row count whose kernel / XLA ratio lies within this factor of 1 is a close call: it is
 # timed again before the decision. (On a 2-core Intel Xeon three repeats read the one-row
-# kernel at 1.05x XLA, and plain decoding ran 12% slower on XLA's dot than on the kernel.)
+# kernel at 1.05x XLA's time, a later measurement at 0.90x, and plain decoding ran 12%
+# slower on XLA's dot than on the kernel.)
 CLOSE_CALL = 1.15
 
 
