@@ -26,7 +26,7 @@
 // attribute also makes the streaming pass (the first, from memory) prefetch the
 // panel kAhead rows ahead for any M > 1, which AVX2 always does. Whether either pays
 // depends on the host (the next-panel prefetch was 12-22% faster on one AVX2 EPYC and
-// 5-40% slower on another, the streaming pass's 12-14% faster at M = 3-9 on an Intel
+// 5-40% slower on another, the streaming pass's 12-16% faster at M = 3-6 on an Intel
 // Xeon: benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
 // kernel itself and turns it on per M, from the first M it changes
 // (``SpecjaxStreamingMatmulPrefetchRows``).
