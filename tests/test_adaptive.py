@@ -84,39 +84,12 @@ def test_choice_is_the_calibrated_theory_argmax(alpha):
   assert int(policy.choose(state, jnp.ones((1,), bool))) == int(np.argmax(expected))
 
 
-def test_scores_average_expected_tokens_over_active_rows_only_without_slowest_row():
-  policy = AdaptiveGamma(gammas=(1, 3), step_costs=(1.0, 1.0), prior_weight=1e-6,
-                         slowest_row=False)
+def test_scores_average_expected_tokens_over_active_rows_only():
+  policy = AdaptiveGamma(gammas=(1, 3), step_costs=(1.0, 1.0), prior_weight=1e-6)
   state = _state(policy, [900.0, 0.0, 500.0], [100.0, 1000.0, 500.0])  # α̂ = 0.9, 0, 0.5
   a = np.array([0.9, 0.5])
   np.testing.assert_allclose(policy.scores(state, jnp.array([True, False, True])),
                              [np.mean(1 + a), np.mean(1 + a + a ** 2 + a ** 3)], rtol=1e-4)
-
-
-def test_scores_price_the_batch_finish_by_the_row_that_would_finish_last():
-  """Rows at α̂ 0.9, 0 (inactive) and 0.4 with tokens left: choice k finishes the batch in
-  cost_k · max_i r_i / E_ik plain steps against plain decoding's max_i r_i."""
-  policy = AdaptiveGamma(gammas=(0, 1, 4), step_costs=(1.0, 1.3, 2.0), prior_weight=1e-6)
-  state = _state(policy, [900.0, 0.0, 400.0], [100.0, 1000.0, 600.0])
-  active = jnp.array([True, False, True])
-  e = lambda a: np.array([1.0, 1 + a, sum(a ** j for j in range(5))])
-  costs = np.array([1.0, 1.3, 2.0])
-  for left in ([10, 1000, 10], [30, 1000, 10], [10, 1000, 30]):
-    finish = costs * np.maximum(left[0] / e(0.9), left[2] / e(0.4))
-    expected = max(left[0], left[2]) / finish
-    np.testing.assert_allclose(policy.scores(state, active, jnp.array(left)), expected,
-                               rtol=1e-4)
-  # equal tokens left: the α̂ = 0.4 row decides (1.4 / 1.3 beats 1.66 / 2), where the mean
-  # of the rows' expected tokens would draft 4 (2.5 / 2 beats 2.05 / 1.3)
-  assert policy.gammas[int(policy.choose(state, active))] == 1
-  assert policy.gammas[int(dataclasses.replace(policy, slowest_row=False).choose(
-      state, active))] == 4
-  # the α̂ = 0.9 row three times as far from the end: it decides
-  assert policy.gammas[int(policy.choose(state, active, jnp.array([30, 0, 10])))] == 4
-  # one row: E / cost, whatever is left
-  one = _state(policy, [400.0], [600.0])
-  np.testing.assert_allclose(policy.scores(one, jnp.ones((1,), bool), jnp.array([7])),
-                             e(0.4) / costs, rtol=1e-4)
 
 
 def test_observe_discounts_counts_rejections_and_spares_inactive_rows():
@@ -269,7 +242,6 @@ def test_chains_and_trees_share_one_running_ease():
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prior_alpha=1.0), "prior_alpha"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prior_weight=0.0), "prior_weight"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), decay=0.0), "decay"),
-    (dict(gammas=(1, 2), step_costs=(1.0, 1.1), slowest_row="yes"), "slowest_row"),
     (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(1.2,)), "rank_accept"),
     (dict(gammas=(0, 4), step_costs=(1.0, 1.3), rank_accept=TABLE), "has none"),
     (dict(gammas=(0,), step_costs=(1.0,), trees=(DynamicTree(2, 4, 4),), tree_costs=(1.2,),

@@ -20,16 +20,6 @@ chosen the counts only decay, so α̂ drifts back to the prior and a draft is
 tried again: the policy keeps exploring at a cost of one short step every
 few dozen.
 
-A batch shares each step's choice. A fixed batch runs until its slowest row is
-done, so by default (``slowest_row``) a choice is scored by when the batch
-would finish: cost · max_i r_i / E_i plain steps for rows with r_i tokens left
-at E_i expected tokens per step, against plain decoding's max_i r_i; at one row
-this is E / cost. Rows differ in α (by prompt, by passage), and the row that
-would finish last is the one the batch waits for: scoring the rows' mean
-instead drafted γ = 1 at batch 8 for a row mean the laggard did not reach,
-0.97× plain decoding (``benchmarks/results/batch_sweep_intel_xeon.md``).
-Continuous batching, where a finished row hands its slot on, scores the mean.
-
 Trees need a price, so a policy with trees takes the drafter's per-depth,
 per-rank acceptance table (``rank_accept``, as ``tree_builders`` defines it and
 ``estimate_rank_accept`` measures it; the experiments' calibration) and prices
@@ -163,10 +153,6 @@ class AdaptiveGamma:
     prior_weight: how many chain steps' worth of evidence the prior counts as (> 0).
     decay: the weight each step's evidence keeps per later step, in (0, 1]; memory
       of about 1 / (1 − decay) steps.
-    slowest_row: score each choice by when the batch would finish, i.e. for the row
-      that would finish last (``scores``): a fixed batch runs until its slowest row is
-      done. False: by the mean of the active rows' expected tokens, for continuous
-      batching, where a finished row hands its slot on (``continuous.serve`` sets it).
   """
 
   gammas: tuple[int, ...]
@@ -177,7 +163,6 @@ class AdaptiveGamma:
   prior_alpha: float = 0.5
   prior_weight: float = 1.0
   decay: float = 0.9
-  slowest_row: bool = True
 
   def __post_init__(self):
     gammas, trees = tuple(self.gammas), tuple(self.trees)
@@ -230,8 +215,6 @@ class AdaptiveGamma:
       raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
     if not 0.0 < self.decay <= 1.0:
       raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-    if not isinstance(self.slowest_row, (bool, np.bool_)):
-      raise ValueError(f"slowest_row must be a bool, got {self.slowest_row!r}")
     for name, value in (("gammas", gammas), ("step_costs", costs), ("trees", trees),
                         ("tree_costs", tree_costs), ("rank_accept", table)):
       object.__setattr__(self, name, value)
@@ -382,31 +365,16 @@ class AdaptiveGamma:
     the chains'."""
     return jnp.where(index >= len(self.gammas), self.tree_alpha(state), self.alpha(state))
 
-  def scores(self, state: PolicyState, active: jax.Array,
-             remaining: Optional[jax.Array] = None) -> jax.Array:
-    """[K] each choice's expected speedup over plain decoding for the active rows.
-
-    With ``slowest_row``, of the batch's finish: choice k would take
-    cost_k · max_i r_i / E_ik plain steps to finish every active row i, with r_i its
-    ``remaining`` tokens [B] (equal when not given) and E_ik its expected tokens per
-    step; plain decoding takes max_i r_i. Otherwise the mean over the active rows of
-    E_ik, over cost_k. At one row both are E / cost."""
+  def scores(self, state: PolicyState, active: jax.Array) -> jax.Array:
+    """[K] expected tokens per step over step cost, per choice, averaged over active rows."""
     expected = self.expected_tokens(self.alpha(state), self.tree_alpha(state))  # [B, K]
-    costs = jnp.asarray(self.costs, jnp.float32)
     weight = active.astype(jnp.float32)[:, None]
-    if not self.slowest_row:
-      mean = jnp.sum(expected * weight, axis=0) / jnp.maximum(jnp.sum(weight), 1.0)
-      return mean / costs
-    left = (jnp.ones(active.shape, jnp.float32) if remaining is None
-            else jnp.maximum(remaining, 1).astype(jnp.float32))
-    left = jnp.where(active, left, 0.0)
-    finish = costs * jnp.max(left[:, None] / expected, axis=0)  # [K]; E >= 1
-    return jnp.where(jnp.any(active), jnp.max(left) / jnp.maximum(finish, 1e-30), 1.0 / costs)
+    mean = jnp.sum(expected * weight, axis=0) / jnp.maximum(jnp.sum(weight), 1.0)
+    return mean / jnp.asarray(self.costs, jnp.float32)
 
-  def choose(self, state: PolicyState, active: jax.Array,
-             remaining: Optional[jax.Array] = None) -> jax.Array:
-    """The index (into the choices) of this step's draft (``scores``): int32 scalar."""
-    return jnp.argmax(self.scores(state, active, remaining)).astype(jnp.int32)
+  def choose(self, state: PolicyState, active: jax.Array) -> jax.Array:
+    """The index (into the choices) of this step's draft: int32 scalar."""
+    return jnp.argmax(self.scores(state, active)).astype(jnp.int32)
 
   def observe(self, state: PolicyState, index: jax.Array, num_accepted: jax.Array,
               active: jax.Array) -> PolicyState:

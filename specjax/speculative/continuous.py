@@ -365,9 +365,6 @@ def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
   dec.drafter.check_params(draft_params)
   chunk = validation.as_int(prefill_chunk, "prefill_chunk", 1)
   queue, lens = pack_queue(dec, prompts, max_new_tokens, slots, cache_size)
-  if dec.policy is not None and dec.policy.slowest_row:
-    # a row that finishes hands its slot on: the policy scores all rows' tokens, not the last
-    dec = dec.with_policy(dataclasses.replace(dec.policy, slowest_row=False))
   st = initial_serve_state(dec, target_params, draft_params, queue, slots, seed)
   st = serve_loop(dec, target_params, draft_params, queue, st,
                   chunk=min(chunk, queue.tokens.shape[1]), interleave=bool(interleave_prefill))

@@ -343,7 +343,7 @@ class SpeculativeDecoder:
 
   def choice(self, state: SpecState) -> jax.Array:
     """The policy's choice for the next step: an index into its choices (int32 scalar)."""
-    return self.policy.choose(state.policy, ~state.done, state.max_lens - state.seq_lens)
+    return self.policy.choose(state.policy, ~state.done)
 
   def observed(self, before: SpecState, after: SpecState, index: jax.Array) -> SpecState:
     """``after`` (one step of the policy's choice ``index``) with the policy's estimates
