@@ -13,10 +13,11 @@ exceeds them), in one process:
      step, decode loop only (``specjax.speculative.calibration.measure_step_costs``,
      48 tokens, on the first batch);
   2. ``AdaptiveGamma`` over {0} ∪ gammas and the trees with those costs, the trees priced
-     by the drafter's per-depth, per-rank acceptance and the chains' rate, measured once
-     per temperature on training-side prompts (``calibration.measure_tree_prices``,
-     prompts alone, so batch-independent); ``--nopolicy_trees``
-     leaves the trees out of the policy;
+     by the drafter's per-depth, per-rank acceptance and the chains' rate, and a batch's
+     steps by how that rate varies by prompt (``prompt_ease``), measured once per
+     temperature on training-side prompts (``calibration.measure_tree_prices``, prompts
+     alone, so batch-independent); ``--nopolicy_trees`` leaves the trees out of the policy
+     (the chains' rate and its spread are still measured, ``measure_chain_alphas``);
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
      one per batch and round, as in ``experiments``), whole generations
@@ -54,8 +55,8 @@ from experiments.prompts import default_prompts, training_prompts
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.calibration import (default_branching, measure_step_costs,
-                                             measure_tree_prices)
+from specjax.speculative.calibration import (default_branching, measure_chain_alphas,
+                                             measure_step_costs, measure_tree_prices)
 from specjax.speculative.tree import DynamicTree
 
 BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "batch sizes")
@@ -126,35 +127,45 @@ def _template(target, draft, temp: float) -> SpeculativeDecoder:
   return SpeculativeDecoder(target.cfg, draft.drafter, sampler=make_sampler(temp), eos_ids=())
 
 
-def _tree_pricing(target, draft, temp: float, trees) -> Optional[dict]:
-  """What prices the trees for the policy at this temperature: the drafter's per-depth,
-  per-rank acceptance (a full tree as deep as the deepest tree) and the chains' rate beside
-  it, each prompt decoded alone, on training-side prompts (never the timed ones), over
+def _pricing(target, draft, temp: float, gammas, trees) -> dict:
+  """What prices the policy's choices at this temperature: the chains' rate α_c and how it
+  varies by prompt (``prompt_ease``), and, when the policy takes the trees, the drafter's
+  per-depth, per-rank acceptance (a full tree as deep as the deepest tree, the chain as
+  deep); each prompt decoded alone, on training-side prompts (never the timed ones), over
   ``--new_tokens`` as the timed calls (the rate depends on the length: over 48 tokens it
   read 0.68 at T = 0 where 128 gave 0.58, and that prior made the policy draft at
-  batch 16, where every draft loses). None when the policy takes no trees."""
-  if not (POLICY_TREES.value and trees):
-    return None
+  batch 16, where every draft loses). ``rank_accept`` is None for chains only."""
   template = _template(target, draft, temp)
   prompts = [target.encode(t) for t in training_prompts(CALIBRATION_PROMPTS)]
-  depth = max(t.max_depth for t in trees)
   t0 = time.perf_counter()
-  prices = measure_tree_prices(template, target.params, draft.params, prompts,
-                               default_branching(depth), NEW.value)
-  table, alpha = prices["table"], prices["chain_alpha"]
-  if table[0][0] <= 0.0:  # nothing scales the trees' prices (AdaptiveGamma refuses it)
-    _log(f"T={temp:g}: no rank-0 draft accepted at depth 1 in calibration; the policy takes "
-         "chains only")
-    return None
-  _log(f"T={temp:g}: trees priced by a {depth}-deep acceptance table, chains' α_c = "
-       f"{alpha:.3f} ({time.perf_counter() - t0:.0f} s, {len(prompts)} training-side prompts)")
-  return {"rank_accept": np.asarray(table).tolist(), "chain_alpha": alpha}
+  prices = None
+  if POLICY_TREES.value and trees:
+    depth = max(t.max_depth for t in trees)
+    prices = measure_tree_prices(template, target.params, draft.params, prompts,
+                                 default_branching(depth), NEW.value)
+    if prices["table"][0][0] <= 0.0:  # nothing scales the trees' prices (AdaptiveGamma refuses it)
+      _log(f"T={temp:g}: no rank-0 draft accepted at depth 1 in calibration; the policy takes "
+           "chains only")
+      prices = None
+  if prices is None:
+    depth = max(gammas)
+    alpha, ease = measure_chain_alphas(template, target.params, draft.params, prompts, depth,
+                                       NEW.value)
+    prices = {"table": None, "chain_alpha": alpha, "prompt_ease": ease}
+  alpha, ease = prices["chain_alpha"], prices["prompt_ease"]
+  _log(f"T={temp:g}: " + ("chains only" if prices["table"] is None else
+                          f"trees priced by a {depth}-deep acceptance table")
+       + f", chains' α_c = {alpha:.3f} (γ = {depth}), by prompt "
+       f"{min(ease) * alpha:.2f}–{max(ease) * alpha:.2f} ({time.perf_counter() - t0:.0f} s, "
+       f"{len(prompts)} training-side prompts)")
+  return {"rank_accept": None if prices["table"] is None else np.asarray(prices["table"]).tolist(),
+          "chain_alpha": alpha, "prompt_ease": list(ease)}
 
 
 def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
              pricing: Optional[dict]) -> dict:
   """One (batch size, temperature) cell: costs, then interleaved timed rounds. With
-  ``pricing`` (``_tree_pricing``) the policy also chooses the trees."""
+  ``pricing["rank_accept"]`` (``_pricing``) the policy also chooses the trees."""
   if batch < len(prompts):
     batches = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
   else:
@@ -170,10 +181,11 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
        + ", ".join(f"{n}: {c:.3f}" for n, c in zip(
            [f"γ={g}" for g in (0, *gammas)] + [_tree_name(t) for t in trees], costs))
        + f" ({time.perf_counter() - t0:.0f} s)")
-  with_trees = {} if pricing is None else dict(
-      trees=tuple(trees), tree_costs=tree_costs, rank_accept=pricing["rank_accept"],
-      prior_alpha=pricing["chain_alpha"])
-  policy = AdaptiveGamma(gammas=(0, *gammas), step_costs=chain_costs, **with_trees)
+  with_trees = {} if pricing["rank_accept"] is None else dict(
+      trees=tuple(trees), tree_costs=tree_costs, rank_accept=pricing["rank_accept"])
+  policy = AdaptiveGamma(gammas=(0, *gammas), step_costs=chain_costs,
+                         prior_alpha=pricing["chain_alpha"], prompt_ease=pricing["prompt_ease"],
+                         **with_trees)
   methods = {f"γ={g}": dataclasses.replace(template, gamma=g, tree=None) for g in gammas}
   methods.update({_tree_name(t): dataclasses.replace(template, gamma=None, tree=t)
                   for t in trees})
@@ -214,7 +226,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
   return {"batch": batch, "temperature": temp, "batches": len(batches), "devices": DATA.value,
           "gammas": [0, *gammas], "step_costs": list(chain_costs),
           "trees": [_tree_name(t) for t in trees], "tree_costs": list(tree_costs),
-          "policy_trees": pricing is not None, **(pricing or {}),
+          "policy_trees": pricing["rank_accept"] is not None, **pricing,
           "plain_tokens_per_second": plain_tps,
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
                                  tokens_per_second=plain_tps * float(np.median(v)))
@@ -233,10 +245,12 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "Step cost = a speculative step's decode-loop time over a plain decoding step's, "
            "at that batch, for each γ and then each tree (what the adaptive policy is given). "
            f"Adaptive = `AdaptiveGamma` over γ ∈ {{0, {', '.join(map(str, gammas))}}} with "
-           "those costs and, where α_c is given, the trees too, priced by the drafter's "
-           f"per-rank acceptance and the chains' rate α_c measured on {CALIBRATION_PROMPTS} "
-           "training-side prompts (never the timed ones); its mix counts steps of each "
-           "choice (γ = 0 is plain decoding, then the chains, then the trees).", ""]
+           "those costs, the chains' rate α_c and its range by prompt (in brackets: a batch's "
+           "steps are priced for the row the batch waits on) and, unless `--nopolicy_trees`, "
+           "the trees too, priced by the drafter's per-rank acceptance, all measured on "
+           f"{CALIBRATION_PROMPTS} training-side prompts (never the timed ones); its mix "
+           "counts steps of each choice (γ = 0 is plain decoding, then the chains, then the "
+           "trees).", ""]
   if DATA.value > 1:
     lines[5:5] = [f"Data parallel: every batch's rows sharded over {DATA.value} devices "
                   "(`--data_parallel`, docs/sharding.md); tokens/s per device = tok/s / "
@@ -259,7 +273,10 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
       cost = dict(zip(c["gammas"], c["step_costs"]))
       costs = " / ".join([f"{cost[g]:.2f}" for g in gammas]
                          + [f"{x:.2f}" for x in c.get("tree_costs", [])])
-      alpha = f"{c['chain_alpha']:.2f}" if c.get("policy_trees") else "–"
+      alpha = f"{c['chain_alpha']:.2f}" if c.get("chain_alpha") is not None else "–"
+      if c.get("prompt_ease"):
+        alpha += (f" ({min(c['prompt_ease']) * c['chain_alpha']:.2f}–"
+                  f"{max(c['prompt_ease']) * c['chain_alpha']:.2f})")
       mix = a.get("choice_steps", a["depth_hist"])
       lines.append(
           f"| {c['batch']} | {c['plain_tokens_per_second']:.0f} | {costs} | "
@@ -326,7 +343,7 @@ def _sweep(cells, store, done, target, draft, batches, temps, gammas, trees):
     todo = [b for b in batches if (b, temp) not in done]
     if len(todo) < len(batches):
       _log(f"T={temp:g}: B={[b for b in batches if b not in todo]} done before, kept")
-    pricing = _tree_pricing(target, draft, temp, trees) if todo else None
+    pricing = _pricing(target, draft, temp, gammas, trees) if todo else None
     for batch in todo:
       cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees, pricing))
       files.write_text(store, json.dumps(cells, indent=1))

@@ -21,7 +21,7 @@ from specjax.generate import prefill
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma, PolicyState
-from specjax.speculative.calibration import (calibrate, measure_chain_alpha,
+from specjax.speculative.calibration import (calibrate, measure_chain_alpha, measure_chain_alphas,
                                              measure_rank_accept, measure_step_costs,
                                              measure_tree_prices)
 from specjax.speculative.replay import replay_greedy
@@ -90,6 +90,32 @@ def test_scores_average_expected_tokens_over_active_rows_only():
   a = np.array([0.9, 0.5])
   np.testing.assert_allclose(policy.scores(state, jnp.array([True, False, True])),
                              [np.mean(1 + a), np.mean(1 + a + a ** 2 + a ** 3)], rtol=1e-4)
+
+
+def test_batch_factors_are_the_expected_least_rows_share_of_the_mean():
+  """η_k(b) = E[min of b rows' E_k] / mean E_k, rows drawn from the prompts' ease: checked
+  against enumerating every batch of b prompts; 1 at one row; scores use the active rows'."""
+  import itertools
+  ease = (0.4, 1.0, 1.3)
+  policy = AdaptiveGamma(gammas=(0, 1, 3), step_costs=(1.0, 1.2, 1.6), prior_alpha=0.6,
+                         prompt_ease=ease, prior_weight=1e-6)
+  rates = [min(0.6 * e, 1.0) for e in ease]
+  tokens = np.array([[1.0, 1 + a, 1 + a + a ** 2 + a ** 3] for a in rates])  # [prompts, K]
+  for b in (1, 2, 3):
+    least = np.mean([tokens[list(rows)].min(axis=0)
+                     for rows in itertools.product(range(3), repeat=b)], axis=0)
+    np.testing.assert_allclose(policy.batch_factors[b - 1], least / tokens.mean(axis=0),
+                               rtol=1e-5)
+  np.testing.assert_allclose(policy.batch_factors[0], 1.0, rtol=1e-6)
+  assert np.all(np.diff(policy.batch_factors[:, 1:], axis=0) <= 1e-9)  # falls with b
+  np.testing.assert_allclose(policy.batch_factors[-1], tokens.min(axis=0) / tokens.mean(axis=0),
+                             rtol=1e-4)
+  state = _state(policy, [600.0] * 4, [400.0] * 4)  # every row at α̂ = 0.6
+  e = np.array([1.0, 1.6, 1 + 0.6 + 0.36 + 0.216])
+  active = jnp.array([True, False, True, False])
+  np.testing.assert_allclose(policy.scores(state, active),
+                             e * policy.batch_factors[1] / np.array([1.0, 1.2, 1.6]), rtol=1e-4)
+  assert AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.2)).batch_factors is None
 
 
 def test_observe_discounts_counts_rejections_and_spares_inactive_rows():
@@ -242,6 +268,9 @@ def test_chains_and_trees_share_one_running_ease():
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prior_alpha=1.0), "prior_alpha"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prior_weight=0.0), "prior_weight"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), decay=0.0), "decay"),
+    (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prompt_ease=(1.0, -0.5)), "prompt_ease"),
+    (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prompt_ease=(1.0, float("nan"))),
+     "prompt_ease"),
     (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(1.2,)), "rank_accept"),
     (dict(gammas=(0, 4), step_costs=(1.0, 1.3), rank_accept=TABLE), "has none"),
     (dict(gammas=(0,), step_costs=(1.0,), trees=(DynamicTree(2, 4, 4),), tree_costs=(1.2,),
@@ -359,12 +388,12 @@ def test_a_policy_that_never_drafts_decodes_plainly_with_the_loops_tokens_and_co
   cfg, params = target
   drafter, dp = _drafter("eagle", target, draft)
   costly = AdaptiveGamma(gammas=(0, 1, 2), step_costs=(1.0, 1.8, 2.5), prior_alpha=0.5)
-  assert costly.never_drafts  # E(0.5, 1) / 1.8 = 0.83 and E(0.5, 2) / 2.5 = 0.70, below 1
-  assert not SWITCHING.never_drafts and not WITH_TREES.never_drafts
-  assert not AdaptiveGamma(gammas=(1, 2), step_costs=(1.8, 2.5)).never_drafts  # no plain
+  assert costly.never_drafts()  # E(0.5, 1) / 1.8 = 0.83 and E(0.5, 2) / 2.5 = 0.70, below 1
+  assert not SWITCHING.never_drafts() and not WITH_TREES.never_drafts()
+  assert not AdaptiveGamma(gammas=(1, 2), step_costs=(1.8, 2.5)).never_drafts()  # no plain
   for sampler in (Greedy(), Sampling(temperature=1.0)):
     dec = SpeculativeDecoder(cfg, drafter, policy=costly, sampler=sampler, eos_ids=())
-    assert dec.plain_only
+    assert dec.plain_only(len(PROMPTS))
     fused = dec.generate(params, dp, PROMPTS, 20, seed=3)
     loop = dec.generate(params, dp, PROMPTS, 20, seed=3, profile=True)  # the policy's loop
     np.testing.assert_array_equal(fused.tokens, loop.tokens)
@@ -387,7 +416,28 @@ def test_a_policy_that_never_drafts_decodes_plainly_with_the_loops_tokens_and_co
     greedy.generate(params, dp, PROMPTS, 20, profile=True)
   # An attention other than plain decoding's keeps the speculative loop.
   other = "reference" if resolve_impl("auto") != "reference" else "cpu"
-  assert not SpeculativeDecoder(cfg, drafter, policy=costly, attention_impl=other).plain_only
+  assert not SpeculativeDecoder(cfg, drafter, policy=costly, attention_impl=other).plain_only()
+
+
+def test_a_batch_that_waits_for_its_hardest_row_decodes_plainly_only_without_eos(models):
+  """Priced for the row a batch of 4 waits on, γ = 1 no longer pays at the prior, so that
+  batch never drafts; one row still does. With EOS a row may end early, leaving fewer rows
+  to wait on, so the decoder keeps the speculative loop there (and it decodes greedily)."""
+  target, draft = models
+  cfg, params = target
+  drafter, dp = _drafter("eagle", target, draft)
+  # α_c·ρ = 0.15 or 0.85: E(γ = 1) = 1.15 or 1.85, mean 1.5; 4 rows: min is 1.15 w.p. 15/16
+  spread = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.3), prior_alpha=0.5,
+                         prompt_ease=(0.3, 1.7))
+  assert not spread.never_drafts(1) and spread.never_drafts(4)
+  assert not dataclasses.replace(spread, prompt_ease=()).never_drafts(4)
+  assert SpeculativeDecoder(cfg, drafter, policy=spread, eos_ids=()).plain_only(4)
+  with_eos = SpeculativeDecoder(cfg, drafter, policy=spread, eos_ids=(5,))
+  assert not with_eos.plain_only(4)
+  out = with_eos.generate(params, dp, PROMPTS, 12)
+  ref = specjax.generate(params, cfg, PROMPTS, 12, eos_ids=(5,))
+  for row in range(len(PROMPTS)):
+    assert out.generated(row) == ref.generated(row), row
 
 
 def test_fixed_topologies_count_every_step_at_their_depth(models):
@@ -535,6 +585,9 @@ def test_measured_costs_make_a_policy(models):
   policy = calibrate(template, target[1], dp, PROMPTS[:2], (0, 1), max_new_tokens=8, rounds=1,
                      decay=0.8)
   assert policy.gammas == (0, 1) and policy.decay == 0.8
+  assert len(policy.prompt_ease) == 2  # two prompts: the chains' spread over them, measured
+  assert calibrate(template, target[1], dp, PROMPTS[:1], (0, 1), max_new_tokens=8,
+                   rounds=1).prompt_ease == ()  # one prompt: no spread
   costs = measure_step_costs(template, target[1], dp, PROMPTS[:2], (0, 1), max_new_tokens=8,
                              rounds=1, trees=(FORK,))
   assert len(costs) == 3 and costs[0] == 1.0 and min(costs) >= 1.0
@@ -562,11 +615,19 @@ def test_measured_costs_make_a_policy(models):
   assert 0 < accepted and 0 < short
   assert measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8) == pytest.approx(
       accepted / (accepted + short))
+  # Each prompt's own rate, over the pooled one.
+  alpha, ease = measure_chain_alphas(sampled, target[1], dp, PROMPTS[:2], 3, 8)
+  own = [int(o.per_row["accepted"][0]) / (int(o.per_row["accepted"][0])
+                                          + int(o.per_row["accept_len_hist"][0][:3].sum()))
+         for o in outs]
+  assert alpha == pytest.approx(accepted / (accepted + short))
+  np.testing.assert_allclose(np.asarray(ease) * alpha, own, rtol=1e-6)
   # Both prices at once: the same table, and the rate of a chain as deep as the full tree.
   prices = measure_tree_prices(sampled, target[1], dp, PROMPTS[:2], (2, 1, 1), 8)
   np.testing.assert_array_equal(prices["table"], measure_rank_accept(
       sampled, target[1], dp, PROMPTS[:2], (2, 1, 1), 8)["table"])
   assert prices["chain_alpha"] == pytest.approx(accepted / (accepted + short))
+  np.testing.assert_allclose(prices["prompt_ease"], ease, rtol=1e-6)
   assert table["offered"][0, 0] == table["offered"][0, 5] > 0  # every root rank offered
   np.testing.assert_array_less(table["accepted"] - 1, table["offered"])
   with pytest.raises(ValueError, match="gammas"):

@@ -20,6 +20,20 @@ chosen the counts only decay, so α̂ drifts back to the prior and a draft is
 tried again: the policy keeps exploring at a cost of one short step every
 few dozen.
 
+A batch shares each step's choice, and a fixed batch runs until its slowest
+row is done: rows' acceptance differs by prompt, so the batch advances at its
+hardest row's rate, not at the rows' mean (at batch 8 on an Intel Xeon, γ = 1
+gave the rows 1.54 tokens a step on average and the last one 1.38). Given
+``prompt_ease``, how the calibration prompts' rates spread around α_c, the
+policy scales each choice's mean expected tokens by η_k(b) =
+E[min_i E_k] / E[mean_i E_k] over b rows drawn from those prompts
+(``batch_factors``; b the active rows; 1 at one row), which makes the
+deeper drafts pay less at large batches, and plain decoding, which every row
+takes at the same pace, relatively more. The rows' own running estimates are
+not used to find the slowest one: ten steps of evidence each, the least of
+eight is biased low, and scoring it drafted worse
+(``benchmarks/results/batch_policy_slowest_row.md``).
+
 Trees need a price, so a policy with trees takes the drafter's per-depth,
 per-rank acceptance table (``rank_accept``, as ``tree_builders`` defines it and
 ``estimate_rank_accept`` measures it; the experiments' calibration) and prices
@@ -99,6 +113,7 @@ from specjax.theory import VerifyCost, VerifyCostCurve
 Tree = Union[TreeTopology, DynamicTree]
 
 ALPHA_GRID = 101  # points in [0, 1] at which a table-priced policy tabulates E[tokens | α]
+BATCH_ROWS = 1024  # batch sizes up to which ``batch_factors`` are tabulated (larger: the last)
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -149,10 +164,14 @@ class AdaptiveGamma:
     prior_alpha: α_c, the chains' acceptance rate at the calibration: their estimate
       starts from it and returns to it while nothing drafts, and with trees it is the
       chains' rate when the trees' is the table's ``table_alpha`` (the module
-      docstring). ``calibration.measure_chain_alpha`` measures it.
+      docstring). ``calibration.measure_chain_alphas`` measures it.
     prior_weight: how many chain steps' worth of evidence the prior counts as (> 0).
     decay: the weight each step's evidence keeps per later step, in (0, 1]; memory
       of about 1 / (1 − decay) steps.
+    prompt_ease: how the chains' acceptance varies by prompt: each calibration prompt's
+      rate over ``prior_alpha`` (``calibration.measure_chain_alphas``). With it, a step
+      of a batch is priced for the row the batch waits on (``batch_factors``); empty:
+      for the rows' mean. Stored as a tuple.
   """
 
   gammas: tuple[int, ...]
@@ -163,6 +182,7 @@ class AdaptiveGamma:
   prior_alpha: float = 0.5
   prior_weight: float = 1.0
   decay: float = 0.9
+  prompt_ease: tuple[float, ...] = ()
 
   def __post_init__(self):
     gammas, trees = tuple(self.gammas), tuple(self.trees)
@@ -215,8 +235,13 @@ class AdaptiveGamma:
       raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
     if not 0.0 < self.decay <= 1.0:
       raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+    ease = tuple(self.prompt_ease)
+    if not all(isinstance(e, (int, float, np.floating, np.integer)) and not isinstance(e, bool)
+               and math.isfinite(e) and e >= 0 for e in ease):
+      raise ValueError(f"prompt_ease must be finite numbers >= 0, got {self.prompt_ease!r}")
     for name, value in (("gammas", gammas), ("step_costs", costs), ("trees", trees),
-                        ("tree_costs", tree_costs), ("rank_accept", table)):
+                        ("tree_costs", tree_costs), ("rank_accept", table),
+                        ("prompt_ease", tuple(float(e) for e in ease))):
       object.__setattr__(self, name, value)
 
   @classmethod
@@ -275,15 +300,18 @@ class AdaptiveGamma:
     """Whether plain decoding (γ = 0) is one of the choices."""
     return bool(self.gammas) and self.gammas[0] == 0
 
-  @functools.cached_property
-  def never_drafts(self) -> bool:
-    """Whether every step of this policy is a plain decoding step, which is known before the
+  @functools.lru_cache(maxsize=64)
+  def never_drafts(self, batch_size: int = 1) -> bool:
+    """Whether every step of this policy is a plain decoding step for a batch of
+    ``batch_size`` rows that stay active together to the end, which is known before the
     first: plain decoding scores best at the prior (no evidence yet, ρ̂ = 1), and a plain
     step accepts and rejects nothing, so the counts stay at zero (they only decay), ρ̂ at 1
-    and the choice where it was. ``SpeculativeDecoder.generate`` then decodes plainly."""
+    and the choice where it was. ``SpeculativeDecoder.generate`` then decodes plainly. (A
+    row that ends early, at EOS, leaves fewer rows to wait on, and fewer price drafts no
+    worse: the decoder then asks at one row.)"""
     if not self.plain:
       return False
-    return int(self.choose(self.init(1), jnp.ones((1,), bool))) == 0
+    return int(self.choose(self.init(batch_size), jnp.ones((batch_size,), bool))) == 0
 
   @property
   def first_chain_depths(self) -> tuple[int, ...]:
@@ -323,6 +351,27 @@ class AdaptiveGamma:
           t = best_static_tree(scaled[:, :t.top_k], t.num_nodes, max_depth=t.depth)
         out[k, j] = expected_tokens_per_step(t, scaled)
     return out
+
+  @functools.cached_property
+  def batch_factors(self) -> Optional[np.ndarray]:
+    """[BATCH_ROWS, K] η_k(b): the share of its rows' mean expected tokens a step of choice
+    k makes for the row a batch of b rows waits on (the module docstring). With the
+    calibration prompts' rates α_i = α_c·ρ_i (``prompt_ease`` ρ_i; the trees' α_A·ρ_i)
+    and b rows drawn from them at random, E[min_i E_k(α_i)] / mean_i E_k(α_i): 1 at one
+    row, falling with b towards the hardest prompt's share. None without ``prompt_ease``."""
+    if not self.prompt_ease:
+      return None
+    ease = np.sort(np.asarray(self.prompt_ease, np.float64))
+    n = len(ease)
+    rates = lambda a: jnp.asarray(np.minimum(a * ease, 1.0), jnp.float32)
+    tokens = np.asarray(self.expected_tokens(
+        rates(self.prior_alpha), rates(self.tree_rate) if self.trees else None), np.float64)
+    # each column rises with the ease: the least of b draws is the j-th easiest prompt with
+    # probability ((n − j) / n)^b − ((n − j − 1) / n)^b
+    b = np.arange(1, BATCH_ROWS + 1, dtype=np.float64)[:, None]
+    j = np.arange(n, dtype=np.float64)[None, :]
+    weights = ((n - j) / n) ** b - ((n - j - 1) / n) ** b  # [BATCH_ROWS, n]
+    return (weights @ tokens) / tokens.mean(axis=0)
 
   def expected_tokens(self, alpha: jax.Array, tree_alpha: Optional[jax.Array] = None
                       ) -> jax.Array:
@@ -366,10 +415,14 @@ class AdaptiveGamma:
     return jnp.where(index >= len(self.gammas), self.tree_alpha(state), self.alpha(state))
 
   def scores(self, state: PolicyState, active: jax.Array) -> jax.Array:
-    """[K] expected tokens per step over step cost, per choice, averaged over active rows."""
+    """[K] expected tokens per step over step cost, per choice: the active rows' mean, times
+    ``batch_factors`` at the number of active rows when the policy has them."""
     expected = self.expected_tokens(self.alpha(state), self.tree_alpha(state))  # [B, K]
     weight = active.astype(jnp.float32)[:, None]
     mean = jnp.sum(expected * weight, axis=0) / jnp.maximum(jnp.sum(weight), 1.0)
+    if self.batch_factors is not None:
+      rows = jnp.clip(jnp.sum(active.astype(jnp.int32)), 1, BATCH_ROWS)
+      mean = mean * jnp.asarray(self.batch_factors, jnp.float32)[rows - 1]
     return mean / jnp.asarray(self.costs, jnp.float32)
 
   def choose(self, state: PolicyState, active: jax.Array) -> jax.Array:

@@ -12,7 +12,8 @@ round, and pools measured dips (``monotone_costs``): a longer chain never costs
 less. A policy with trees also needs the drafter's per-depth, per-rank
 acceptance (``measure_rank_accept``: decoding with a full tree and reading its
 counters) and the chains' rate on the same prompts (``measure_chain_alpha``), which
-ties the two kinds' prices together.
+ties the two kinds' prices together. How that rate varies by prompt
+(``measure_chain_alphas``) prices a batch's steps for the row the batch waits on.
 
 Example::
 
@@ -110,37 +111,58 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
               offered=offered, branching=branching, prompts=len(prompts))
 
 
+def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
+                         draft_params: Any, prompts: Sequence[Sequence[int]], gamma: int = 4,
+                         max_new_tokens: int = 64, seed: int = 0,
+                         cache_size: Optional[int] = None) -> tuple[float, tuple[float, ...]]:
+  """(α_c, ease): the chains' acceptance rate as ``AdaptiveGamma`` counts it, drafts
+  accepted over drafts accepted plus steps that stopped before γ, decoding each prompt
+  alone with a chain of ``gamma`` and the template's sampler (the chains' own draw; block
+  verification is measured token-wise, as a policy verifies; ``decode_alone``), pooled over
+  the prompts and clipped to [0.01, 0.99] (the policy needs a rate strictly inside (0, 1));
+  and each prompt's own rate over α_c (``AdaptiveGamma.prompt_ease``). A policy with trees
+  takes α_c as ``prior_alpha``, measured on the prompts its ``rank_accept`` table was."""
+  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
+    raise ValueError(f"gamma must be an integer >= 1, got {gamma}")
+  hists = decode_each(_tree_decoder(template, TreeTopology.chain(int(gamma))), target_params,
+                      draft_params, prompts, max_new_tokens, seed, cache_size,
+                      ("accept_len_hist",))["accept_len_hist"]  # [prompts, γ + 1]
+  successes = hists @ np.arange(hists.shape[1])
+  failures = hists[:, :gamma].sum(axis=1)
+  rate = lambda s, f: float(s / max(s + f, 1.0))
+  alpha = float(np.clip(rate(successes.sum(), failures.sum()), 0.01, 0.99))
+  return alpha, tuple(rate(s, f) / alpha for s, f in zip(successes, failures))
+
+
 def measure_chain_alpha(template: SpeculativeDecoder, target_params: Params,
                         draft_params: Any, prompts: Sequence[Sequence[int]], gamma: int = 4,
                         max_new_tokens: int = 64, seed: int = 0,
                         cache_size: Optional[int] = None) -> float:
-  """α_c, the chains' acceptance rate as ``AdaptiveGamma`` counts it: drafts accepted over
-  drafts accepted plus steps that stopped before γ, decoding each prompt alone with a chain
-  of ``gamma`` and the template's sampler (the chains' own draw; block verification is
-  measured token-wise, as a policy verifies; ``decode_alone``). A policy with trees takes it as
-  ``prior_alpha``, measured on the prompts its ``rank_accept`` table was. Clipped to
-  [0.01, 0.99] (the policy needs a rate strictly inside (0, 1))."""
-  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
-    raise ValueError(f"gamma must be an integer >= 1, got {gamma}")
-  hist = decode_alone(_tree_decoder(template, TreeTopology.chain(int(gamma))), target_params,
-                      draft_params, prompts, max_new_tokens, seed, cache_size,
-                      ("accept_len_hist",))["accept_len_hist"]
-  successes = float(np.dot(hist, np.arange(len(hist))))
-  failures = float(np.sum(hist[:gamma]))
-  rate = successes / max(successes + failures, 1.0)
-  return float(np.clip(rate, 0.01, 0.99))
+  """α_c alone (``measure_chain_alphas``)."""
+  return measure_chain_alphas(template, target_params, draft_params, prompts, gamma,
+                              max_new_tokens, seed, cache_size)[0]
+
+
+def decode_each(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
+                prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
+                cache_size: Optional[int], counters: Sequence[str]) -> dict[str, np.ndarray]:
+  """Decodes each prompt alone (the i-th with ``seed + i``): the named per-row counters,
+  stacked [prompts, ...]. Every prompt runs in one buffer length (``cache_size``, by
+  default the one ``dec.pack`` gives them all together), so one compiled loop serves them
+  all."""
+  size = dec.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)[0].shape[1]
+  outs = [dec.generate(target_params, draft_params, [p], max_new_tokens, seed=seed + i,
+                       cache_size=size) for i, p in enumerate(prompts)]
+  return {k: np.stack([np.asarray(o.per_row[k][0]) for o in outs]) for k in counters}
 
 
 def decode_alone(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
                  prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
                  cache_size: Optional[int], counters: Sequence[str]) -> dict[str, np.ndarray]:
-  """Decodes each prompt alone (the i-th with ``seed + i``) and sums the named per-row
-  counters over them. Every prompt runs in one buffer length (``cache_size``, by default
-  the one ``dec.pack`` gives them all together), so one compiled loop serves them all."""
-  size = dec.pack(target_params, draft_params, prompts, max_new_tokens, cache_size)[0].shape[1]
-  outs = [dec.generate(target_params, draft_params, [p], max_new_tokens, seed=seed + i,
-                       cache_size=size) for i, p in enumerate(prompts)]
-  return {k: sum(np.asarray(o.per_row[k][0]) for o in outs) for k in counters}
+  """``decode_each``'s counters summed over the prompts."""
+  return {k: v.sum(axis=0) for k, v in decode_each(dec, target_params, draft_params, prompts,
+                                                     max_new_tokens, seed, cache_size,
+                                                     counters).items()}
 
 
 def measure_tree_prices(template: SpeculativeDecoder, target_params: Params, draft_params: Any,
@@ -148,13 +170,14 @@ def measure_tree_prices(template: SpeculativeDecoder, target_params: Params, dra
                         branching: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
                         seed: int = 0, cache_size: Optional[int] = None) -> dict[str, Any]:
   """What a policy with trees is priced by, on the same prompts: ``measure_rank_accept``'s
-  dict (the table and its counts) with ``chain_alpha``, the chains' rate from a chain as
-  deep as the full tree (``measure_chain_alpha``)."""
+  dict (the table and its counts) with ``chain_alpha`` and ``prompt_ease``, the chains'
+  rate from a chain as deep as the full tree and how it varies by prompt
+  (``measure_chain_alphas``)."""
   out = measure_rank_accept(template, target_params, draft_params, prompts, branching,
                             max_new_tokens, seed, cache_size)
-  out["chain_alpha"] = measure_chain_alpha(template, target_params, draft_params, prompts,
-                                           len(out["branching"]), max_new_tokens, seed,
-                                           cache_size)
+  out["chain_alpha"], out["prompt_ease"] = measure_chain_alphas(
+      template, target_params, draft_params, prompts, len(out["branching"]), max_new_tokens,
+      seed, cache_size)
   return out
 
 
@@ -210,18 +233,25 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   measured on the same prompts, one at a time, with a full tree as deep as the deepest
   tree (``measure_rank_accept``, with the template's sampler: the trees' own draw); with
   trees and no ``prior_alpha``, the chains' rate is measured there too
-  (``measure_chain_alpha``). ``policy_kwargs`` go to ``AdaptiveGamma``."""
+  (``measure_chain_alphas``); with more than one prompt and no ``prompt_ease``, how the
+  chains' rate varies over them is measured too (the policy then prices a batch's steps for
+  the row it waits on). ``policy_kwargs`` go to ``AdaptiveGamma``."""
   trees = tuple(trees)
   costs = measure_step_costs(template, target_params, draft_params, prompts, gammas,
                              max_new_tokens, rounds, trees)
-  if trees:
-    depth = max(t.max_depth for t in trees)
-    if rank_accept is None:
-      rank_accept = measure_rank_accept(template, target_params, draft_params, prompts,
-                                        default_branching(depth), max_new_tokens)["table"]
-    if "prior_alpha" not in policy_kwargs:
-      policy_kwargs["prior_alpha"] = measure_chain_alpha(
-          template, target_params, draft_params, prompts, depth, max_new_tokens)
+  depth = max(t.max_depth for t in trees) if trees else max(int(g) for g in gammas)
+  if trees and rank_accept is None:
+    rank_accept = measure_rank_accept(template, target_params, draft_params, prompts,
+                                      default_branching(depth), max_new_tokens)["table"]
+  need_alpha = bool(trees) and "prior_alpha" not in policy_kwargs
+  need_ease = len(prompts) > 1 and "prompt_ease" not in policy_kwargs
+  if need_alpha or need_ease:
+    alpha, ease = measure_chain_alphas(template, target_params, draft_params, prompts, depth,
+                                       max_new_tokens)
+    if need_alpha:
+      policy_kwargs["prior_alpha"] = alpha
+    if need_ease:
+      policy_kwargs["prompt_ease"] = ease
   return AdaptiveGamma(gammas=tuple(gammas), step_costs=costs[:len(gammas)], trees=trees,
                        tree_costs=costs[len(gammas):], rank_accept=rank_accept,
                        **policy_kwargs)

@@ -498,7 +498,8 @@ class SpeculativeDecoder:
     A policy that never drafts (``plain_only``) runs plain decoding's own loop instead,
     with the same tokens and counters (``stream`` and ``serve`` keep the speculative loop).
     """
-    if self.plain_only and not profile:
+    rows = len(prompts) if hasattr(prompts, "__len__") else 1  # (pack refuses bad prompts)
+    if not profile and self.plain_only(rows):
       return self._generate_plain(target_params, draft_params, prompts, max_new_tokens,
                                   seed=seed, cache_size=cache_size)
     start = time.perf_counter()
@@ -525,12 +526,13 @@ class SpeculativeDecoder:
       result.prefill_seconds = prefill_seconds
     return result
 
-  @property
-  def plain_only(self) -> bool:
-    """Whether ``generate`` decodes plainly: the policy never drafts
-    (``AdaptiveGamma.never_drafts``, e.g. at a batch size where every draft step costs more
-    than it returns), and the target's attention is the plain decoder's."""
-    return (self.policy is not None and self.policy.never_drafts
+  def plain_only(self, batch_size: int = 1) -> bool:
+    """Whether ``generate`` decodes a batch of ``batch_size`` rows plainly: the policy never
+    drafts (``AdaptiveGamma.never_drafts``, e.g. at a batch size where every draft step
+    costs more than it returns; with EOS, which may end rows early, at one row), and the
+    target's attention is the plain decoder's."""
+    return (self.policy is not None
+            and self.policy.never_drafts(batch_size if not self.eos_ids else 1)
             and resolve_impl(self.attention_impl) == resolve_impl("auto"))
 
   def _generate_plain(self, target_params: Params, draft_params: Any,
