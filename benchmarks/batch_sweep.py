@@ -11,7 +11,9 @@ exceeds them), in one process:
 
   1. the step costs: a speculative step at each γ and each tree over a plain decoding
      step, decode loop only (``specjax.speculative.calibration.measure_step_costs``,
-     48 tokens, on the first batch);
+     on the first batch, over ``--new_tokens`` as the timed calls: at batch 8 on an Intel
+     Xeon a 48-token loop priced γ = 1 at 1.40 plain steps, 1.44 over 128 tokens, and that
+     was the difference between a loss and a gain, ``batch_policy_variants.md``);
   2. ``AdaptiveGamma`` over {0} ∪ gammas and the trees with those costs, the trees priced
      by the drafter's per-depth, per-rank acceptance and the chains' rate, and a batch's
      steps by how that rate varies by prompt (``prompt_ease``), measured once per
@@ -78,7 +80,6 @@ DATA = flags.DEFINE_integer("data_parallel", 1, "rows sharded over this many dev
                             "with XLA_FLAGS=--xla_force_host_platform_device_count=N); the "
                             "report then also gives tokens/s per device")
 
-CALIBRATION_TOKENS = 48
 CALIBRATION_PROMPTS = 8  # training-side prompts for the trees' acceptance table
 
 
@@ -175,7 +176,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
   template = _template(target, draft, temp)
   t0 = time.perf_counter()
   costs = measure_step_costs(template, target.params, draft.params, batches[0], (0, *gammas),
-                             CALIBRATION_TOKENS, trees=trees)
+                             NEW.value, trees=trees)
   chain_costs, tree_costs = costs[:len(gammas) + 1], costs[len(gammas) + 1:]
   _log(f"B={batch} T={temp:g}: step costs "
        + ", ".join(f"{n}: {c:.3f}" for n, c in zip(

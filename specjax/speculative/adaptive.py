@@ -32,7 +32,7 @@ deeper drafts pay less at large batches, and plain decoding, which every row
 takes at the same pace, relatively more. The rows' own running estimates are
 not used to find the slowest one: ten steps of evidence each, the least of
 eight is biased low, and scoring it drafted worse
-(``benchmarks/results/batch_policy_slowest_row.md``).
+(``benchmarks/results/batch_policy_variants.md``).
 
 Trees need a price, so a policy with trees takes the drafter's per-depth,
 per-rank acceptance table (``rank_accept``, as ``tree_builders`` defines it and
