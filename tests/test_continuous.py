@@ -103,6 +103,17 @@ def test_every_request_gets_plain_greedy_tokens(models, kind):
   assert np.all(res.finished_at > res.prefilled_at) and np.all(res.prefilled_at >= res.admitted_at)
 
 
+def test_slots_price_a_policys_steps_for_the_rows_mean(models):
+  """Continuous batching drops the policy's slowest-row pricing (no row waits for another);
+  everything else about the decoder stays."""
+  dec, _ = _decoder("model_adaptive", models)
+  spread = dec.with_policy(dataclasses.replace(dec.policy, prompt_ease=(0.5, 1.5)))
+  slots = continuous.slot_decoder(spread)
+  assert slots.policy == dataclasses.replace(spread.policy, prompt_ease=())
+  assert slots.with_policy(spread.policy) == spread
+  assert continuous.slot_decoder(dec) is dec
+
+
 def test_a_long_prompt_prefills_between_the_other_slots_steps(models):
   """A 2-token request decodes for 60 tokens while a 30-token prompt is admitted beside it:
   the other slot takes one step after each of its 8 chunks of 4 tokens but the last; with

@@ -334,6 +334,15 @@ def initial_serve_state(dec: SpeculativeDecoder, target_params: Params, draft_pa
                     admitted_at=zeros(), prefilled_at=zeros(), finished_at=zeros())
 
 
+def slot_decoder(dec: SpeculativeDecoder) -> SpeculativeDecoder:
+  """``dec`` as the slots run it: a policy's steps priced for the rows' mean. A fixed batch
+  waits for its slowest row (``AdaptiveGamma.prompt_ease``); a slot whose request is done
+  takes the next one, so here no row waits for another."""
+  if dec.policy is None or not dec.policy.prompt_ease:
+    return dec
+  return dec.with_policy(dataclasses.replace(dec.policy, prompt_ease=()))
+
+
 def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
           prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
           slots: int, seed: int = 0, cache_size: Optional[int] = None,
@@ -365,6 +374,7 @@ def serve(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
   dec.drafter.check_params(draft_params)
   chunk = validation.as_int(prefill_chunk, "prefill_chunk", 1)
   queue, lens = pack_queue(dec, prompts, max_new_tokens, slots, cache_size)
+  dec = slot_decoder(dec)
   st = initial_serve_state(dec, target_params, draft_params, queue, slots, seed)
   st = serve_loop(dec, target_params, draft_params, queue, st,
                   chunk=min(chunk, queue.tokens.shape[1]), interleave=bool(interleave_prefill))
