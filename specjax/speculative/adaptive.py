@@ -307,8 +307,8 @@ class AdaptiveGamma:
     first: plain decoding scores best at the prior (no evidence yet, ρ̂ = 1), and a plain
     step accepts and rejects nothing, so the counts stay at zero (they only decay), ρ̂ at 1
     and the choice where it was. ``SpeculativeDecoder.generate`` then decodes plainly. (A
-    row that ends early, at EOS, leaves fewer rows to wait on, and fewer price drafts no
-    worse: the decoder then asks at one row.)"""
+    row that ends early, at EOS, leaves fewer rows to wait on, which can only favour
+    drafting: the decoder then asks at one row.)"""
     if not self.plain:
       return False
     return int(self.choose(self.init(batch_size), jnp.ones((batch_size,), bool))) == 0
