@@ -164,7 +164,7 @@ def _pricing(target, draft, temp: float, gammas, trees) -> dict:
 
 
 def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
-             pricing: Optional[dict]) -> dict:
+             pricing: dict) -> dict:
   """One (batch size, temperature) cell: costs, then interleaved timed rounds. With
   ``pricing["rank_accept"]`` (``_pricing``) the policy also chooses the trees."""
   if batch < len(prompts):
