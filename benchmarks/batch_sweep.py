@@ -147,7 +147,7 @@ def _pricing(target, draft, temp: float, gammas, trees) -> dict:
     if prices["table"][0][0] <= 0.0:  # nothing scales the trees' prices (AdaptiveGamma refuses it)
       _log(f"T={temp:g}: no rank-0 draft accepted at depth 1 in calibration; the policy takes "
            "chains only")
-      prices = None
+      prices["table"] = None  # the chains' rate and spread, measured beside it, still price
   if prices is None:
     depth = max(gammas)
     alpha, ease = measure_chain_alphas(template, target.params, draft.params, prompts, depth,

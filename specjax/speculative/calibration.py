@@ -244,7 +244,8 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
     rank_accept = measure_rank_accept(template, target_params, draft_params, prompts,
                                       default_branching(depth), max_new_tokens)["table"]
   need_alpha = bool(trees) and "prior_alpha" not in policy_kwargs
-  need_ease = len(prompts) > 1 and "prompt_ease" not in policy_kwargs
+  # (no chain to measure by: AdaptiveGamma refuses such a set below)
+  need_ease = len(prompts) > 1 and depth >= 1 and "prompt_ease" not in policy_kwargs
   if need_alpha or need_ease:
     alpha, ease = measure_chain_alphas(template, target_params, draft_params, prompts, depth,
                                        max_new_tokens)
