@@ -431,6 +431,11 @@ def test_a_batch_that_waits_for_its_hardest_row_decodes_plainly_only_without_eos
                          prompt_ease=(0.3, 1.7))
   assert not spread.never_drafts(1) and spread.never_drafts(4)
   assert not dataclasses.replace(spread, prompt_ease=()).never_drafts(4)
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+      spread.never_drafts(bad)
+  with pytest.raises(ValueError, match="no prompts given"):  # pack's own error, not the policy's
+    SpeculativeDecoder(cfg, drafter, policy=spread, eos_ids=()).generate(params, dp, [], 4)
   assert SpeculativeDecoder(cfg, drafter, policy=spread, eos_ids=()).plain_only(4)
   with_eos = SpeculativeDecoder(cfg, drafter, policy=spread, eos_ids=(5,))
   assert not with_eos.plain_only(4)
@@ -585,7 +590,9 @@ def test_measured_costs_make_a_policy(models):
   policy = calibrate(template, target[1], dp, PROMPTS[:2], (0, 1), max_new_tokens=8, rounds=1,
                      decay=0.8)
   assert policy.gammas == (0, 1) and policy.decay == 0.8
-  assert len(policy.prompt_ease) == 2  # two prompts: the chains' spread over them, measured
+  assert len(policy.prompt_ease) == 2  # two prompts: the chains' spread over them, measured,
+  assert (policy.prior_alpha, policy.prompt_ease) == measure_chain_alphas(  # around their rate
+      template, target[1], dp, PROMPTS[:2], 1, max_new_tokens=8)
   assert calibrate(template, target[1], dp, PROMPTS[:1], (0, 1), max_new_tokens=8,
                    rounds=1).prompt_ease == ()  # one prompt: no spread
   costs = measure_step_costs(template, target[1], dp, PROMPTS[:2], (0, 1), max_new_tokens=8,

@@ -300,7 +300,7 @@ class AdaptiveGamma:
     """Whether plain decoding (γ = 0) is one of the choices."""
     return bool(self.gammas) and self.gammas[0] == 0
 
-  @functools.lru_cache(maxsize=64)
+  @functools.lru_cache(maxsize=64, typed=True)  # (True is not 1 here)
   def never_drafts(self, batch_size: int = 1) -> bool:
     """Whether every step of this policy is a plain decoding step for a batch of
     ``batch_size`` rows that stay active together to the end, which is known before the
@@ -309,6 +309,8 @@ class AdaptiveGamma:
     and the choice where it was. ``SpeculativeDecoder.generate`` then decodes plainly. (A
     row that ends early, at EOS, leaves fewer rows to wait on, which can only favour
     drafting: the decoder then asks at one row.)"""
+    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+      raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if not self.plain:
       return False
     return int(self.choose(self.init(batch_size), jnp.ones((batch_size,), bool))) == 0

@@ -235,7 +235,8 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   trees and no ``prior_alpha``, the chains' rate is measured there too
   (``measure_chain_alphas``); with more than one prompt and no ``prompt_ease``, how the
   chains' rate varies over them is measured too (the policy then prices a batch's steps for
-  the row it waits on). ``policy_kwargs`` go to ``AdaptiveGamma``."""
+  the row it waits on), and that rate, which the spread is relative to, becomes the prior
+  unless ``prior_alpha`` is given. ``policy_kwargs`` go to ``AdaptiveGamma``."""
   trees = tuple(trees)
   costs = measure_step_costs(template, target_params, draft_params, prompts, gammas,
                              max_new_tokens, rounds, trees)
@@ -249,8 +250,7 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   if need_alpha or need_ease:
     alpha, ease = measure_chain_alphas(template, target_params, draft_params, prompts, depth,
                                        max_new_tokens)
-    if need_alpha:
-      policy_kwargs["prior_alpha"] = alpha
+    policy_kwargs.setdefault("prior_alpha", alpha)
     if need_ease:
       policy_kwargs["prompt_ease"] = ease
   return AdaptiveGamma(gammas=tuple(gammas), step_costs=costs[:len(gammas)], trees=trees,

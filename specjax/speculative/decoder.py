@@ -498,8 +498,8 @@ class SpeculativeDecoder:
     A policy that never drafts (``plain_only``) runs plain decoding's own loop instead,
     with the same tokens and counters (``stream`` and ``serve`` keep the speculative loop).
     """
-    rows = len(prompts) if hasattr(prompts, "__len__") else 1  # (pack refuses bad prompts)
-    if not profile and self.plain_only(rows):
+    rows = len(prompts) if hasattr(prompts, "__len__") else 0
+    if not profile and rows >= 1 and self.plain_only(rows):  # (pack refuses bad prompts)
       return self._generate_plain(target_params, draft_params, prompts, max_new_tokens,
                                   seed=seed, cache_size=cache_size)
     start = time.perf_counter()
