@@ -57,7 +57,8 @@ import specjax
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
-from specjax.speculative.calibration import loop_step_seconds, measure_tree_prices
+from specjax.speculative.calibration import (loop_step_seconds, measure_chain_alphas,
+                                             measure_tree_prices)
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 
@@ -157,21 +158,29 @@ ADAPTIVE = "adaptive"
 
 def adaptive_setting(gammas: Sequence[int], step_costs: Sequence[float],
                      trees: Sequence[tuple] = (), tree_costs: Sequence[float] = (),
-                     rank_accept=None, chain_alpha: Optional[float] = None
-                     ) -> tuple[int, tuple]:
+                     rank_accept=None, chain_alpha: Optional[float] = None,
+                     prompt_ease: Sequence[float] = ()) -> tuple[int, tuple]:
   """The ``(γ, tree)`` setting of an adaptive policy over ``gammas`` with these step costs;
-  with ``trees`` (``SpecRun.tree`` encodings of static or dynamic trees), their costs, the
-  acceptance table that prices them and the chains' rate measured beside it
-  (``AdaptiveGamma.prior_alpha``; None: the policy's default). ``γ`` is the deepest
-  choice's depth."""
+  with ``trees`` (``SpecRun.tree`` encodings of static or dynamic trees), their costs and the
+  acceptance table that prices them; with the chains' rate measured on the calibration
+  prompts (``AdaptiveGamma.prior_alpha``; None: the policy's default) and how it varies over
+  them (``AdaptiveGamma.prompt_ease``, which prices a batch's steps for the row it waits on;
+  empty: for the rows' mean). ``γ`` is the deepest choice's depth.
+
+  A chains-only policy with neither rate nor spread keeps the flat form
+  ``(ADAPTIVE, *gammas, *costs)``; any other, ``(ADAPTIVE, gammas, costs, trees, tree costs,
+  table or None, α_c or None[, ease])``."""
   round4 = lambda xs: tuple(round(float(c), 4) for c in xs)
-  if not trees:
+  if not trees and chain_alpha is None and not prompt_ease:
     return max(gammas), (ADAPTIVE, *(int(g) for g in gammas), *round4(step_costs))
-  table = tuple(round4(row) for row in np.asarray(rank_accept, np.float64))
+  table = (None if rank_accept is None
+           else tuple(round4(row) for row in np.asarray(rank_accept, np.float64)))
   setting = (ADAPTIVE, tuple(int(g) for g in gammas), round4(step_costs),
              tuple(as_tuple(t) for t in trees), round4(tree_costs), table)
-  if chain_alpha is not None:
-    setting += (round(float(chain_alpha), 4),)
+  if chain_alpha is not None or prompt_ease:
+    setting += (None if chain_alpha is None else round(float(chain_alpha), 4),)
+  if prompt_ease:
+    setting += (round4(prompt_ease),)
   return policy_of(setting).max_depth, setting
 
 
@@ -179,23 +188,23 @@ def policy_of(tree: Optional[tuple]) -> Optional[AdaptiveGamma]:
   """The ``AdaptiveGamma`` of an adaptive setting's tree; None for chains and trees."""
   if tree is None or tree[0] != ADAPTIVE:
     return None
-  if isinstance(tree[1], tuple):  # with trees: (ADAPTIVE, γs, costs, trees, costs, table, α_c)
+  if isinstance(tree[1], tuple):  # (ADAPTIVE, γs, costs, trees, costs, table[, α_c[, ease]])
     _, gammas, costs, trees, tree_costs, table = tree[:6]
     chain_alpha = setting_chain_alpha(tree)
     return AdaptiveGamma(gammas=gammas, step_costs=costs,
                          trees=tuple(tree_shape(t, 0) for t in trees), tree_costs=tree_costs,
-                         rank_accept=table, **({} if chain_alpha is None
-                                               else {"prior_alpha": chain_alpha}))
+                         rank_accept=table, prompt_ease=tree[7] if len(tree) > 7 else (),
+                         **({} if chain_alpha is None else {"prior_alpha": chain_alpha}))
   k = (len(tree) - 1) // 2
   return AdaptiveGamma(gammas=tuple(int(g) for g in tree[1:1 + k]), step_costs=tree[1 + k:])
 
 
 def setting_chain_alpha(tree: Optional[tuple]) -> Optional[float]:
-  """α_c, the chains' measured rate, of an adaptive setting with trees; None for any other
-  setting and for records that predate it (their policies priced chains and trees on
+  """α_c, the chains' measured rate, of an adaptive setting that carries it; None for any
+  other setting and for records that predate it (their policies priced chains and trees on
   separate estimates, and load at the default ``prior_alpha``)."""
-  with_trees = tree is not None and tree[0] == ADAPTIVE and isinstance(tree[1], tuple)
-  return tree[6] if with_trees and len(tree) > 6 else None
+  structured = tree is not None and tree[0] == ADAPTIVE and isinstance(tree[1], tuple)
+  return tree[6] if structured and len(tree) > 6 else None
 
 
 def choice_names(policy: AdaptiveGamma) -> list[str]:
@@ -561,6 +570,16 @@ class Bench:
     return measure_tree_prices(template, self.target.params, draft.params, prompts,
                                self.config.calibration_tree, self.config.max_new_tokens,
                                self.config.seed, self.cache_size)
+
+  def chain_rates(self, draft: Draft, temperature: float, prompts: Sequence[Sequence[int]],
+                  gamma: int) -> tuple[float, tuple[float, ...]]:
+    """The chains' rate α_c of ``draft`` and each prompt's own rate over it, decoding
+    ``prompts`` (training-side, never the evaluated ones) one at a time with a chain of
+    ``gamma`` (``calibration.measure_chain_alphas``)."""
+    template = SpeculativeDecoder(self.target.cfg, draft.drafter,
+                                  sampler=make_sampler(temperature), eos_ids=self.eos_ids)
+    return measure_chain_alphas(template, self.target.params, draft.params, prompts, gamma,
+                                self.config.max_new_tokens, self.config.seed, self.cache_size)
 
   def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
                 temperature: float) -> bool:

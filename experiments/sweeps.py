@@ -51,16 +51,26 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
   plain decoding. Its choices are the γ sweep's γs, plus plain decoding (γ = 0) where the
   drafter tolerates skipped steps; its step costs are the ones the γ sweep measured on these
   batches, on this machine (its runs are reused, or measured now), pooled into a
-  non-decreasing fit (``calibration.monotone_costs``)."""
+  non-decreasing fit (``calibration.monotone_costs``). In batches of more than one row it
+  is also given the chains' rate and how it varies by prompt, measured on the training-side
+  calibration prompts (``Bench.chain_rates``), so it prices a batch's steps for the row the
+  batch waits on (``AdaptiveGamma.prompt_ease``); at one row that changes nothing, and the
+  policy starts from its default prior."""
   rows = []
-  gammas = tuple(bench.config.gammas)
+  cfg = bench.config
+  gammas = tuple(cfg.gammas)
   plain = draft.drafter.tolerates_skipped_steps()
   for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc="adaptive γ", unit="T"):
     sweep = bench.spec_many(draft, [(g, None) for g in gammas], t)
     choices = ((0,) if plain else ()) + gammas
     costs = ((1.0,) if plain else ()) + tuple(step_cost(run) for run in sweep)
+    rates = {}
+    if cfg.batch_size > 1:
+      prompts = [bench.target.encode(p) for p in training_prompts(cfg.calibration_prompts)]
+      alpha, ease = bench.chain_rates(draft, t, prompts, max(gammas))
+      rates = dict(chain_alpha=alpha, prompt_ease=ease)
     rows += _rows(bench, "adaptive", draft, t,
-                  [adaptive_setting(choices, monotone_costs(choices, costs))])
+                  [adaptive_setting(choices, monotone_costs(choices, costs), **rates)])
   return rows
 
 
@@ -145,7 +155,8 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
         jobs.append((d, ("dynamic", k, d, n)))
     logging.info("tree sweep (T=%g): %d settings measured together", t, len(jobs))
     rows += _rows(bench, "tree_sweep", draft, t, jobs)
-    policy = _adaptive_over(bench, draft, t, jobs, cal["table"], cal["chain_alpha"])
+    policy = _adaptive_over(bench, draft, t, jobs, cal["table"], cal["chain_alpha"],
+                            cal["prompt_ease"] if cfg.batch_size > 1 else ())
     if policy is not None:
       rows += _rows(bench, "tree_sweep", draft, t, [policy])
   return rows, calibration
@@ -153,11 +164,12 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
 
 def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
                    jobs: Sequence[tuple[int, Optional[tuple]]], table,
-                   chain_alpha: float) -> Optional[tuple]:
+                   chain_alpha: float, prompt_ease: Sequence[float] = ()) -> Optional[tuple]:
   """The adaptive setting whose choices are the sweep's chains and trees (and plain decoding
   where the drafter tolerates skipped steps) at the step costs measured on them, priced by
-  the calibration table and the chains' rate measured beside it; trees deeper than the
-  table are left out (None if no tree is left, or the table accepted no rank-0 draft)."""
+  the calibration table and the chains' rate measured beside it (and, for batches of more
+  than one row, how that rate varies by prompt); trees deeper than the table are left out
+  (None if no tree is left, or the table accepted no rank-0 draft)."""
   table = np.asarray(table)
   if table[0, 0] <= 0.0:  # no rank-0 draft accepted: nothing to scale the prices by
     logging.warning("tree sweep (T=%g): no adaptive row, the calibration accepted no rank-0 "
@@ -173,4 +185,4 @@ def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
   gammas = tuple(g for g, _ in plain + chains)
   costs = monotone_costs(gammas, [c for _, c in plain + chains])
   return adaptive_setting(gammas, costs, [t for t, _ in trees],
-                          [max(c, 1.0) for _, c in trees], table, chain_alpha)
+                          [max(c, 1.0) for _, c in trees], table, chain_alpha, prompt_ease)

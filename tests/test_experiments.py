@@ -738,6 +738,8 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
     np.testing.assert_allclose(policy.rank_accept, table, atol=1e-4)
     assert policy.prior_alpha == pytest.approx(  # chains and trees priced from one ease
         results["tree_calibration"][f"{t:g}"]["chain_alpha"], abs=1e-4)
+    assert policy.prompt_ease == pytest.approx(  # batches of 2: the calibration's spread
+        results["tree_calibration"][f"{t:g}"]["prompt_ease"], abs=1e-4)
     assert r["speedup"] is not None and sum(r["depth_hist"]) == r["target_calls"]
     assert sum(r["choice_steps"]) == r["target_calls"]  # one count per step, per choice
     assert len(r["choice_steps"]) == len(r["choice_estimate"]) == policy.num_choices
@@ -826,11 +828,14 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
           for r in results["runs"]}
   for r in rows:
     assert r["shape"] == "adaptive" and r["speedup"] is not None
-    assert r["tree"][0] == "adaptive" and tuple(r["tree"][1:3]) == (0, 2)  # gammas=(2,)
+    policy = policy_of(as_tuple(r["tree"]))
+    assert r["tree"][0] == "adaptive" and policy.gammas == (0, 2)  # gammas=(2,)
     sweep = runs[("tiny", 2, r["temperature"], None)]
     known = lambda xs: np.median([x for x in xs if x is not None])
     cost = known(sweep["step_seconds"]) / known(sweep["plain_step_seconds"])
-    assert tuple(r["tree"][3:]) == pytest.approx(monotone_costs((0, 2), (1.0, cost)), abs=1e-4)
+    assert policy.step_costs == pytest.approx(monotone_costs((0, 2), (1.0, cost)), abs=1e-4)
+    # batches of 2: priced for the slower row, by the 2 calibration prompts' rates
+    assert len(policy.prompt_ease) == 2 and 0.01 <= policy.prior_alpha <= 0.99
     assert sum(r["depth_hist"]) == r["target_calls"]
     # The chain-only policy's choices have depths of their own: plain at 0, γ = 2 at 2.
     assert r["choice_steps"] == [r["depth_hist"][0], r["depth_hist"][2]]
@@ -852,6 +857,59 @@ def test_adaptive_settings_round_trip_with_and_without_the_chains_rate():
   assert len(old) == 6 and policy_of(old).prior_alpha == 0.5
   assert setting_chain_alpha(setting) == 0.4568 and setting_chain_alpha(old) is None
   assert policy_of(old).rank_accept == policy.rank_accept
+  assert policy.prompt_ease == ()  # priced for the rows' mean
+  # The chains' spread by prompt rides along (batches price for their slowest row), with
+  # trees and without; a chains-only policy without it keeps the flat form.
+  _, spread = adaptive_setting((0, 1), (1.0, 1.1), trees, (1.3,), table, 0.5, (0.81234, 1.2))
+  assert policy_of(as_tuple(json.loads(json.dumps(spread)))).prompt_ease == (0.8123, 1.2)
+  depth, chains = adaptive_setting((0, 1, 2), (1.0, 1.1, 1.2), chain_alpha=0.6,
+                                   prompt_ease=(0.5, 1.5))
+  policy = policy_of(as_tuple(json.loads(json.dumps(chains))))
+  assert depth == 2 and policy.trees == () and policy.rank_accept is None
+  assert policy.prior_alpha == 0.6 and policy.prompt_ease == (0.5, 1.5)
+  assert setting_chain_alpha(chains) == 0.6
+  eta = policy.batch_factors[:2, 2]  # γ = 2 at one row and at two
+  assert eta[0] == pytest.approx(1.0) and eta[1] < 0.99
+  _, flat = adaptive_setting((0, 1), (1.0, 1.1))
+  assert flat == ("adaptive", 0, 1, 1.0, 1.1) and setting_chain_alpha(flat) is None
+
+
+def test_batched_adaptive_rows_price_for_the_slowest_row(monkeypatch):
+  """At batch > 1 the chains-only adaptive row measures the chains' rate and spread on the
+  calibration prompts (as deep as its deepest γ) and its policy carries both; at batch 1 it
+  measures nothing more and keeps the flat setting."""
+  import types
+  from experiments import sweeps
+  settings, asked = [], []
+  monkeypatch.setattr(sweeps, "_rows", lambda bench, name, draft, t, jobs: settings.extend(jobs)
+                      or [])
+  monkeypatch.setattr(sweeps, "step_cost", lambda run: run)
+
+  class Bench:
+    target = types.SimpleNamespace(encode=lambda text: [1, 2, 3])
+
+    def __init__(self, batch_size):
+      self.config = ExperimentConfig(gammas=(1, 3), batch_size=batch_size,
+                                     calibration_prompts=3)
+
+    def spec_many(self, draft, jobs, temperature, timed=True):
+      return [1.1 + 0.1 * g for g, _ in jobs]
+
+    def chain_rates(self, draft, temperature, prompts, gamma):
+      asked.append((temperature, len(prompts), gamma))
+      return 0.6, (0.5, 1.0, 1.5)
+
+  draft = types.SimpleNamespace(name="d", drafter=types.SimpleNamespace(
+      tolerates_skipped_steps=lambda: True))
+  sweeps.adaptive(Bench(4), draft)
+  assert asked == [(0.0, 3, 3), (1.0, 3, 3)]
+  for _, setting in settings:
+    policy = policy_of(setting)
+    assert policy.gammas == (0, 1, 3) and policy.prior_alpha == 0.6
+    assert policy.prompt_ease == (0.5, 1.0, 1.5)
+  asked.clear(), settings.clear()
+  sweeps.adaptive(Bench(1), draft)
+  assert asked == [] and all(isinstance(s[1], int) for _, s in settings)
 
 
 def test_default_run_is_the_papers_tables_and_all_adds_the_tree_sweep():
