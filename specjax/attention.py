@@ -61,6 +61,23 @@ ENV = "SPECJAX_ATTENTION"  # replaces "auto" (see the module docstring)
 _logged: set[tuple[str, str, str]] = set()
 
 
+ACCELERATORS = ("tpu", "gpu", "cuda", "rocm")  # backends whose "auto" is a Pallas kernel
+
+
+def pallas_variant(backend: str, kernel: str) -> str:
+  """The Pallas build of a kernel for ``backend``: "pallas_tpu" or "pallas_gpu".
+
+  Raises:
+    ValueError: on any other backend, naming the ``kernel`` (e.g. "attention").
+  """
+  if backend == "tpu":
+    return "pallas_tpu"
+  if backend in ACCELERATORS:
+    return "pallas_gpu"
+  raise ValueError(f"no Pallas {kernel} kernel for backend {backend!r}; use 'reference' or an "
+                   "'*_interpret' implementation")
+
+
 def resolve_impl(impl: str, backend: str | None = None) -> str:
   """Maps an implementation name to a concrete one (never "auto" or "pallas").
 
@@ -80,7 +97,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
   resolved = impl
   if impl == "auto":
-    if backend in ("tpu", "gpu", "cuda", "rocm"):
+    if backend in ACCELERATORS:
       resolved = "pallas"
     else:
       resolved = "cpu" if backend == "cpu" and cpu_attention.available() else "reference"
@@ -89,13 +106,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
            else f"backend is {backend}, not cpu")
     raise ValueError(f"the 'cpu' attention kernel does not run here ({why}); use 'reference'")
   if resolved == "pallas":
-    if backend == "tpu":
-      resolved = "pallas_tpu"
-    elif backend in ("gpu", "cuda", "rocm"):
-      resolved = "pallas_gpu"
-    else:
-      raise ValueError(f"no Pallas attention kernel for backend {backend!r}; use 'reference' "
-                       "or an '*_interpret' implementation")
+    resolved = pallas_variant(backend, "attention")
   if (impl, resolved, backend) not in _logged:
     _logged.add((impl, resolved, backend))
     logging.info("specjax attention: impl=%r -> %r on %s", impl, resolved, backend)

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sharding
+from specjax.attention import ACCELERATORS, pallas_variant
 from specjax.sampling import sample_from
 from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import finite_probs
@@ -136,15 +137,9 @@ def resolve_greedy_impl(impl: str, backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
   resolved = impl
   if impl == "auto":
-    resolved = "pallas" if backend in ("tpu", "gpu", "cuda", "rocm") else "reference"
+    resolved = "pallas" if backend in ACCELERATORS else "reference"
   if resolved == "pallas":
-    if backend == "tpu":
-      resolved = "pallas_tpu"
-    elif backend in ("gpu", "cuda", "rocm"):
-      resolved = "pallas_gpu"
-    else:
-      raise ValueError(f"no Pallas tree verification kernel for backend {backend!r}; use "
-                       "'reference' or an '*_interpret' implementation")
+    resolved = pallas_variant(backend, "tree verification")
   if (impl, resolved, backend) not in _logged:
     _logged.add((impl, resolved, backend))
     logging.info("specjax greedy tree verification: impl=%r -> %r on %s", impl, resolved,
