@@ -160,7 +160,7 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
   for r in rows:
     if r["category"] == ALL and r["speedup"] is not None:
       settings.setdefault((r["draft"], r["gamma"], r["temperature"],
-                           r["tree"] and tuple(r["tree"])), r)
+                           r["tree"] and as_tuple(r["tree"])), r)
   flagged = [r for r in settings.values() if r["flags"]]
   lines = ["## Checks", "",
            f"A setting is flagged when its verify cost T(γ+1)/T(1) lies outside (0, γ+1] "
@@ -338,6 +338,17 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
         f"{_f(r['speedup_spread'], '{:.0%}')} | {_f(r.get('decode_speedup'), suffix='×')} | "
         + (f"γ = {best['gamma']} ({best['speedup']:.2f}×)" if best else "–")
         + f" | {_f(ratio, '{:.0%}')} | {_check(r)} |")
+  spread = [(r["temperature"], policy_of(as_tuple(r["tree"]))) for r in adaptive]
+  spread = [(t, p) for t, p in sorted(spread, key=lambda x: x[0]) if p.prompt_ease]
+  if spread:
+    lines += ["", "Its batches are priced for the row they wait on: each choice's expected "
+              "tokens are scaled by η(b), the share of the rows' mean that b rows' slowest "
+              "makes, from the chains' rate α_c and each calibration prompt's own (training-"
+              "side prompts, each decoded alone): "
+              + "; ".join(f"T = {t:g}: α_c {p.prior_alpha:.2f}, by prompt "
+                          f"{min(p.prompt_ease) * p.prior_alpha:.2f}–"
+                          f"{max(p.prompt_ease) * p.prior_alpha:.2f}" for t, p in spread)
+              + "."]
   return lines + [""]
 
 

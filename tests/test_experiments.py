@@ -841,7 +841,11 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
     assert r["choice_steps"] == [r["depth_hist"][0], r["depth_hist"][2]]
     if r["temperature"] == 0:
       assert r["greedy_match"] == 1.0
-  assert "## Adaptive γ" in open(os.path.join(out, "tables.md")).read()
+  tables = open(os.path.join(out, "tables.md")).read()
+  assert "## Adaptive γ" in tables and "priced for the row they wait on" in tables
+  from experiments.report import tables_markdown  # the same tables from results.json
+  with open(os.path.join(out, "results.json")) as f:
+    assert tables_markdown(json.load(f)) == tables
 
 
 def test_adaptive_settings_round_trip_with_and_without_the_chains_rate():
