@@ -217,7 +217,9 @@ def tables_markdown(results: dict) -> str:
       "`experiments/phase_timing.py`); verify T(γ+1)/T(1) = "
       "measured speculative step / t₁ − γc (target forward over γ+1 tokens + acceptance and "
       "bookkeeping). Predicted (paper) = (1 − α^{γ+1}) / ((1 − α)(γc + 1)); calibrated "
-      "replaces the 1 in the denominator with the measured verify cost.", ""]
+      "replaces the 1 in the denominator with the measured verify cost and the numerator "
+      "with what batches that wait for their slowest row make (each row at its own α; "
+      "`theory.batched_expected_tokens`; at batch 1, about the same).", ""]
   if any(r["speedup"] is not None for r in rows):
     lines += _flag_section(rows)
   sweep = [r for r in rows if r["experiment"] == "gamma_sweep"]

@@ -18,7 +18,9 @@ Conventions (those of ``specjax.speculative.metrics``):
     prefill), closer to the latter the larger that share;
   * predicted = ``walltime_improvement(α, γ, c)`` (paper Thm 3.8) and
     calibrated = ``calibrated_walltime_improvement`` with the measured verify
-    cost, where c = draft seconds per draft token / t₁ (``Bench.draft_cost``)
+    cost and E[tokens] taken for batches that wait for their slowest row
+    (``theory.batched_expected_tokens`` at each row's own α; at batch 1 within
+    0.3% of E at the pooled α in the committed runs), where c = draft seconds per draft token / t₁ (``Bench.draft_cost``)
     and verify cost T(γ+1)/T(1) = the rest of the measured fused step,
     step/t₁ − γc (target forward over γ+1 tokens, acceptance, bookkeeping);
     step times are medians over the rounds, t₁ from the same rounds.
@@ -59,6 +61,20 @@ def _finite(x: Optional[float]) -> Optional[float]:
 
 # Experiments that measure each draft on the shape it brings (``sweeps.own_setting``).
 OWN_SHAPE_EXPERIMENTS = ("drafts_alpha", "draft_free")
+
+
+def _slowest_row_tokens(run: SpecRun, batches: Sequence[Batch], category: str) -> float:
+  """``theory.batched_expected_tokens`` at the rows' own α (rows that drafted nothing are
+  left out; a batch where none drafted made one token a step: α = 0)."""
+  per_batch = []
+  for i in batch_indices(batches, category):
+    mask = row_mask(batches[i], category)
+    sums, counts = (np.asarray(run.counters[i][k], np.float64)[mask]
+                    for k in ("beta_sum", "beta_count"))
+    drafted = counts > 0
+    per_batch.append(np.minimum(sums[drafted] / counts[drafted], 1.0) if drafted.any()
+                     else np.zeros(1))
+  return theory.batched_expected_tokens(per_batch, run.gamma)
 
 
 def shape_name(tree, gamma: int) -> str:
@@ -127,8 +143,10 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
                predicted_speedup=theory.walltime_improvement(a, g, cc))
     if verify is not None and verify > 0:  # an impossible one is flagged, never printed
       row["verify_cost"] = verify
+      # E at the pooled α, replaced by what batches that wait for their slowest row make
       row["calibrated_speedup"] = theory.calibrated_walltime_improvement(
-          a, g, cc, theory.VerifyCostCurve({1: 1.0, g + 1: verify}))
+          a, g, cc, theory.VerifyCostCurve({1: 1.0, g + 1: verify})) * (
+              _slowest_row_tokens(run, batches, category) / theory.expected_tokens_per_step(a, g))
   tree_costs = own_tree_costs(run)
   if tree_costs is not None and row["tokens_per_call"]:
     # A drafter's own tree (no single α): tokens per call over the step's cost in plain

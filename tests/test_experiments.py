@@ -164,8 +164,27 @@ def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):
       assert any("verify cost" in f for f in r["flags"])
       continue
     assert r["verify_cost"] == pytest.approx(verify)
-    assert r["calibrated_speedup"] == pytest.approx(
-        r["expected_tokens_per_call"] / (r["gamma"] * r["c"] + r["verify_cost"]))
+    # E[tokens] of batches (of 2 here) that wait for their slowest row, between one token a
+    # step and γ + 1 (the test below pins the formula)
+    tokens = r["calibrated_speedup"] * (r["gamma"] * r["c"] + r["verify_cost"])
+    assert 1.0 <= tokens <= r["gamma"] + 1
+
+
+def test_calibrated_predictions_wait_for_each_batchs_slowest_row():
+  """Per batch its rows' own α (padding rows have no counters; a row that drafted nothing
+  is left out), the slowest row's E, harmonic over batches; a category keeps its batches."""
+  import types
+  from experiments import rows
+  from experiments.prompts import Batch
+  batches = [Batch("code", (0, 1), ((1,), (2,)), ("code", "code")),
+             Batch("chat", (2, 3), ((3,), (4,)), ("chat", "chat"))]
+  counters = [dict(beta_sum=np.array([3.0, 9.0]), beta_count=np.array([10.0, 10.0])),
+              dict(beta_sum=np.array([8.0, 0.0]), beta_count=np.array([10.0, 0.0]))]
+  run = types.SimpleNamespace(counters=counters, gamma=2)
+  e = lambda a: theory.expected_tokens_per_step(a, 2)
+  assert rows._slowest_row_tokens(run, batches, "all") == pytest.approx(
+      2 / (1 / e(0.3) + 1 / e(0.8)))
+  assert rows._slowest_row_tokens(run, batches, "chat") == pytest.approx(e(0.8))
 
 
 def test_greedy_speculative_output_equals_plain_greedy(smoke):

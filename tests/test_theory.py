@@ -61,6 +61,25 @@ def test_expected_tokens_vectorised_matches_geometric_sum():
   assert isinstance(theory.expected_tokens_per_step(0.5, 2), float)
 
 
+def test_batched_expected_tokens_waits_for_the_slowest_row_of_each_batch():
+  e = lambda a: theory.expected_tokens_per_step(a, 2)
+  assert theory.batched_expected_tokens([[0.6]], 2) == pytest.approx(e(0.6))
+  # one batch: its slowest row sets the pace, not the rows' mean
+  assert theory.batched_expected_tokens([np.array([0.3, 0.9])], 2) == pytest.approx(e(0.3))
+  # batches run one after another, N tokens a row each: the steps add up (harmonic mean)
+  two = theory.batched_expected_tokens([[0.3, 0.9], [0.8]], 2)
+  assert two == pytest.approx(2 / (1 / e(0.3) + 1 / e(0.8)))
+  assert two < (e(0.3) + e(0.8)) / 2
+  # batch 1: the rows' harmonic mean, near E at the mean rate when the rates are alike
+  assert theory.batched_expected_tokens([[0.5], [0.52]], 3) == pytest.approx(
+      theory.expected_tokens_per_step(0.51, 3), rel=1e-3)
+  for bad in ([], [[]], [[1.2]], [[0.5], []]):
+    with pytest.raises(ValueError):
+      theory.batched_expected_tokens(bad, 2)
+  with pytest.raises(ValueError, match="gamma"):
+    theory.batched_expected_tokens([[0.5]], 0)
+
+
 @pytest.mark.parametrize("c", [0.0, 1e-6, 0.01, 0.02, 0.11, 0.5, 1.0, 2.0])
 def test_optimal_gamma_monotone_in_alpha(c):
   gammas = theory.optimal_gamma(ALPHAS, c, max_gamma=64)
