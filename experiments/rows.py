@@ -20,9 +20,10 @@ Conventions (those of ``specjax.speculative.metrics``):
     calibrated = ``calibrated_walltime_improvement`` with the measured verify
     cost and E[tokens] taken for batches that wait for their slowest row
     (``theory.batched_expected_tokens`` at each row's own α; at batch 1 within
-    0.3% of E at the pooled α in the committed runs), where c = draft seconds per draft token / t₁ (``Bench.draft_cost``)
-    and verify cost T(γ+1)/T(1) = the rest of the measured fused step,
-    step/t₁ − γc (target forward over γ+1 tokens, acceptance, bookkeeping);
+    0.3% of E at the pooled α in the committed runs), where c = draft seconds
+    per draft token / t₁ (``Bench.draft_cost``) and verify cost T(γ+1)/T(1)
+    = the rest of the measured fused step, step/t₁ − γc (target forward over
+    γ+1 tokens, acceptance, bookkeeping);
     step times are medians over the rounds, t₁ from the same rounds.
 """
 
@@ -144,9 +145,10 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
     if verify is not None and verify > 0:  # an impossible one is flagged, never printed
       row["verify_cost"] = verify
       # E at the pooled α, replaced by what batches that wait for their slowest row make
+      slowest = _slowest_row_tokens(run, batches, category)
       row["calibrated_speedup"] = theory.calibrated_walltime_improvement(
           a, g, cc, theory.VerifyCostCurve({1: 1.0, g + 1: verify})) * (
-              _slowest_row_tokens(run, batches, category) / theory.expected_tokens_per_step(a, g))
+              slowest / theory.expected_tokens_per_step(a, g))
   tree_costs = own_tree_costs(run)
   if tree_costs is not None and row["tokens_per_call"]:
     # A drafter's own tree (no single α): tokens per call over the step's cost in plain
