@@ -64,18 +64,23 @@ def _finite(x: Optional[float]) -> Optional[float]:
 OWN_SHAPE_EXPERIMENTS = ("drafts_alpha", "draft_free")
 
 
-def _slowest_row_tokens(run: SpecRun, batches: Sequence[Batch], category: str) -> float:
-  """``theory.batched_expected_tokens`` at the rows' own α (rows that drafted nothing are
-  left out; a batch where none drafted made one token a step: α = 0)."""
-  per_batch = []
+def _per_row(run: SpecRun, batches: Sequence[Batch], category: str, numerator: str,
+             denominator: str) -> list[np.ndarray]:
+  """Per batch of ``category``, its rows' counter ratio (rows whose denominator is 0 are
+  left out; a batch where every row's is: [0])."""
+  out = []
   for i in batch_indices(batches, category):
     mask = row_mask(batches[i], category)
-    sums, counts = (np.asarray(run.counters[i][k], np.float64)[mask]
-                    for k in ("beta_sum", "beta_count"))
-    drafted = counts > 0
-    per_batch.append(np.minimum(sums[drafted] / counts[drafted], 1.0) if drafted.any()
-                     else np.zeros(1))
-  return theory.batched_expected_tokens(per_batch, run.gamma)
+    num, den = (np.asarray(run.counters[i][k], np.float64)[mask] for k in (numerator, denominator))
+    out.append(num[den > 0] / den[den > 0] if (den > 0).any() else np.zeros(1))
+  return out
+
+
+def _slowest_row_tokens(run: SpecRun, batches: Sequence[Batch], category: str) -> float:
+  """``theory.batched_expected_tokens`` at the rows' own α (a batch where no row drafted made
+  one token a step: α = 0)."""
+  alphas = _per_row(run, batches, category, "beta_sum", "beta_count")
+  return theory.batched_expected_tokens([np.minimum(a, 1.0) for a in alphas], run.gamma)
 
 
 def shape_name(tree, gamma: int) -> str:
@@ -151,11 +156,13 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
               slowest / theory.expected_tokens_per_step(a, g))
   tree_costs = own_tree_costs(run)
   if tree_costs is not None and row["tokens_per_call"]:
-    # A drafter's own tree (no single α): tokens per call over the step's cost in plain
-    # steps, from the phase timings taken on that tree (draft + verify).
+    # A drafter's own tree (no single α): tokens per call (each batch's slowest row's,
+    # harmonic over batches) over the step's cost in plain steps, from the phase timings
+    # taken on that tree (draft + verify).
     verify_tree, draft_tree = tree_costs
-    row.update(verify_cost=verify_tree,
-               calibrated_speedup=row["tokens_per_call"] / (verify_tree + draft_tree))
+    calls = _per_row(run, batches, category, "emitted", "target_calls")
+    row.update(verify_cost=verify_tree, calibrated_speedup=theory.slowest_row_tokens(
+        [np.maximum(c, 1.0) for c in calls]) / (verify_tree + draft_tree))
   if run.temperature == 0:
     same = [run.generated[i][r] == run.plain_generated[i][r]
             for i in sel for r in range(batches[i].num_real)]

@@ -93,13 +93,34 @@ def expected_tokens_per_step(alpha: ArrayLike, gamma: ArrayLike) -> ArrayLike:
   return _as_result(_expected_tokens(_check_alpha(alpha), _check_gamma(gamma)))
 
 
-def batched_expected_tokens(batch_alphas: Sequence[ArrayLike], gamma: int) -> float:
+def slowest_row_tokens(batch_tokens: Sequence[ArrayLike]) -> float:
   """Tokens per step of a run over batches that each decode until their slowest row is done.
 
-  A batch shares its steps, so with N tokens a row it takes about N / min_r E(α_r) steps
-  (E = ``expected_tokens_per_step`` at each row's own rate α_r); over several batches of N
-  tokens a row the run makes, per step, the harmonic mean over batches of min_r E(α_r). At
-  one row a batch that is the harmonic mean of the rows' E, close to E at the pooled rate
+  A batch shares its steps, so with N tokens a row it takes about N / min_r E_r steps (E_r a
+  row's tokens per step); over several batches of N tokens a row the run makes, per step,
+  the harmonic mean over batches of min_r E_r.
+
+  Args:
+    batch_tokens: per batch, its rows' tokens per step, each >= 1 (a non-empty array each).
+
+  Returns:
+    The tokens per step.
+
+  Raises:
+    ValueError: no batch, an empty batch, or a rate below one token a step (or NaN).
+  """
+  if len(batch_tokens) == 0 or any(np.size(t) == 0 for t in batch_tokens):
+    raise ValueError("batch_tokens must hold at least one batch, each with at least one row")
+  slowest = [float(np.min(np.asarray(t, np.float64))) for t in batch_tokens]
+  if not all(e >= 1.0 for e in slowest):  # also rejects NaN
+    raise ValueError(f"every row makes at least one token a step, got {batch_tokens!r}")
+  return len(slowest) / sum(1.0 / e for e in slowest)
+
+
+def batched_expected_tokens(batch_alphas: Sequence[ArrayLike], gamma: int) -> float:
+  """``slowest_row_tokens`` with each row's E = ``expected_tokens_per_step`` at its own rate.
+
+  At one row a batch that is the harmonic mean of the rows' E, close to E at the pooled rate
   when the rates are alike; at batch 4 on the Intel Xeon (rows' α 0.38–0.85) E at the pooled
   rate over-predicted the measured speedup by 7–17%, this by 2–5%.
 
@@ -107,17 +128,11 @@ def batched_expected_tokens(batch_alphas: Sequence[ArrayLike], gamma: int) -> fl
     batch_alphas: per batch, its rows' acceptance rates in [0, 1] (a non-empty array each).
     gamma: integer number of draft tokens, >= 1.
 
-  Returns:
-    The expected tokens per step.
-
   Raises:
     ValueError: no batch, an empty batch, or out-of-range rates.
   """
   g = _check_gamma(gamma)
-  if len(batch_alphas) == 0 or any(np.size(a) == 0 for a in batch_alphas):
-    raise ValueError("batch_alphas must hold at least one batch, each with at least one row")
-  slowest = [float(np.min(_expected_tokens(_check_alpha(a), g))) for a in batch_alphas]
-  return len(slowest) / sum(1.0 / e for e in slowest)
+  return slowest_row_tokens([_expected_tokens(_check_alpha(a), g) for a in batch_alphas])
 
 
 def walltime_improvement(alpha: ArrayLike, gamma: ArrayLike, c: ArrayLike) -> ArrayLike:

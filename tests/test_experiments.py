@@ -185,6 +185,12 @@ def test_calibrated_predictions_wait_for_each_batchs_slowest_row():
   assert rows._slowest_row_tokens(run, batches, "all") == pytest.approx(
       2 / (1 / e(0.3) + 1 / e(0.8)))
   assert rows._slowest_row_tokens(run, batches, "chat") == pytest.approx(e(0.8))
+  # a tree's rows by their measured tokens per call (emitted / target calls)
+  for c, emitted, calls in zip(counters, ([30.0, 20.0], [0.0, 0.0]), ([10.0, 10.0], [0.0, 0.0])):
+    c.update(emitted=np.array(emitted), target_calls=np.array(calls))
+  per_row = rows._per_row(run, batches, "all", "emitted", "target_calls")
+  np.testing.assert_allclose(per_row[0], [3.0, 2.0])
+  np.testing.assert_allclose(per_row[1], [0.0])  # no row called the target
 
 
 def test_greedy_speculative_output_equals_plain_greedy(smoke):

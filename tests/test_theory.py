@@ -78,6 +78,11 @@ def test_batched_expected_tokens_waits_for_the_slowest_row_of_each_batch():
       theory.batched_expected_tokens(bad, 2)
   with pytest.raises(ValueError, match="gamma"):
     theory.batched_expected_tokens([[0.5]], 0)
+  # measured tokens per step (a tree, no single α): the same rule
+  assert theory.slowest_row_tokens([[1.5, 2.5], [2.0]]) == pytest.approx(2 / (1 / 1.5 + 1 / 2))
+  for bad in ([], [[]], [[0.5]], [[float("nan")]]):
+    with pytest.raises(ValueError):
+      theory.slowest_row_tokens(bad)
 
 
 @pytest.mark.parametrize("c", [0.0, 1e-6, 0.01, 0.02, 0.11, 0.5, 1.0, 2.0])
