@@ -565,21 +565,20 @@ class Bench:
     time with ``config.calibration_tree``, then with a chain as deep
     (``calibration.measure_tree_prices``): the table, its counts and ``chain_alpha``.
     """
-    template = SpeculativeDecoder(self.target.cfg, draft.drafter,
-                                  sampler=make_sampler(temperature), eos_ids=self.eos_ids)
-    return measure_tree_prices(template, self.target.params, draft.params, prompts,
-                               self.config.calibration_tree, self.config.max_new_tokens,
-                               self.config.seed, self.cache_size)
+    # (the template's chain is replaced by the calibration tree; block verification by
+    # token-wise, as trees verify)
+    return measure_tree_prices(self.decoder(draft, 1, temperature), self.target.params,
+                               draft.params, prompts, self.config.calibration_tree,
+                               self.config.max_new_tokens, self.config.seed, self.cache_size)
 
   def chain_rates(self, draft: Draft, temperature: float, prompts: Sequence[Sequence[int]],
                   gamma: int) -> tuple[float, tuple[float, ...]]:
     """The chains' rate α_c of ``draft`` and each prompt's own rate over it, decoding
     ``prompts`` (training-side, never the evaluated ones) one at a time with a chain of
     ``gamma`` (``calibration.measure_chain_alphas``)."""
-    template = SpeculativeDecoder(self.target.cfg, draft.drafter,
-                                  sampler=make_sampler(temperature), eos_ids=self.eos_ids)
-    return measure_chain_alphas(template, self.target.params, draft.params, prompts, gamma,
-                                self.config.max_new_tokens, self.config.seed, self.cache_size)
+    return measure_chain_alphas(self.decoder(draft, gamma, temperature), self.target.params,
+                                draft.params, prompts, gamma, self.config.max_new_tokens,
+                                self.config.seed, self.cache_size)
 
   def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
                 temperature: float) -> bool:

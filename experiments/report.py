@@ -340,8 +340,8 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
         f"{_f(r['speedup_spread'], '{:.0%}')} | {_f(r.get('decode_speedup'), suffix='×')} | "
         + (f"γ = {best['gamma']} ({best['speedup']:.2f}×)" if best else "–")
         + f" | {_f(ratio, '{:.0%}')} | {_check(r)} |")
-  spread = [(r["temperature"], policy_of(as_tuple(r["tree"]))) for r in adaptive]
-  spread = [(t, p) for t, p in sorted(spread, key=lambda x: x[0]) if p.prompt_ease]
+  spread = [(r["temperature"], policy) for r in sorted(adaptive, key=lambda r: r["temperature"])
+            if (policy := policy_of(as_tuple(r["tree"]))).prompt_ease]
   if spread:
     lines += ["", "Its batches are priced for the row they wait on: each choice's expected "
               "tokens are scaled by η(b), the share of the rows' mean that b rows' slowest "

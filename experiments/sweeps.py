@@ -66,12 +66,16 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
     costs = ((1.0,) if plain else ()) + tuple(step_cost(run) for run in sweep)
     rates = {}
     if cfg.batch_size > 1:
-      prompts = [bench.target.encode(p) for p in training_prompts(cfg.calibration_prompts)]
-      alpha, ease = bench.chain_rates(draft, t, prompts, max(gammas))
+      alpha, ease = bench.chain_rates(draft, t, _calibration_prompts(bench), max(gammas))
       rates = dict(chain_alpha=alpha, prompt_ease=ease)
     rows += _rows(bench, "adaptive", draft, t,
                   [adaptive_setting(choices, monotone_costs(choices, costs), **rates)])
   return rows
+
+
+def _calibration_prompts(bench: Bench) -> list[list[int]]:
+  """The training-side prompts that calibrate the policies (never the evaluated ones)."""
+  return [bench.target.encode(t) for t in training_prompts(bench.config.calibration_prompts)]
 
 
 def best_gamma(rows: Sequence[dict], fallback: int) -> int:
@@ -139,7 +143,7 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
   cfg = bench.config
   if not draft.drafter.supports(TreeTopology((-1, -1))):
     return [], {}
-  cal_prompts = [bench.target.encode(t) for t in training_prompts(cfg.calibration_prompts)]
+  cal_prompts = _calibration_prompts(bench)
   rows, calibration = [], {}
   for t in SWEEP_TEMPERATURES:
     cal = bench.calibrate(draft, t, cal_prompts)
