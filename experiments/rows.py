@@ -76,7 +76,7 @@ def _per_row(run: SpecRun, batches: Sequence[Batch], category: str, numerator: s
   return out
 
 
-def _slowest_row_tokens(run: SpecRun, batches: Sequence[Batch], category: str) -> float:
+def slowest_row_tokens(run: SpecRun, batches: Sequence[Batch], category: str) -> float:
   """``theory.batched_expected_tokens`` at the rows' own α (a batch where no row drafted made
   one token a step: α = 0)."""
   alphas = _per_row(run, batches, category, "beta_sum", "beta_count")
@@ -150,7 +150,7 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
     if verify is not None and verify > 0:  # an impossible one is flagged, never printed
       row["verify_cost"] = verify
       # E at the pooled α, replaced by what batches that wait for their slowest row make
-      slowest = _slowest_row_tokens(run, batches, category)
+      slowest = slowest_row_tokens(run, batches, category)
       row["calibrated_speedup"] = theory.calibrated_walltime_improvement(
           a, g, cc, theory.VerifyCostCurve({1: 1.0, g + 1: verify})) * (
               slowest / theory.expected_tokens_per_step(a, g))

@@ -182,9 +182,9 @@ def test_calibrated_predictions_wait_for_each_batchs_slowest_row():
               dict(beta_sum=np.array([8.0, 0.0]), beta_count=np.array([10.0, 0.0]))]
   run = types.SimpleNamespace(counters=counters, gamma=2)
   e = lambda a: theory.expected_tokens_per_step(a, 2)
-  assert rows._slowest_row_tokens(run, batches, "all") == pytest.approx(
+  assert rows.slowest_row_tokens(run, batches, "all") == pytest.approx(
       2 / (1 / e(0.3) + 1 / e(0.8)))
-  assert rows._slowest_row_tokens(run, batches, "chat") == pytest.approx(e(0.8))
+  assert rows.slowest_row_tokens(run, batches, "chat") == pytest.approx(e(0.8))
   # a tree's rows by their measured tokens per call (emitted / target calls)
   for c, emitted, calls in zip(counters, ([30.0, 20.0], [0.0, 0.0]), ([10.0, 10.0], [0.0, 0.0])):
     c.update(emitted=np.array(emitted), target_calls=np.array(calls))
@@ -946,6 +946,27 @@ def test_default_run_is_the_papers_tables_and_all_adds_the_tree_sweep():
   assert parse_experiments("default") == DEFAULT_EXPERIMENTS == ExperimentConfig().experiments
   assert "tree_sweep" not in DEFAULT_EXPERIMENTS and "adaptive" in DEFAULT_EXPERIMENTS
   assert parse_experiments("all") == EXPERIMENTS and "tree_sweep" in EXPERIMENTS
+
+
+def test_calibrated_batches_benchmark_rereads_a_committed_run(tmp_path, benchmark_module):
+  """benchmarks.calibrated_batches prices every timed chain setting of a committed batch-4
+  run both ways: the slowest-row prediction is the experiments' own column (rows), below the
+  pooled-α one where the rows' α spread; a directory without a log is refused."""
+  bench = benchmark_module("calibrated_batches")
+  directory = "experiments/results/intel_xeon_batch4_adaptive"
+  config, runs = bench._runs(directory)
+  assert config["batch_size"] == 4 and sorted(r.gamma for r in runs) == [1, 1, 2, 2]
+  with open(os.path.join(directory, "results.json")) as f:
+    calibrated = {(r["gamma"], r["temperature"]): r["calibrated_speedup"]
+                  for r in json.load(f)["rows"]
+                  if r["experiment"] == "gamma_sweep" and r["category"] == "all"}
+  for run in runs:
+    row = bench._row(run)
+    pooled, slowest = (float(cell.strip("*").split("×")[0]) for cell in row[-2:])
+    assert slowest == pytest.approx(calibrated[(run.gamma, run.temperature)], abs=1e-3)
+    assert slowest < pooled
+  with pytest.raises(SystemExit, match="no progress.jsonl"):
+    bench._runs(str(tmp_path))
 
 
 def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_choices(
