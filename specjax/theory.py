@@ -122,7 +122,8 @@ def batched_expected_tokens(batch_alphas: Sequence[ArrayLike], gamma: int) -> fl
 
   At one row a batch that is the harmonic mean of the rows' E, close to E at the pooled rate
   when the rates are alike; at batch 4 on the Intel Xeon (rows' α 0.38–0.85) E at the pooled
-  rate over-predicted the measured speedup by 7–17%, this by 2–5%.
+  rate over-predicted the measured speedup by 7–18%, this by 2–4%
+  (``benchmarks/results/calibrated_batches.md``).
 
   Args:
     batch_alphas: per batch, its rows' acceptance rates in [0, 1] (a non-empty array each).
