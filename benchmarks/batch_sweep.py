@@ -327,6 +327,14 @@ def main(_):
   if unserved:
     raise app.UsageError(f"draft {DRAFT.value!r} cannot build the trees {unserved}: "
                          "pass --trees= (empty) for chains only")
+  todo = {temp: [b for b in batches if (b, temp) not in done] for temp in temps}
+  for temp, left in todo.items():
+    if len(left) < len(batches):
+      _log(f"T={temp:g}: B={[b for b in batches if b not in left]} done before, kept")
+  # Calibration decodes each prompt alone (batch 1, which no data axis > 1 divides), so it
+  # runs first, on one device: the acceptance it measures does not depend on the mesh.
+  start = time.perf_counter()
+  pricing = {temp: _pricing(target, draft, temp, gammas, trees) for temp in temps if todo[temp]}
   with contextlib.ExitStack() as stack:
     if mesh is not None:
       stack.enter_context(sharding.use_mesh(mesh))
@@ -334,19 +342,18 @@ def main(_):
                                                                          target.cfg, mesh))
       draft = dataclasses.replace(draft, params=sharding.shard_params(
           draft.params, target.cfg, mesh, drafter=draft.drafter))
-    _sweep(cells, store, done, target, draft, batches, temps, gammas, trees)
+    _sweep(cells, store, todo, pricing, target, draft, batches, temps, gammas, trees, start)
 
 
-def _sweep(cells, store, done, target, draft, batches, temps, gammas, trees):
+def _sweep(cells, store, todo, pricing, target, draft, batches, temps, gammas, trees,
+           start: float):
+  """Measures the cells ``todo`` lists ({temperature: batch sizes}) with each temperature's
+  ``pricing``, saving the store after each, then writes the report and its figure (with the
+  minutes since ``start``)."""
   prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
-  start = time.perf_counter()
   for temp in temps:
-    todo = [b for b in batches if (b, temp) not in done]
-    if len(todo) < len(batches):
-      _log(f"T={temp:g}: B={[b for b in batches if b not in todo]} done before, kept")
-    pricing = _pricing(target, draft, temp, gammas, trees) if todo else None
-    for batch in todo:
-      cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees, pricing))
+    for batch in todo[temp]:
+      cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees, pricing[temp]))
       files.write_text(store, json.dumps(cells, indent=1))
   cells = [c for c in cells if c["batch"] in batches and c["temperature"] in temps]
   command = " ".join(["python -m benchmarks.batch_sweep", *sys.argv[1:]])

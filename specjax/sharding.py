@@ -162,7 +162,8 @@ def spec_for(shape: tuple[int, ...], logical: Sequence[Optional[str]], mesh_shap
     size = mesh_shape.get(axis, 1) if axis else 1
     units = _units(name, dim, cfg)
     if size > 1 and units % size:
-      unit = {"kv_heads": "kv heads", "ffn": "ffn features", "batch": "rows"}.get(name, "entries")
+      unit = {"kv_heads": "kv heads", "ffn": "ffn features", "batch": "rows",
+              "vocab": "vocabulary rows"}.get(name, "entries")
       if rules.indivisible == "error" or name == "batch":
         raise ValueError(f"{what or 'an array'}: the {axis!r} mesh axis ({size}) does not divide "
                          f"its {units} {unit} (logical axis {name!r}); choose a mesh axis that "

@@ -4,13 +4,18 @@
       [--model=tiny|smollm2] [--meshes=1x8,2x4,4x2,8x1] [--check=decode|train] [--out=FILE.json]
 
 (tests/test_sharding.py starts it with those flags; it is not collected by pytest.) For
-each mesh: plain greedy decoding, a greedy chain (EAGLE drafter), a greedy tree (Medusa
-heads' own tree) and sampled plain and chain decoding with a fixed seed, each compared
-token for token with the same call on one device, and continuous batching (``serve``) of
-12 requests over the 8 slots; and the shapes of every all-gather in
-the compiled plain and chain decode loops and the continuous-batching loop (admission and
-prefill chunks included), to show no whole weight matrix is gathered.
-``--check=train``: a few distillation steps on each mesh against one device.
+each mesh, each compared token for token with the same call on one device: plain greedy
+and sampled decoding; greedy and sampled chains (EAGLE drafter, sharded like the target)
+and a greedy chain with the EAGLE drafter replicated beside the tensor-parallel target;
+greedy chains of every other drafter family (a separate draft model, the early exits
+training-free and trained with their adapter, sharing the target's cache, prompt lookup,
+n-grams, Jacobi) and lookahead's tree; greedy and sampled trees (Medusa heads' own static
+tree) and an EAGLE-2 dynamic tree; continuous batching (``serve``) of 12 requests over
+the 8 slots. And the shapes of every all-gather in the compiled plain, chain, tree and
+continuous-batching loops (admission and prefill chunks included), to show no whole weight
+matrix is gathered.
+``--check=train``: a few distillation steps of a token draft, an EAGLE-3 drafter and Medusa
+heads on each mesh against one device.
 Prints (and writes) one JSON object.
 """
 
@@ -29,6 +34,7 @@ import numpy as np  # noqa: E402
 
 from specjax import sharding, testing  # noqa: E402
 from specjax.attention import attention  # noqa: E402
+from specjax.drafters import JacobiDrafter, LookaheadDrafter, ModelDrafter  # noqa: E402
 from specjax.generate import _decode, _prefill, generate  # noqa: E402
 from specjax.sampling import Greedy, Sampling  # noqa: E402
 from specjax.speculative import SpeculativeDecoder, serve  # noqa: E402
@@ -40,6 +46,8 @@ from specjax.speculative.continuous import (initial_serve_state, pack_queue,  # 
 
 BATCH = 8
 NEW_TOKENS = 12
+# Drafter families built by testing.make_drafter besides EAGLE and Medusa.
+OTHER_DRAFTERS = ("early_exit", "adapter_exit", "prompt_lookup", "bigram")
 _GATHER = re.compile(r"= (.*?) all-gather(?:-start)?\(")  # the result's shape(s)
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 
@@ -74,6 +82,24 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
   prompts = _prompts(min(cfg.vocab_size, 2000))
   eagle, eagle_params = testing.make_drafter("eagle", cfg, params, [])
   medusa, medusa_params = testing.make_drafter("medusa", cfg, params, [])
+  drafters = {"eagle": eagle, "medusa": medusa}
+  drafts = {"eagle": eagle_params, "medusa": medusa_params}
+  for kind in OTHER_DRAFTERS:
+    drafters[kind], drafts[kind] = testing.make_drafter(kind, cfg, params, prompts)
+  # A separate draft model: one layer, the target's vocabulary (8 kv heads split on every
+  # model axis of the tiny target's meshes).
+  small_cfg, small = testing.tiny_model(seed=5, dim=32, num_heads=8, num_kv_heads=8, ffn_dim=32,
+                                        num_layers=1, vocab_size=cfg.vocab_size)
+  drafters["model"] = ModelDrafter(small_cfg)
+  drafts["model"] = drafters["model"].make_params(small)
+  drafters["jacobi"], drafts["jacobi"] = JacobiDrafter(cfg.vocab_size), ()
+  lookahead = LookaheadDrafter(cfg.vocab_size, window=3, ngram=3, guesses=2)
+  drafters["lookahead"], drafts["lookahead"] = lookahead, ()
+
+  def chain(kind, gamma=3):
+    return lambda t, d: SpeculativeDecoder(cfg, drafters[kind], gamma=gamma, eos_ids=()).generate(
+        t, d[kind], prompts, NEW_TOKENS).tokens
+
   cases = {
       "plain_greedy": lambda t, d: generate(t, cfg, prompts, NEW_TOKENS, eos_ids=()).tokens,
       "plain_sampled": lambda t, d: generate(t, cfg, prompts, NEW_TOKENS, Sampling(1.0),
@@ -85,29 +111,50 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
               t, d["eagle"], prompts, NEW_TOKENS, seed=3).tokens,
       "tree_greedy": lambda t, d: SpeculativeDecoder(cfg, medusa, eos_ids=()).generate(
           t, d["medusa"], prompts, NEW_TOKENS).tokens,
+      "tree_sampled": lambda t, d: SpeculativeDecoder(
+          cfg, medusa, sampler=Sampling(1.0), eos_ids=()).generate(
+              t, d["medusa"], prompts, NEW_TOKENS, seed=3).tokens,
+      "dynamic_tree_greedy": lambda t, d: SpeculativeDecoder(
+          cfg, eagle, tree=DynamicTree(top_k=2, depth=3, num_nodes=5), eos_ids=()).generate(
+              t, d["eagle"], prompts, NEW_TOKENS).tokens,
+      # The EAGLE drafter replicated on every device beside the tensor-parallel target.
+      "chain_replicated_drafter_greedy": lambda t, d: SpeculativeDecoder(
+          cfg, eagle, gamma=3, eos_ids=()).generate(
+              t, d["eagle_replicated"], prompts, NEW_TOKENS).tokens,
+      **{f"{kind}_chain_greedy": chain(kind, 1 if kind == "jacobi" else 3)
+         for kind in ("model", "jacobi") + OTHER_DRAFTERS},
+      "lookahead_greedy": lambda t, d: SpeculativeDecoder(cfg, lookahead, eos_ids=()).generate(
+          t, d["lookahead"], prompts, NEW_TOKENS).tokens,  # its default tree
       # Continuous batching: 12 requests of different budgets through the 8 slots.
       "continuous_greedy": lambda t, d: serve(
           SpeculativeDecoder(cfg, eagle, gamma=3, eos_ids=()), t, d["eagle"],
           prompts + prompts[:4], [NEW_TOKENS - i % 5 for i in range(BATCH + 4)],
           slots=BATCH).tokens,
   }
-  drafts = {"eagle": eagle_params, "medusa": medusa_params}
-  drafters = {"eagle": eagle, "medusa": medusa}
-  single = {name: np.asarray(f(params, drafts)) for name, f in cases.items()}
+  single = {name: np.asarray(f(params, dict(drafts, eagle_replicated=eagle_params)))
+            for name, f in cases.items()}
   kernels_single = {impl: np.asarray(_attend(impl)(*_attention_operands()))
                     for impl in ATTENTION_KERNELS}
   verify_single = [np.asarray(x) for x in _verify("reference")(*_tree_verify_operands())]
   weights = _weight_shapes(sharding.shard_params(params, cfg, sharding.make_mesh(1, 1))) | (
-      _weight_shapes(eagle.plain_params(eagle_params)))
+      _weight_shapes(eagle.plain_params(eagle_params))) | _weight_shapes(
+          medusa.plain_params(medusa_params))
   report = {"model": model, "devices": len(jax.devices()), "meshes": {}}
   for data, model_axis in meshes:
     mesh = sharding.make_mesh(data, model_axis)
     with sharding.use_mesh(mesh, rules):
       t = sharding.shard_params(params, cfg, mesh, rules)
-      d = {k: sharding.shard_params(v, cfg, mesh, rules, drafter=drafters[k])
+      d = {k: sharding.shard_params(v, small_cfg if k == "model" else cfg, mesh, rules,
+                                    drafter=drafters[k])
            for k, v in drafts.items()}
+      d["eagle_replicated"] = sharding.shard_params(eagle_params, cfg, mesh,
+                                                    sharding.REPLICATED, drafter=eagle)
       result = {name: bool(np.array_equal(np.asarray(f(t, d)), single[name]))
                 for name, f in cases.items()}
+      if data > 1:  # a batch the data axis does not divide: refused before compiling
+        odd = (prompts * 2)[:data + 1]
+        result["odd_batch_refused"] = _refused(lambda: generate(t, cfg, odd, 4)) and _refused(
+            lambda: SpeculativeDecoder(cfg, eagle, gamma=3).generate(t, d["eagle"], odd, 4))
       # What the compiled loops gather: the plain decode loop and the chain's.
       toks = np.zeros((BATCH, 32), np.int32)
       lens = np.full((BATCH,), 4, np.int32)
@@ -117,13 +164,18 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
       dec = SpeculativeDecoder(cfg, eagle, gamma=3, eos_ids=())
       spec_state, _ = dec.prepare(t, d["eagle"], [[1, 2, 3, 4]] * BATCH, 8, cache_size=32)
       chain_hlo = SpeculativeDecoder.run.lower(dec, t, d["eagle"], spec_state).compile().as_text()
+      # and a tree's (Medusa's static tree)
+      tree_dec = SpeculativeDecoder(cfg, medusa, eos_ids=())
+      tree_state, _ = tree_dec.prepare(t, d["medusa"], [[1, 2, 3, 4]] * BATCH, 8, cache_size=32)
+      tree_hlo = SpeculativeDecoder.run.lower(tree_dec, t, d["medusa"],
+                                              tree_state).compile().as_text()
       # and the continuous-batching loop, admission and chunked prefill included
       queue, _ = pack_queue(dec, [[1, 2, 3, 4, 5]] * (BATCH + 2), 8, BATCH)
       serve_state = initial_serve_state(dec, t, d["eagle"], queue, BATCH)
       serve_hlo = serve_loop.lower(dec, t, d["eagle"], queue, serve_state,
                                    chunk=4).compile().as_text()
       gathered = sorted(set().union(*(_gathered_shapes(h)
-                                      for h in (plain_hlo, chain_hlo, serve_hlo))))
+                                      for h in (plain_hlo, chain_hlo, tree_hlo, serve_hlo))))
       result["all_gather_shapes"] = [list(s) for s in gathered]
       result["whole_weights_gathered"] = [list(s) for s in gathered if s in weights]
       result["params_sharded"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(t)})
@@ -132,6 +184,15 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
     report["meshes"][f"{data}x{model_axis}"] = result
   report["detector_control"] = _control(cfg, params, rules)
   return report
+
+
+def _refused(call) -> bool:
+  """Whether ``call`` raises the mesh's "does not divide its N rows" error."""
+  try:
+    call()
+  except ValueError as e:
+    return "does not divide" in str(e)
+  return False
 
 
 ATTENTION_KERNELS = ("cpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
@@ -242,38 +303,74 @@ def _control(cfg, params, rules) -> bool:
   return tuple(w.shape) in _gathered_shapes(text)
 
 
-def train_check(meshes: list[tuple[int, int]]) -> dict:
-  """A few distillation steps of a one-layer draft with the target as teacher (sharded over
-  "model"), batch rows over "data": parameters and losses against one device."""
+TRAIN_KINDS = ("token", "eagle", "medusa")
+
+
+def _train_setup(kind: str, cfg, params):
+  """(draft, initial weights, objective, frozen arrays, online teacher) of a small draft of
+  ``kind`` as experiments.train_draft builds it: a one-layer token draft, a one-layer EAGLE-3
+  drafter (fused features of layer 0 and the last, 2 training-time-test steps) or two
+  Medusa heads, the last two over half the vocabulary; the teacher is the target."""
   import dataclasses
+  from specjax.distill import eagle, heads, train
+  from specjax.drafters.eagle import EagleDrafter, eagle_config, init_eagle_weights
+  from specjax.drafters.medusa import init_medusa_weights
+  from specjax.model import init_params
+
+  vm = np.arange(0, cfg.vocab_size, 2)
+  if kind == "token":
+    dcfg = dataclasses.replace(cfg, num_layers=1, name="draft")
+    return (train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size),
+            init_params(dcfg, jax.random.PRNGKey(0), scale=0.1), None, None,
+            (train.Teacher(cfg, k=8), params))
+  if kind == "eagle":
+    drafter = EagleDrafter(eagle_config(cfg, 1), feature_layers=(0,))
+    return (train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
+                        target_vocab_size=cfg.vocab_size, vocab_map=vm),
+            init_eagle_weights(cfg, params, 1, feature_layers=(0,)),
+            eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.05, ttt_steps=2),
+            eagle.frozen_arrays(cfg, params, vm), (train.Teacher(cfg, 8, (0,)), params))
+  if kind == "medusa":
+    return (train.Draft(cfg=dataclasses.replace(cfg, vocab_size=len(vm)),
+                        target_vocab_size=cfg.vocab_size, vocab_map=vm),
+            init_medusa_weights(cfg, 2, 1), heads.medusa_objective(cfg, 2),
+            heads.frozen_arrays(cfg, params, vm), (train.Teacher(cfg, 8, ()), params))
+  raise ValueError(f"unknown draft kind {kind!r}")
+
+
+def train_check(meshes: list[tuple[int, int]]) -> dict:
+  """A few distillation steps of each kind of draft (``TRAIN_KINDS``) with the target as
+  online teacher (sharded over "model"), batch rows over "data": parameters and losses on
+  each mesh against one device."""
   import tempfile
   from specjax.distill import train
-  from specjax.model import init_params
 
   (cfg, params), _ = _model("tiny")
   rng = np.random.default_rng(1)
   recs = [dict(prompt=rng.integers(1, cfg.vocab_size, 5).astype(np.int32),
                response=rng.integers(1, cfg.vocab_size, 11).astype(np.int32)) for _ in range(32)]
-  dcfg = dataclasses.replace(cfg, num_layers=1, name="draft")
-  draft = train.Draft(cfg=dcfg, target_vocab_size=cfg.vocab_size)
-  dparams = init_params(dcfg, jax.random.PRNGKey(0), scale=0.1)
-  tc = train.TrainConfig(steps=4, batch_size=8, seq_len=16, lr=1e-2, warmup_steps=1,
+  # (lr 1e-3: at 1e-2 Adam's normalised steps magnify an EAGLE gradient's last-bit rounding
+  # differences to 3e-4 in four steps; a wrong shard's gradient moves a weight by ~lr)
+  tc = train.TrainConfig(steps=4, batch_size=8, seq_len=16, lr=1e-3, warmup_steps=1,
                          eval_every=2, checkpoint_every=4)
-  teacher = (train.Teacher(cfg, k=8), params)
+  report = {}
+  for kind in TRAIN_KINDS:
+    draft, dparams, objective, frozen, teacher = _train_setup(kind, cfg, params)
 
-  def run_on(mesh):
-    with tempfile.TemporaryDirectory() as work:
-      out, hist = train.train(draft, dparams, recs, [], tc, work, k=8, teacher=teacher,
-                              log=lambda m: 0, progress=False, mesh=mesh)
-    return jax.tree.map(sharding.to_host, out), [h["loss"] for h in hist]
+    def run_on(mesh):
+      with tempfile.TemporaryDirectory() as work:
+        out, hist = train.train(draft, dparams, recs, [], tc, work, k=8, teacher=teacher,
+                                objective=objective, frozen=frozen, log=lambda m: 0,
+                                progress=False, mesh=mesh)
+      return jax.tree.map(sharding.to_host, out), [h["loss"] for h in hist]
 
-  single, single_loss = run_on(None)
-  report = {"single_loss": single_loss}
-  for data, model_axis in meshes:
-    out, loss = run_on(sharding.make_mesh(data, model_axis))
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(out),
-                                                            jax.tree.leaves(single)))
-    report[f"{data}x{model_axis}"] = {"loss": loss, "max_param_diff": diff}
+    single, single_loss = run_on(None)
+    report[kind] = {"single_loss": single_loss}
+    for data, model_axis in meshes:
+      out, loss = run_on(sharding.make_mesh(data, model_axis))
+      diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(out),
+                                                              jax.tree.leaves(single)))
+      report[kind][f"{data}x{model_axis}"] = {"loss": loss, "max_param_diff": diff}
   return report
 
 

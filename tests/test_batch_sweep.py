@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 # At T = 1 the random tiny draft's drafts are accepted at a rate well above 0 (min(1, p/q)),
@@ -53,3 +55,38 @@ def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
   out = _sweep(tmp_path / "sweep.md", "--draft=prompt_lookup")  # root branches only
   assert out.returncode != 0 and "cannot build the trees" in out.stderr
   assert not (tmp_path / "sweep.json").exists()
+
+
+def _simulated(devices: int) -> dict:
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+
+
+def test_data_parallel_rows_on_two_simulated_devices(tmp_path):
+  """--data_parallel=2 shards every batch's rows over a 2 x 1 mesh and reports tokens/s per
+  device; a store of one device is not resumed for it; a batch the data axis does not
+  divide and a mesh larger than the devices are refused before any model loads."""
+  out = tmp_path / "sweep.md"
+  one = _sweep(out, "--batch_sizes=2", "--trees=")  # one device first: kept beside
+  assert one.returncode == 0, one.stderr[-3000:]
+  run = subprocess.run([sys.executable, "-m", "benchmarks.batch_sweep", *ARGS,
+                        "--batch_sizes=2", "--trees=", "--data_parallel=2", f"--out={out}"],
+                       cwd=ROOT, capture_output=True, text=True, env=_simulated(2))
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "done before, kept" not in run.stderr
+  cells = json.loads((tmp_path / "sweep.json").read_text())
+  assert [c["devices"] for c in cells] == [2]
+  text = out.read_text()
+  assert "rows sharded over 2 devices" in text and "adaptive tok/s per device" in text
+  row = next(l for l in text.splitlines() if l.startswith("| 2 |")).split("|")
+  header = next(l for l in text.splitlines() if "adaptive tok/s per device" in l).split("|")
+  cols = dict(zip((h.strip() for h in header), (v.strip() for v in row)))
+  assert float(cols["adaptive tok/s per device"]) == pytest.approx(
+      float(cols["adaptive tok/s"]) / 2, abs=1)
+  for extra, message in ((["--batch_sizes=3"], "does not divide its 3 rows"),
+                         (["--data_parallel=4"], "needs 4 devices, but only 2 are present")):
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.batch_sweep", *ARGS,
+                          "--data_parallel=2", *extra, f"--out={tmp_path / 'bad.md'}"],
+                         cwd=ROOT, capture_output=True, text=True, env=_simulated(2))
+    assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
+  assert not (tmp_path / "bad.json").exists()

@@ -58,10 +58,21 @@ def test_divisibility_is_checked_in_units_before_compiling():
   with pytest.raises(ValueError, match="does not divide its 96 ffn features"):
     sharding.param_specs(params, cfg, _mesh(1, 64), sharding.ShardingRules(
         axes=(("ffn", "model"),)))
-  # The batch is never replicated silently.
+  # A vocabulary of 60 rows on a model axis of 8 (every kv head and feature divides).
+  cfg60, params60 = tiny_model(dim=64, num_heads=8, num_kv_heads=8, ffn_dim=64, vocab_size=60)
+  with pytest.raises(ValueError, match=r"\['embed'\].*does not divide its 60 vocabulary rows"):
+    sharding.param_specs(params60, cfg60, _mesh(1, 8))
+  assert sharding.param_specs(params60, cfg60, _mesh(1, 8), relaxed)["embed"] == P(None, None)
+  # The batch is never replicated silently: not in a state, nor at the entry points'
+  # check (generate, the decoders, serve, training and the batch sweep call it first).
   cache = kvc.init_cache(cfg, 3, 8)
   with pytest.raises(ValueError, match="does not divide its 3 rows"):
     sharding.state_specs(cache, 3, {"data": 2, "model": 1}, relaxed)
+  with pytest.raises(ValueError, match=r"the batch: the 'data' mesh axis \(2\) does not divide "
+                     "its 3 rows"):
+    sharding.check_batch(3, _mesh(2, 1), relaxed)
+  sharding.check_batch(4, _mesh(2, 1))
+  sharding.check_batch(3)  # no mesh given or active: nothing to divide
 
 
 def test_bad_rules_and_meshes_are_refused():
@@ -117,15 +128,26 @@ def _run_simulated(model: str, meshes: str, timeout: int, check: str = "decode")
   return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
+# Every drafter family greedy (EAGLE also replicated beside the sharded target, and in an
+# EAGLE-2 dynamic tree), and sampled plain, chain and tree decoding.
+GREEDY_CASES = ("plain_greedy", "chain_greedy", "chain_replicated_drafter_greedy",
+                "tree_greedy", "dynamic_tree_greedy", "model_chain_greedy", "jacobi_chain_greedy",
+                "early_exit_chain_greedy", "adapter_exit_chain_greedy",
+                "prompt_lookup_chain_greedy", "bigram_chain_greedy", "lookahead_greedy",
+                "continuous_greedy")
+SAMPLED_CASES = ("plain_sampled", "chain_sampled", "tree_sampled")
+
+
 def _check(report: dict, meshes: str, sampled: bool = True):
   assert report["devices"] == 8
   assert report["detector_control"]  # the all-gather check finds a gathered weight
   assert sorted(report["meshes"]) == sorted(meshes.split(","))
-  cases = ("plain_greedy", "chain_greedy", "tree_greedy", "continuous_greedy")
   for name, r in report["meshes"].items():
-    for case in cases + (("plain_sampled", "chain_sampled") if sampled else ()):
+    for case in GREEDY_CASES + (SAMPLED_CASES if sampled else ()):
       assert r[case], f"{name}: {case} differs from one device"
     assert not r["whole_weights_gathered"], (name, r["whole_weights_gathered"])
+    if not name.startswith("1x"):  # generate and the decoder refuse an odd batch
+      assert r["odd_batch_refused"], name
     # The attention kernels under shard_map: one device's output, the cache not gathered.
     kernels = r["attention_kernels"]
     assert {"cpu", "pallas_gpu_interpret"} <= set(kernels), (name, kernels)
@@ -162,12 +184,15 @@ def test_simulated_meshes_tiny_model_other_meshes():
 
 
 def test_training_on_simulated_meshes_matches_one_device():
-  """Distillation with the teacher target sharded over "model" and batch rows over "data"
-  gives one device's parameters and losses up to rounding."""
+  """Distillation of a token draft, an EAGLE-3 drafter and Medusa heads with the teacher
+  target sharded over "model" and batch rows over "data" gives one device's parameters and
+  losses up to rounding."""
   report = _run_simulated("tiny", "2x4,4x2", timeout=900, check="train")
-  for mesh in ("2x4", "4x2"):
-    assert report[mesh]["max_param_diff"] < 1e-4, report[mesh]
-    np.testing.assert_allclose(report[mesh]["loss"], report["single_loss"], rtol=1e-5)
+  assert sorted(report) == ["eagle", "medusa", "token"]  # the draft kinds train_draft trains
+  for kind, r in report.items():
+    for mesh in ("2x4", "4x2"):
+      assert r[mesh]["max_param_diff"] < 1e-4, (kind, mesh, r[mesh])
+      np.testing.assert_allclose(r[mesh]["loss"], r["single_loss"], rtol=1e-5)
 
 
 @pytest.mark.heavy
