@@ -143,7 +143,10 @@ flags.DEFINE_string("adaspec_reference", None, "AdaSPEC: the --workdir of a fini
 flags.DEFINE_string("init_from", None, "Warm start: the --workdir of an earlier run of the same "
                     "draft (kind, layers, head, vocabulary size) on any corpus; this run starts "
                     "from its last checkpoint's parameters and keeps its vocabulary, with a fresh "
-                    "optimizer and schedule.")
+                    "optimizer and schedule. Medusa heads and trained exits may also start from "
+                    "a draft directory (a run's draft/, or a shipped one such as "
+                    "specjax/assets/smollm2_exit_adapter): its weights as stored (float16) and "
+                    "the setup its draft.json records.")
 flags.DEFINE_string("mesh", "", "Train on a DATAxMODEL device mesh (e.g. 2x4; docs/sharding.md): "
                     "batch rows over data, the target and the draft's heads over model. Empty: "
                     "one device.")
@@ -495,7 +498,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
   if FLAGS.adaspec_keep < 1.0:
     frozen = dict(frozen or {}, reference=adaspec_reference(reference_setup, dparams, tc))
   if FLAGS.init_from:
-    dparams, step = _last_params(FLAGS.init_from, dparams, tc)
+    dparams, step = _warm_params(FLAGS.init_from, dparams, tc, cfg, tok)
     logging.info("warm start from %s at its step %d (%s responses, %s tokens; this corpus: "
                  "%d, %d)", FLAGS.init_from, step, init_setup.get("train_responses"),
                  init_setup.get("train_tokens"), setup["train_responses"], setup["train_tokens"])
@@ -553,6 +556,51 @@ def _run_setup(workdir: str, flag: str) -> dict:
     return json.load(f)
 
 
+# draft.json's info: the run's setup and what only the card keeps.
+_CARD_ONLY_KEYS = ("train_config", "final", "topk", "seconds_this_invocation", "command",
+                   "partial", "heldout_positions", "head_top1", "head_top5")
+
+
+def _is_draft_dir(path: str) -> bool:
+  return (os.path.exists(os.path.join(path, "draft.json"))
+          and not os.path.exists(os.path.join(path, "setup.json")))
+
+
+def _warm_start_setup(path: str) -> dict:
+  """The setup --init_from trained: a run's setup.json, or what a Medusa or trained-exit
+  draft directory's draft.json records of its training."""
+  if not _is_draft_dir(path):
+    return _run_setup(path, "init_from")
+  from specjax.drafts import format as fmt
+  try:
+    meta = fmt.read_draft_metadata(path, (fmt.MEDUSA_FORMAT, fmt.EXIT_FORMAT))
+  except ValueError as e:
+    raise app.UsageError(f"--init_from={path}: {e}; a draft directory warm-starts Medusa heads "
+                         "or a trained exit (for another draft, pass its run's --workdir)"
+                         ) from None
+  info = meta.get("info") or {}
+  if "draft_kind" not in info:
+    raise app.UsageError(f"--init_from={path}: its draft.json records no training setup "
+                         "(info.draft_kind); pass the --workdir of the run that trained it")
+  return {k: v for k, v in info.items() if k not in _CARD_ONLY_KEYS}
+
+
+def _warm_params(path: str, dparams, tc, cfg, tok):
+  """(the parameters --init_from starts from, their step): a run's last checkpoint, or a
+  draft directory's weights, refused unless they are this draft's arrays for this target."""
+  if not _is_draft_dir(path):
+    return _last_params(path, dparams, tc)
+  import jax
+  import numpy as np
+  from specjax import drafts
+  meta, weights, _ = drafts.load_head_weights(path, cfg,
+                                              tokenizer_sha256=drafts.tokenizer_fingerprint(tok))
+  want, got = (jax.tree.map(np.shape, p) for p in (dparams, weights))
+  if want != got:
+    raise app.UsageError(f"--init_from={path}: its weights {got} are not this draft's {want}")
+  return weights, int(meta["info"].get("final", {}).get("step", 0))
+
+
 def _last_params(workdir: str, dparams, tc):
   """(the parameters of ``workdir``'s last checkpoint, its step)."""
   from specjax.distill import checkpoint as ckpt
@@ -576,9 +624,10 @@ def adaspec_reference(setup: dict, dparams, tc):
 
 
 def init_vocab_map(workdir: str, size: int):
-  """The draft vocabulary of the run in ``workdir`` (its written draft's ``vocab_map``)."""
+  """The draft vocabulary of the run in ``workdir`` (its written draft's ``vocab_map``), or of
+  the draft directory ``workdir``."""
   from specjax.drafts import shards
-  out = os.path.join(workdir, "draft")
+  out = workdir if _is_draft_dir(workdir) else os.path.join(workdir, "draft")
   try:
     vm = shards.read_tensors(out).get("vocab_map")
   except Exception as e:  # a run stopped before writing its draft, or damaged files
@@ -595,7 +644,7 @@ def init_vocab_map(workdir: str, size: int):
 def check_warm_start(setup: dict) -> dict:
   """--init_from's setup, refused unless it trained the same draft (on any corpus)."""
   from specjax.distill import checkpoint as ckpt
-  theirs = _run_setup(FLAGS.init_from, "init_from")
+  theirs = _warm_start_setup(FLAGS.init_from)
   diff = ckpt.draft_mismatch(theirs, setup)
   if diff:
     raise app.UsageError(f"--init_from={FLAGS.init_from} trained another draft: "
@@ -611,7 +660,7 @@ def main(argv):
     raise app.UsageError("AdaSPEC needs both --adaspec_keep < 1 and --adaspec_reference")
   training_mesh()  # a bad --mesh fails before the corpus is built
   if FLAGS.init_from:
-    _run_setup(FLAGS.init_from, "init_from")
+    _warm_start_setup(FLAGS.init_from)
   if FLAGS.own_head and FLAGS.draft_kind not in ("medusa", "exit"):
     raise app.UsageError("--own_head is for --draft_kind=medusa or exit (their heads' LM-head "
                          f"rows), not {FLAGS.draft_kind}")

@@ -149,8 +149,10 @@ def run(model: str, meshes: list[tuple[int, int]]) -> dict:
            for k, v in drafts.items()}
       d["eagle_replicated"] = sharding.shard_params(eagle_params, cfg, mesh,
                                                     sharding.REPLICATED, drafter=eagle)
-      result = {name: bool(np.array_equal(np.asarray(f(t, d)), single[name]))
-                for name, f in cases.items()}
+      result = {}
+      for name, f in cases.items():
+        print(f"{data}x{model_axis}: {name}", file=sys.stderr, flush=True)  # where a hang is
+        result[name] = bool(np.array_equal(np.asarray(f(t, d)), single[name]))
       if data > 1:  # a batch the data axis does not divide: refused before compiling
         odd = (prompts * 2)[:data + 1]
         result["odd_batch_refused"] = _refused(lambda: generate(t, cfg, odd, 4)) and _refused(

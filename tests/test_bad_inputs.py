@@ -457,6 +457,8 @@ def test_saving_over_a_sharded_checkpoint_removes_its_stale_shards(tmp_path):
     (["--stage=train", "--adaspec_keep=0", "--adaspec_reference=x"],
      "--adaspec_keep must be in (0, 1], got 0.0"),
     (["--stage=train", "--init_from=nowhere"], "--init_from=nowhere holds no training run"),
+    (["--stage=train", "--init_from=specjax/assets/smollm2_eagle3"],
+     "a draft directory warm-starts Medusa heads or a trained exit"),
 ])
 def test_train_draft_refuses_bad_flags_before_touching_a_corpus(tmp_path, flags, message):
   """Refused before any corpus or model is touched (a subprocess: the script's flags would

@@ -117,9 +117,15 @@ def test_one_device_mesh_decodes_as_without_one():
   assert sharding.active() is None
 
 
+# Eight simulated devices share this machine's cores: a device whose thread is starved waits
+# at a collective. XLA:CPU ends the process after 40 s there (seen on SmolLM2's 2x4 mesh
+# while another job held both cores; the same mesh passes alone); allow 10 minutes.
+SIMULATED_DEVICES = ("--xla_force_host_platform_device_count=8 "
+                     "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+
+
 def _run_simulated(model: str, meshes: str, timeout: int, check: str = "decode") -> dict:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=SIMULATED_DEVICES, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_decoding.py"),
                          f"--model={model}", f"--meshes={meshes}", f"--check={check}"],
                         env=env, cwd=ROOT,

@@ -1,5 +1,6 @@
 """experiments.train_draft end to end on the embedded target: the data stage, a trained
-exit, its resume, and a warm start (``--init_from``) on the grown corpus.
+exit, its resume, and a warm start (``--init_from``) on the grown corpus, from the run's
+workdir and from its draft directory alone.
 
 Each command runs in a subprocess (the script's absl flags would collide with other entry
 points' in this process) with a tiny budget: a few 8-token answers, two optimizer steps.
@@ -72,11 +73,24 @@ def test_train_resume_and_warm_start_on_a_grown_corpus(tmp_path):
     assert warm[0][key] == pytest.approx(done[-1][key], abs=1e-6), key
   np.testing.assert_array_equal(_vocab_map(second), _vocab_map(first))
 
-  # A warm start of another draft is refused before any compute.
-  proc = subprocess.run([sys.executable, "-m", "experiments.train_draft", *TINY,
-                         "--stage=train", "--train_batches=2", "--exit_layer=2",
-                         f"--workdir={tmp_path / 'third'}", f"--init_from={first}"],
-                        cwd=ROOT, env=dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache")),
-                        capture_output=True, text=True, timeout=900)
-  assert proc.returncode != 0 and "trained another draft" in proc.stderr
-  assert "exit_layer 1 there, 2 here" in proc.stderr
+  # A warm start from the draft directory alone (as from a shipped draft): its weights as
+  # stored (float16) and its vocabulary; the setup its draft.json records.
+  from_dir = tmp_path / "from_dir"
+  _train_draft(tmp_path, "--stage=train", "--train_batches=2", f"--workdir={from_dir}",
+               f"--init_from={first / 'draft'}")
+  assert json.loads((from_dir / "setup.json").read_text())["init_from"] == str(first / "draft")
+  start = _metrics(from_dir)[0]
+  assert start["step"] == 0
+  for key in ("alpha_T0", "alpha_T1"):
+    assert start[key] == pytest.approx(done[-1][key], abs=0.02), key
+  np.testing.assert_array_equal(_vocab_map(from_dir), _vocab_map(first))
+
+  # A warm start of another draft is refused before any compute, from either source.
+  for source in (first, first / "draft"):
+    proc = subprocess.run([sys.executable, "-m", "experiments.train_draft", *TINY,
+                           "--stage=train", "--train_batches=2", "--exit_layer=2",
+                           f"--workdir={tmp_path / 'third'}", f"--init_from={source}"],
+                          cwd=ROOT, env=dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache")),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0 and "trained another draft" in proc.stderr, source
+    assert "exit_layer 1 there, 2 here" in proc.stderr

@@ -350,6 +350,17 @@ def load_medusa(path: str, target_cfg: ModelConfig, target_params: Params, *,
                         accuracy=meta.get("head_accuracy"))
 
 
+def load_head_weights(path: str, target_cfg: ModelConfig, *,
+                      tokenizer_sha256: Optional[str] = None
+                      ) -> tuple[dict, Params, Optional[np.ndarray]]:
+  """(draft.json, trained weights as float32, vocab_map) of a Medusa heads or trained-exit
+  directory, checked like their loaders: the arrays training optimises (``res_w``,
+  ``res_b``, an own ``head``, an exit's ``adapter``), e.g. to continue training them."""
+  meta = read_draft_metadata(path, (MEDUSA_FORMAT, EXIT_FORMAT))
+  what = "trained exit" if meta["format"] == EXIT_FORMAT else "Medusa heads"
+  return _load_heads(path, meta["format"], what, target_cfg, tokenizer_sha256)
+
+
 def save_exit(path: str, target_cfg: ModelConfig, weights: Params,
               vocab_map: Optional[np.ndarray], *, exit_layer: int, tokenizer_sha256: str,
               info: Optional[dict] = None, dtype=np.float16) -> None:
