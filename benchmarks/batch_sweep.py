@@ -31,7 +31,8 @@ beside it that a rerun resumes from (delete it to start over).
 
 With ``--data_parallel=N`` every batch's rows are sharded over N devices (an N x 1 mesh,
 ``specjax.sharding``; the batch sizes must be multiples of N) and tokens/s are also given
-per device.
+per device; the calibration (2.) decodes its prompts one at a time, so it runs first, on
+one device.
 """
 
 from __future__ import annotations

@@ -459,6 +459,8 @@ def test_saving_over_a_sharded_checkpoint_removes_its_stale_shards(tmp_path):
     (["--stage=train", "--init_from=nowhere"], "--init_from=nowhere holds no training run"),
     (["--stage=train", "--init_from=specjax/assets/smollm2_eagle3"],
      "a draft directory warm-starts Medusa heads or a trained exit"),
+    (["--stage=train", "--mesh=2by4"], "--mesh='2by4': expected DATAxMODEL, e.g. 2x4"),
+    (["--stage=train", "--mesh=2x4"], "needs 8 devices, but only 1 are present"),
 ])
 def test_train_draft_refuses_bad_flags_before_touching_a_corpus(tmp_path, flags, message):
   """Refused before any corpus or model is touched (a subprocess: the script's flags would
