@@ -515,6 +515,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
                            mesh=training_mesh())
   metrics = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   last = metrics[-1]
+  # (draft.json's info: the setup and _CARD_ONLY_KEYS, which a warm start from it drops)
   info = dict(setup, train_config=dataclasses.asdict(tc), final=last, topk=k,
               seconds_this_invocation=round(time.time() - start),
               command="python -m experiments.train_draft " + " ".join(sys.argv[1:]))
