@@ -103,8 +103,8 @@ def run(model: str, meshes: list[tuple[int, int]], only=None) -> dict:
   lookahead = LookaheadDrafter(cfg.vocab_size, window=3, ngram=3, guesses=2)
   drafters["lookahead"], drafts["lookahead"] = lookahead, ()
 
-  def chain(kind, gamma=3):
-    return lambda t, d: SpeculativeDecoder(cfg, drafters[kind], gamma=gamma, eos_ids=()).generate(
+  def chain(kind):
+    return lambda t, d: SpeculativeDecoder(cfg, drafters[kind], gamma=3, eos_ids=()).generate(
         t, d[kind], prompts, NEW_TOKENS).tokens
 
   cases = {
@@ -128,8 +128,7 @@ def run(model: str, meshes: list[tuple[int, int]], only=None) -> dict:
       "chain_replicated_drafter_greedy": lambda t, d: SpeculativeDecoder(
           cfg, eagle, gamma=3, eos_ids=()).generate(
               t, d["eagle_replicated"], prompts, NEW_TOKENS).tokens,
-      **{f"{kind}_chain_greedy": chain(kind, 1 if kind == "jacobi" else 3)
-         for kind in ("model", "jacobi") + OTHER_DRAFTERS},
+      **{f"{kind}_chain_greedy": chain(kind) for kind in ("model", "jacobi") + OTHER_DRAFTERS},
       "lookahead_greedy": lambda t, d: SpeculativeDecoder(cfg, lookahead, eos_ids=()).generate(
           t, d["lookahead"], prompts, NEW_TOKENS).tokens,  # its default tree
       # Continuous batching: 12 requests of different budgets through the 8 slots.
