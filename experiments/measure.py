@@ -36,7 +36,11 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
   5. the settings flagged by ``checks.setting_flags`` are measured once more,
      together (with a plain baseline of their own), and the second measurement
      is kept (with the flags that caused it).
-Every finished setting goes to the progress log at once (``progress.py``).
+Every finished setting goes to the progress log at once (``progress.py``), and so does
+every calibration of a policy (``Bench.calibrate``, ``Bench.chain_rates``), so a resumed run
+prices its policies as the first did instead of measuring their rates again (at T = 1,
+sampled again on another machine or JAX version, they could differ, and the policy
+settings they enter with them, which would then be timed again).
 Runs that are not timed (α of the Table-3 drafts) use mixed-category batches
 of up to 16 rows: fewer sequential steps, and α needs no timing. At T = 0 they
 are replayed against the target's greedy continuations (``Bench._untimed``).
@@ -45,6 +49,8 @@ are replayed against the target's greedy continuations (``Bench._untimed``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -320,8 +326,12 @@ class Bench:
     self._specs: dict[tuple, SpecRun] = {}
     self._draft_costs: dict[tuple, dict[str, float]] = {}
     self._continuations: Optional[list[list[list[int]]]] = None
+    self._calibrations: dict[str, Any] = {}
     self.reused = 0
     for rec in log.records if log else ():
+      if "calibration" in rec:
+        self._calibrations[rec["calibration"]["key"]] = rec["calibration"]["value"]
+        continue
       self._store(SpecRun.from_record(rec["run"]))
       self.reused += 1
 
@@ -563,22 +573,48 @@ class Bench:
 
     Decodes ``prompts`` (training-side, never the evaluated ones) one at a
     time with ``config.calibration_tree``, then with a chain as deep
-    (``calibration.measure_tree_prices``): the table, its counts and ``chain_alpha``.
+    (``calibration.measure_tree_prices``): the table, its counts and ``chain_alpha``
+    (arrays as nested lists, tuples as lists: what the progress log gives back on a
+    resume, ``_calibrated``).
     """
     # (the template's chain is replaced by the calibration tree; block verification by
     # token-wise, as trees verify)
-    return measure_tree_prices(self.decoder(draft, 1, temperature), self.target.params,
-                               draft.params, prompts, self.config.calibration_tree,
-                               self.config.max_new_tokens, self.config.seed, self.cache_size)
+    measure = lambda: measure_tree_prices(
+        self.decoder(draft, 1, temperature), self.target.params, draft.params, prompts,
+        self.config.calibration_tree, self.config.max_new_tokens, self.config.seed,
+        self.cache_size)
+    return self._calibrated("tree_prices", draft, temperature, prompts, (), measure)
 
   def chain_rates(self, draft: Draft, temperature: float, prompts: Sequence[Sequence[int]],
                   gamma: int) -> tuple[float, tuple[float, ...]]:
     """The chains' rate α_c of ``draft`` and each prompt's own rate over it, decoding
     ``prompts`` (training-side, never the evaluated ones) one at a time with a chain of
-    ``gamma`` (``calibration.measure_chain_alphas``)."""
-    return measure_chain_alphas(self.decoder(draft, gamma, temperature), self.target.params,
-                                draft.params, prompts, gamma, self.config.max_new_tokens,
-                                self.config.seed, self.cache_size)
+    ``gamma`` (``calibration.measure_chain_alphas``; logged and reused like
+    ``calibrate``)."""
+    measure = lambda: measure_chain_alphas(
+        self.decoder(draft, gamma, temperature), self.target.params, draft.params, prompts,
+        gamma, self.config.max_new_tokens, self.config.seed, self.cache_size)
+    alpha, ease = self._calibrated("chain_rates", draft, temperature, prompts, (gamma,),
+                                   measure)
+    return float(alpha), tuple(float(e) for e in ease)
+
+  def _calibrated(self, kind: str, draft: Draft, temperature: float,
+                  prompts: Sequence[Sequence[int]], extra: tuple, measure: Callable) -> Any:
+    """``measure()``'s value, JSON-normalised, from this run's progress log when an earlier
+    run of the same header logged it (keyed by ``kind``, the draft, the temperature, a
+    digest of the prompts' ids and ``extra``), else measured now and logged at once."""
+    digest = hashlib.sha256(json.dumps([[int(i) for i in p] for p in prompts]).encode())
+    key = json.dumps([kind, draft.name, float(temperature), digest.hexdigest()[:16],
+                      list(extra)])
+    if key not in self._calibrations:
+      value = json.loads(json.dumps(measure(), default=_jsonable))
+      self._calibrations[key] = value
+      if self.log is not None:
+        self.log.append({"calibration": {"key": key, "value": value}})
+    else:
+      logging.info("%s of %s at T=%g reused from %s", kind, draft.name, temperature,
+                   self.log.path if self.log is not None else "this run")
+    return self._calibrations[key]
 
   def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
                 temperature: float) -> bool:
@@ -587,6 +623,13 @@ class Bench:
 
   def runs(self) -> list[SpecRun]:
     return list(self._specs.values())
+
+
+def _jsonable(x: Any) -> Any:
+  """numpy values as JSON has them (arrays as nested lists)."""
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
 
 
 def _spec_outputs(outs: Sequence[Any], batches: Sequence[Batch]) -> dict[str, Any]:

@@ -147,8 +147,7 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
   rows, calibration = [], {}
   for t in SWEEP_TEMPERATURES:
     cal = bench.calibrate(draft, t, cal_prompts)
-    calibration[f"{t:g}"] = {k: (v.tolist() if hasattr(v, "tolist") else v)
-                             for k, v in cal.items()}
+    calibration[f"{t:g}"] = cal  # JSON-ready (Bench.calibrate)
     jobs = [(g, None) for g in cfg.gammas]
     for n in cfg.tree_budgets:
       static = best_static_tree(cal["table"], n)

@@ -205,6 +205,44 @@ def test_progress_log_ignores_a_line_cut_off_mid_write(tmp_path):
   assert progress.ProgressLog(str(tmp_path), head, fresh=True).records == []
 
 
+def test_a_resumed_run_reuses_its_logged_calibrations(tmp_path, monkeypatch):
+  """Bench.calibrate and Bench.chain_rates log what they measure; a Bench started from the
+  resumed log returns the same values (JSON-normalised, as the first Bench returned them)
+  without decoding again, while another temperature, prompt set or depth is measured."""
+  from experiments import measure, progress
+  from experiments.measure import Bench
+  from experiments.models import load_draft, load_target
+  from experiments.prompts import default_prompts, make_batches
+  config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=2, max_new_tokens=6,
+                            out=str(tmp_path), calibration_tree=(2, 1))
+  target = load_target("tiny")
+  draft = load_draft("tiny", target, lambda: [])
+  batches = make_batches(default_prompts(2), target.encode, 1)
+  prompts = [target.encode(t) for t in ("one two", "three four five")]
+  calls = []
+  for name in ("measure_chain_alphas", "measure_tree_prices"):
+    real = getattr(measure, name)
+    monkeypatch.setattr(measure, name, lambda *a, real=real, name=name, **k:
+                        calls.append(name) or real(*a, **k))
+  head = progress.header(config, "abc")
+  first = Bench(target, batches, config, progress.ProgressLog(str(tmp_path), head))
+  rates, prices = first.chain_rates(draft, 1.0, prompts, 2), first.calibrate(draft, 1.0, prompts)
+  assert calls == ["measure_chain_alphas", "measure_tree_prices"]
+  assert isinstance(rates[0], float) and len(rates[1]) == 2
+  assert isinstance(prices["table"], list) and len(prices["table"]) == 2  # depth of (2, 1)
+  json.dumps(prices)  # all of it goes to the log as it is
+  assert first.chain_rates(draft, 1.0, prompts, 2) == rates and len(calls) == 2
+  resumed = Bench(target, batches, config, progress.ProgressLog(str(tmp_path), head))
+  assert resumed.chain_rates(draft, 1.0, prompts, 2) == rates
+  assert resumed.calibrate(draft, 1.0, prompts) == prices and len(calls) == 2
+  resumed.chain_rates(draft, 0.0, prompts, 2)           # another temperature,
+  resumed.chain_rates(draft, 1.0, prompts[:1], 2)       # other prompts,
+  resumed.chain_rates(draft, 1.0, prompts, 3)           # a deeper chain: measured
+  assert calls[2:] == ["measure_chain_alphas"] * 3
+  lines = [json.loads(line) for line in open(first.log.path)]
+  assert sum("calibration" in line for line in lines) == 5 and resumed.reused == 0
+
+
 def test_untimed_greedy_runs_are_replayed_with_the_real_runs_tokens_and_counters(tmp_path):
   import numpy as np
   from experiments.measure import Bench, _spec_outputs
