@@ -6,6 +6,8 @@ measured costs and bad input."""
 
 import dataclasses
 import functools
+import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -434,6 +436,14 @@ def test_a_batch_that_waits_for_its_hardest_row_decodes_plainly_only_without_eos
   for bad in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
       spread.never_drafts(bad)
+  # The answers stay with the policy: asking again gives the same, and nothing else keeps
+  # the policy alive (an lru_cache on the method kept up to 64 of them).
+  assert spread.never_drafts(4) and not spread.never_drafts(1)
+  gone = dataclasses.replace(spread, decay=0.8)
+  assert gone.never_drafts(4) and gone == gone and hash(gone) == hash(dataclasses.replace(gone))
+  gone = weakref.ref(gone)
+  gc.collect()
+  assert gone() is None
   with pytest.raises(ValueError, match="no prompts given"):  # pack's own error, not the policy's
     SpeculativeDecoder(cfg, drafter, policy=spread, eos_ids=()).generate(params, dp, [], 4)
   assert SpeculativeDecoder(cfg, drafter, policy=spread, eos_ids=()).plain_only(4)

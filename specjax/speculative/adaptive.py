@@ -300,7 +300,6 @@ class AdaptiveGamma:
     """Whether plain decoding (γ = 0) is one of the choices."""
     return bool(self.gammas) and self.gammas[0] == 0
 
-  @functools.lru_cache(maxsize=64, typed=True)  # (True is not 1 here)
   def never_drafts(self, batch_size: int = 1) -> bool:
     """Whether every step of this policy is a plain decoding step for a batch of
     ``batch_size`` rows that stay active together to the end, which is known before the
@@ -313,7 +312,13 @@ class AdaptiveGamma:
       raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if not self.plain:
       return False
-    return int(self.choose(self.init(batch_size), jnp.ones((batch_size,), bool))) == 0
+    # Answers are kept on the instance (not in a cache that would keep policies alive);
+    # the frozen dataclass's fields, hence its hash and equality, are untouched.
+    answers = self.__dict__.setdefault("_never_drafts", {})
+    rows = int(batch_size)
+    if rows not in answers:
+      answers[rows] = int(self.choose(self.init(rows), jnp.ones((rows,), bool))) == 0
+    return answers[rows]
 
   @property
   def first_chain_depths(self) -> tuple[int, ...]:
