@@ -27,7 +27,7 @@ def _rows(results, experiment, **match):
 
 
 def _series(rows, key, field):
-  pts = sorted((r[key], r[field]) for r in rows if r[field] is not None)
+  pts = sorted((r[key], r[field]) for r in rows if r.get(field) is not None)
   return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -45,7 +45,8 @@ def speedup_vs_gamma(results: dict) -> Optional[plt.Figure]:
                    label=f"{r['shape']} tree, N = {r['num_nodes']}, D = {r['gamma']} (measured)")
     for field, label, style in (("speedup", "measured", "o-"),
                                 ("predicted_speedup", "predicted (paper, Thm 3.8)", "s--"),
-                                ("calibrated_speedup", "predicted (measured verify cost)", "^:")):
+                                ("calibrated_speedup", "predicted (measured verify cost)", "^:"),
+                                ("calibrated_call_speedup", "the same, whole call", "v:")):
       ax.plot(*_series(sub, "gamma", field), style, label=label)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xlabel="γ (draft tokens per step)", ylabel="speedup over plain decoding",
@@ -63,7 +64,8 @@ def temperature_figure(results: dict) -> Optional[plt.Figure]:
   fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
   for field, label, style in (("speedup", "measured", "o-"),
                               ("predicted_speedup", "predicted (paper)", "s--"),
-                              ("calibrated_speedup", "predicted (calibrated)", "^:")):
+                              ("calibrated_speedup", "predicted (calibrated)", "^:"),
+                              ("calibrated_call_speedup", "the same, whole call", "v:")):
     a1.plot(*_series(rows, "temperature", field), style, label=label)
   a1.axhline(1.0, color="grey", lw=0.8)
   a1.set(xlabel="temperature", ylabel="speedup", title=f"speedup at γ = {rows[0]['gamma']}")

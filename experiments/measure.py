@@ -265,6 +265,15 @@ def round_decode_speedups(run: SpecRun, indices: Sequence[int]) -> Optional[list
           loop(run.seconds, run.prefill_seconds)).tolist()
 
 
+def round_prefill_ratios(run: SpecRun, indices: Sequence[int]) -> Optional[list[float]]:
+  """Per round that timed the given batches: Σ plain / Σ speculative prefill seconds over
+  them (below 1 where the draft has a prefill of its own); None for runs recorded without
+  prefill times."""
+  if run.prefill_seconds is None or run.plain_prefill_seconds is None:
+    return None
+  return checks.round_ratios(run.plain_prefill_seconds, run.prefill_seconds, indices)
+
+
 def median_known(values: Sequence[Optional[float]]) -> float:
   """The median of the values that were measured (an added round's step times are None)."""
   return float(np.median([v for v in values if v is not None]))

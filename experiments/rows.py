@@ -24,7 +24,11 @@ Conventions (those of ``specjax.speculative.metrics``):
     per draft token / t₁ (``Bench.draft_cost``) and verify cost T(γ+1)/T(1)
     = the rest of the measured fused step, step/t₁ − γc (target forward over
     γ+1 tokens, acceptance, bookkeeping);
-    step times are medians over the rounds, t₁ from the same rounds.
+    step times are medians over the rounds, t₁ from the same rounds;
+  * calibrated, whole call = ``theory.whole_call_improvement``: the calibrated
+    prediction of the decode loop combined with the prefill as measured (plain
+    decoding's prefill share and the prefill ratio, medians over the rounds), what
+    the measured speedup, prefill included, is to be compared with.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from specjax.speculative.metrics import mean_estimates
 
 from experiments import checks
 from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
-                                 round_decode_speedups, round_speedups, run_flags)
+                                 round_decode_speedups, round_prefill_ratios, round_speedups,
+                                 run_flags)
 from experiments.prompts import ALL, Batch, batch_indices
 
 
@@ -121,9 +126,9 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       choice_estimate=(mean_estimates(c["choice_estimate"], c["choice_steps"])
                        if "choice_estimate" in c else None),
       spec_seconds=None, ar_seconds=None, speedup=None, speedup_spread=None, rounds=None,
-      decode_speedup=None, ar_prefill_share=None,
+      decode_speedup=None, ar_prefill_share=None, prefill_ratio=None,
       step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,
-      calibrated_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags),
+      calibrated_speedup=None, calibrated_call_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags),
       replayed=run.replayed)
   if not run.timed:
     return row
@@ -132,7 +137,8 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
   ar_seconds = checks.round_sums(run.plain_seconds, sel)
   if decode is not None:
     row.update(decode_speedup=float(np.median(decode)), ar_prefill_share=float(np.median(
-        np.divide(checks.round_sums(run.plain_prefill_seconds, sel), ar_seconds))))
+        np.divide(checks.round_sums(run.plain_prefill_seconds, sel), ar_seconds))),
+               prefill_ratio=float(np.median(round_prefill_ratios(run, sel))))
   row.update(spec_seconds=float(np.median(checks.round_sums(run.seconds, sel))),
              ar_seconds=float(np.median(ar_seconds)),
              speedup=float(np.median(ratios)), speedup_spread=checks.spread(ratios),
@@ -163,6 +169,9 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
     calls = _per_row(run, batches, category, "emitted", "target_calls")
     row.update(verify_cost=verify_tree, calibrated_speedup=theory.slowest_row_tokens(
         [np.maximum(c, 1.0) for c in calls]) / (verify_tree + draft_tree))
+  if row["calibrated_speedup"] is not None and row["prefill_ratio"]:
+    row["calibrated_call_speedup"] = theory.whole_call_improvement(
+        row["calibrated_speedup"], row["ar_prefill_share"], row["prefill_ratio"])
   if run.temperature == 0:
     same = [run.generated[i][r] == run.plain_generated[i][r]
             for i in sel for r in range(batches[i].num_real)]

@@ -168,6 +168,11 @@ def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):
     # step and γ + 1 (the test below pins the formula)
     tokens = r["calibrated_speedup"] * (r["gamma"] * r["c"] + r["verify_cost"])
     assert 1.0 <= tokens <= r["gamma"] + 1
+    # the whole call: the decode loop as predicted, the prefill as measured
+    s, r_p = r["ar_prefill_share"], r["prefill_ratio"]
+    assert 0 < s < 1 and r_p > 0
+    assert r["calibrated_call_speedup"] == pytest.approx(
+        1 / (s / r_p + (1 - s) / r["calibrated_speedup"]))
 
 
 def test_calibrated_predictions_wait_for_each_batchs_slowest_row():
@@ -962,9 +967,13 @@ def test_calibrated_batches_benchmark_rereads_a_committed_run(tmp_path, benchmar
                   if r["experiment"] == "gamma_sweep" and r["category"] == "all"}
   for run in runs:
     row = bench._row(run)
-    pooled, slowest = (float(cell.strip("*").split("×")[0]) for cell in row[-2:])
+    measured, pooled, slowest, whole = (float(cell.strip("*").split("×")[0])
+                                        for cell in (row[3], *row[-3:]))
     assert slowest == pytest.approx(calibrated[(run.gamma, run.temperature)], abs=1e-3)
     assert slowest < pooled
+    # the prefill (13% of plain decoding's time here, a little slower speculatively) pulls
+    # the whole call's prediction toward the measured speedup
+    assert whole < slowest and abs(whole - measured) < abs(slowest - measured)
   with pytest.raises(SystemExit, match="no progress.jsonl"):
     bench._runs(str(tmp_path))
 

@@ -185,3 +185,20 @@ def test_beta_and_alpha():
 def test_invalid_inputs_raise(call):
   with pytest.raises(ValueError):
     call()
+
+
+def test_whole_call_improvement_adds_the_prefill_as_time():
+  # plain: prefill 2 s + decode 8 s; speculative: prefill 2.5 s (its draft's too) + 8 / 1.6
+  plain, spec = 2.0 + 8.0, 2.5 + 8.0 / 1.6
+  got = theory.whole_call_improvement(1.6, 2.0 / plain, 2.0 / 2.5)
+  assert got == pytest.approx(plain / spec)
+  assert theory.whole_call_improvement(1.6, 0.0, 0.5) == pytest.approx(1.6)  # no prefill
+  # between the prefill ratio and the decode loop's, nearer the first the larger its share
+  shares = np.array([0.1, 0.5, 0.9])
+  out = theory.whole_call_improvement(1.6, shares, 0.9)
+  assert np.all((out > 0.9) & (out < 1.6)) and np.all(np.diff(out) < 0)
+  for bad in (dict(decode_improvement=0.0), dict(prefill_share=1.0),
+              dict(prefill_share=-0.1), dict(prefill_ratio=np.nan)):
+    args = dict(decode_improvement=1.5, prefill_share=0.2, prefill_ratio=0.9) | bad
+    with pytest.raises(ValueError):
+      theory.whole_call_improvement(**args)
