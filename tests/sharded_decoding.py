@@ -81,10 +81,17 @@ def _weight_shapes(params) -> set[tuple[int, ...]]:
 # twice on it in XLA:CPU's in-process collectives (docs/sharding.md, "Not yet").
 CORE_CASES = ("plain_greedy", "plain_sampled", "chain_greedy", "chain_sampled", "tree_greedy",
               "continuous_greedy")
+# Every other drafter family's chain (and lookahead's own tree): --cases=families, which the
+# default suite leaves to a heavy test (each family compiles its loop on every mesh: the
+# whole set made the tiny model's 2x4 check 850 s of an AVX2 host's suite), and
+# --cases=no_families, the rest.
+FAMILY_CASES = tuple(f"{kind}_chain_greedy" for kind in ("model", "jacobi") + OTHER_DRAFTERS) + (
+    "lookahead_greedy",)
 
 
-def run(model: str, meshes: list[tuple[int, int]], only=None) -> dict:
-  """The report of every case (or of the cases named in ``only``) on each mesh."""
+def run(model: str, meshes: list[tuple[int, int]], only=None, exclude=()) -> dict:
+  """The report of every case (or of the cases named in ``only``), less those named in
+  ``exclude``, on each mesh."""
   (cfg, params), rules = _model(model)
   prompts = _prompts(min(cfg.vocab_size, 2000))
   eagle, eagle_params = testing.make_drafter("eagle", cfg, params, [])
@@ -137,8 +144,10 @@ def run(model: str, meshes: list[tuple[int, int]], only=None) -> dict:
           prompts + prompts[:4], [NEW_TOKENS - i % 5 for i in range(BATCH + 4)],
           slots=BATCH).tokens,
   }
-  if only is not None:
-    cases = {name: f for name, f in cases.items() if name in only}
+  unknown = (set(only or ()) | set(exclude)) - set(cases)
+  assert not unknown, f"no such cases: {sorted(unknown)}"
+  cases = {name: f for name, f in cases.items()
+           if (only is None or name in only) and name not in exclude}
   single = {name: np.asarray(f(params, dict(drafts, eagle_replicated=eagle_params)))
             for name, f in cases.items()}
   kernels_single = {impl: np.asarray(_attend(impl)(*_attention_operands()))
@@ -389,12 +398,14 @@ def main():
   ap.add_argument("--model", default="tiny")
   ap.add_argument("--meshes", default="1x8,2x4,4x2,8x1")
   ap.add_argument("--check", default="decode", choices=("decode", "train"))
-  ap.add_argument("--cases", default="all", choices=("all", "core"))
+  ap.add_argument("--cases", default="all", choices=("all", "core", "families", "no_families"))
   ap.add_argument("--out", default="")
   a = ap.parse_args()
   meshes = [tuple(int(x) for x in m.split("x")) for m in a.meshes.split(",")]
-  report = (run(a.model, meshes, CORE_CASES if a.cases == "core" else None)
-            if a.check == "decode" else train_check(meshes))
+  only, exclude = {"all": (None, ()), "core": (CORE_CASES, ()), "families": (FAMILY_CASES, ()),
+                   "no_families": (None, FAMILY_CASES)}[a.cases]
+  report = (run(a.model, meshes, only, exclude) if a.check == "decode"
+            else train_check(meshes))
   text = json.dumps(report, indent=1)
   if a.out:
     with open(a.out, "w") as f:

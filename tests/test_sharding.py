@@ -169,16 +169,30 @@ def _check(report: dict, meshes: str, sampled: bool = True, greedy=GREEDY_CASES)
       assert v["equal"] and v["per_device"], (name, impl, v)
 
 
+# The drafter families' chains (and lookahead's tree) on the default run's mesh are the heavy
+# test below (each compiles its loop on the mesh: 850 s of an AVX2 host's suite with them).
+FAMILY_CASES = ("model_chain_greedy", "jacobi_chain_greedy", "early_exit_chain_greedy",
+                "adapter_exit_chain_greedy", "prompt_lookup_chain_greedy", "bigram_chain_greedy",
+                "lookahead_greedy")
+
+
 def test_simulated_meshes_tiny_model():
-  """One of the four meshes, both axes split (the default run); the other three are the
-  heavy test below."""
-  report = _run_simulated("tiny", "2x4", timeout=900)
-  _check(report, "2x4")
+  """One of the four meshes, both axes split (the default run), every case but the other
+  drafter families' (their heavy test follows); the other three meshes are heavy too."""
+  report = _run_simulated("tiny", "2x4", timeout=900, cases="no_families")
+  _check(report, "2x4", greedy=tuple(c for c in GREEDY_CASES if c not in FAMILY_CASES))
+  assert not set(FAMILY_CASES) & set(report["meshes"]["2x4"])
   # the TPU interpreter's kernel runs wherever the mesh splits the block (see
   # sharded_decoding._attention_kernels for 1x8)
   assert "pallas_tpu_interpret" in report["meshes"]["2x4"]["attention_kernels"]
   # The model axis really splits the weights where it is > 1.
   assert "P(None, 'model')" in report["meshes"]["2x4"]["params_sharded"]
+
+
+@pytest.mark.heavy
+def test_simulated_meshes_tiny_model_drafter_families():
+  report = _run_simulated("tiny", "2x4", timeout=900, cases="families")
+  _check(report, "2x4", sampled=False, greedy=FAMILY_CASES)
 
 
 @pytest.mark.heavy
