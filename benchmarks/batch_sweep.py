@@ -229,10 +229,21 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
           "gammas": [0, *gammas], "step_costs": list(chain_costs),
           "trees": [_tree_name(t) for t in trees], "tree_costs": list(tree_costs),
           "policy_trees": pricing["rank_accept"] is not None, **pricing,
+          "min_gain": policy.min_gain,
           "plain_tokens_per_second": plain_tps,
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
                                  tokens_per_second=plain_tps * float(np.median(v)))
                       for name, v in speedups.items()}}
+
+
+def _margin(cells: list[dict]) -> str:
+  """The report's words for the policies' ``min_gain`` (cells before it was recorded had
+  none: the policy then took the formula's argmax)."""
+  gains = sorted({c.get("min_gain", 0.0) for c in cells})
+  if gains == [0.0]:
+    return ""
+  return ("; a draft is taken only when it promises more than "
+          + " or ".join(f"{g:.0%}" for g in gains) + " over plain decoding (`min_gain`)")
 
 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
@@ -252,7 +263,7 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "the trees too, priced by the drafter's per-rank acceptance, all measured on "
            f"{CALIBRATION_PROMPTS} training-side prompts (never the timed ones); its mix "
            "counts steps of each choice (γ = 0 is plain decoding, then the chains, then the "
-           "trees).", ""]
+           "trees)" + _margin(cells) + ".", ""]
   if DATA.value > 1:
     lines[5:5] = [f"Data parallel: every batch's rows sharded over {DATA.value} devices "
                   "(`--data_parallel`, docs/sharding.md); tokens/s per device = tok/s / "

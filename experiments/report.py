@@ -313,6 +313,16 @@ def _depth_acceptance(alpha: Sequence[dict]) -> list[str]:
   return lines + [""]
 
 
+def _margin(adaptive: list[dict]) -> str:
+  """Words for the adaptive rows' ``min_gain``; empty when it is 0 (the formula's argmax) or
+  not recorded (rows from before it existed, whose policies took the argmax)."""
+  gains = sorted({r.get("min_gain") or 0.0 for r in adaptive})
+  if gains == [0.0]:
+    return ""
+  return (", a draft taken only when it promises more than "
+          + " or ".join(f"{g:.0%}" for g in gains) + " over plain decoding (`min_gain`)")
+
+
 def _adaptive_section(rows: Sequence[dict]) -> list[str]:
   """The adaptive policy against plain decoding and against the best fixed γ of the sweep."""
   adaptive = [r for r in rows if r["experiment"] == "adaptive" and r["category"] == ALL]
@@ -322,7 +332,7 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
            "`AdaptiveGamma` (specjax/speculative/adaptive.py) picks each step's γ inside the "
            "jitted loop: the choice with the most expected tokens (1 + α̂ + … + α̂^γ, α̂ a "
            "running per-row estimate) per unit of step cost, γ = 0 being a plain decoding "
-           "step. Its step costs are those the γ sweep measured above (step / t₁ on these "
+           f"step{_margin(adaptive)}. Its step costs are those the γ sweep measured above (step / t₁ on these "
            "batches), made non-decreasing in γ. Steps at γ counts the steps it took at each of "
            "its choices (0 = plain decoding), with the mean α̂ it chose them on.", "",
            "| T | choices | step costs | steps at γ | tokens/call | measured speedup | spread | "

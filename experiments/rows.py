@@ -42,7 +42,8 @@ from specjax.speculative.metrics import mean_estimates
 
 from experiments import checks
 from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
-                                 round_decode_speedups, round_prefill_ratios, round_speedups,
+                                 as_tuple, policy_of, round_decode_speedups,
+                                 round_prefill_ratios, round_speedups,
                                  run_flags)
 from experiments.prompts import ALL, Batch, batch_indices
 
@@ -97,6 +98,12 @@ def shape_name(tree, gamma: int) -> str:
   return f"dynamic k={tree[1]}" if tree[0] == "dynamic" else "best tree"
 
 
+def _min_gain(tree) -> Optional[float]:
+  """An adaptive setting's policy's ``min_gain`` (what it ran with); None for other settings."""
+  policy = policy_of(None if tree is None else as_tuple(tree))
+  return None if policy is None else policy.min_gain
+
+
 def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
              category: str = ALL) -> dict[str, Any]:
   """One table row; an untimed run leaves the timing columns empty."""
@@ -129,7 +136,7 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       decode_speedup=None, ar_prefill_share=None, prefill_ratio=None,
       step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,
       calibrated_speedup=None, calibrated_call_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags),
-      replayed=run.replayed)
+      replayed=run.replayed, min_gain=_min_gain(run.tree))
   if not run.timed:
     return row
   ratios = round_speedups(run, sel)

@@ -22,7 +22,7 @@ from specjax.drafters import JacobiDrafter, ModelDrafter
 from specjax.generate import prefill
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
-from specjax.speculative.adaptive import AdaptiveGamma, PolicyState
+from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma, PolicyState
 from specjax.speculative.calibration import (calibrate, measure_chain_alpha, measure_chain_alphas,
                                              measure_rank_accept, measure_step_costs,
                                              measure_tree_prices)
@@ -70,14 +70,20 @@ def test_docstring_example_choices():
   assert float(policy.alpha(_state(policy, [6.5], [2.5]))[0]) == pytest.approx(0.7)
   np.testing.assert_allclose(policy.scores(_state(policy, [6.5], [2.5]), on),
                              [1.0, 1.7 / 1.15, 2.19 / 1.27, 2.7731 / 1.52], rtol=1e-5)
-  assert policy.gammas[int(policy.choose(_state(policy, [0.1], [1.9]), on))] == 1
+  # α̂ = 0.3 (s = 0.1, f = 0.9): γ = 1 at 1.13; α̂ = 0.2: γ = 1 promises 4%, within the
+  # default margin, so plain decoding (the formula's argmax, γ = 1, with min_gain = 0).
+  assert policy.gammas[int(policy.choose(_state(policy, [0.1], [0.9]), on))] == 1
+  assert policy.gammas[int(policy.choose(_state(policy, [0.1], [1.9]), on))] == 0
+  eager = dataclasses.replace(policy, min_gain=0.0)
+  assert eager.gammas[int(eager.choose(_state(policy, [0.1], [1.9]), on))] == 1
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.1, 0.35, 0.5, 0.62, 0.8, 0.95, 0.999])
 def test_choice_is_the_calibrated_theory_argmax(alpha):
   curve = theory.VerifyCostCurve({1: 1.0, 2: 1.08, 3: 1.2, 5: 1.6})
   c = 0.07
-  policy = AdaptiveGamma.from_theory((0, 1, 2, 3, 4), c, curve, prior_weight=1e-6)
+  policy = AdaptiveGamma.from_theory((0, 1, 2, 3, 4), c, curve, prior_weight=1e-6,
+                                     min_gain=0.0)
   # Evidence giving α̂ = alpha (the prior's weight is negligible).
   state = _state(policy, [alpha * 1e3], [(1 - alpha) * 1e3])
   expected = [1.0] + [theory.calibrated_walltime_improvement(alpha, g, c, curve)
@@ -133,7 +139,8 @@ def test_observe_discounts_counts_rejections_and_spares_inactive_rows():
 
 
 def test_plain_steps_return_the_estimate_to_the_prior_so_drafting_is_tried_again():
-  policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.3), prior_alpha=0.6, decay=0.9)
+  policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.3), prior_alpha=0.6, decay=0.9,
+                         min_gain=0.0)
   state, on = policy.init(1), jnp.ones((1,), bool)
   assert policy.gammas[int(policy.choose(state, on))] == 2  # E(0.6, 2) / 1.3 = 1.51
   for _ in range(3):  # three rejections: f = 2.71, α̂ = 0.16, E / 1.3 = 0.91
@@ -147,6 +154,31 @@ def test_plain_steps_return_the_estimate_to_the_prior_so_drafting_is_tried_again
   # E > 1.3 needs α̂ > 0.24, i.e. 2.71 · 0.9^k < 1.5: k = 6 plain steps.
   assert plain_steps == 6
   assert float(policy.alpha(state)[0]) > max(low, 0.24)
+
+
+def test_a_draft_must_promise_more_than_min_gain_over_plain_decoding():
+  """Plain decoding's score is raised by ``min_gain`` (5% by default) in the choice, not in
+  the scores: a draft promising 3% stays plain, one promising 8% is taken; with no plain
+  choice the margin changes nothing; the prior's choice decides ``never_drafts``."""
+  on = jnp.ones((1,), bool)
+  # α̂ = 0.5 at the prior: E(γ = 1) = 1.5, so a cost of 1.5 / 1.03 promises 3%.
+  close = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.5 / 1.03), prior_alpha=0.5)
+  assert close.min_gain == MIN_GAIN == 0.05
+  np.testing.assert_allclose(close.scores(close.init(1), on), [1.0, 1.03], rtol=1e-5)
+  assert int(close.choose(close.init(1), on)) == 0 and close.never_drafts()
+  eager = dataclasses.replace(close, min_gain=0.0)  # the calibrated formula's argmax
+  assert int(eager.choose(eager.init(1), on)) == 1 and not eager.never_drafts()
+  clear = dataclasses.replace(close, step_costs=(1.0, 1.5 / 1.08))
+  assert int(clear.choose(clear.init(1), on)) == 1 and not clear.never_drafts()
+  strict = dataclasses.replace(clear, min_gain=0.1)
+  assert int(strict.choose(strict.init(1), on)) == 0
+  # Without plain decoding the choice is the argmax, whatever the margin.
+  drafts = AdaptiveGamma(gammas=(1, 2), step_costs=(1.0, 1.4), prior_alpha=0.5, min_gain=0.5)
+  np.testing.assert_allclose(drafts.scores(drafts.init(1), on), [1.5, 1.75 / 1.4], rtol=1e-5)
+  assert drafts.gammas[int(drafts.choose(drafts.init(1), on))] == 1
+  for bad in (-0.01, float("nan"), float("inf"), True, "0.05"):
+    with pytest.raises(ValueError, match="min_gain must be a finite number >= 0"):
+      AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.2), min_gain=bad)
 
 
 def test_policy_sorts_its_set_and_builds_costs_from_theory():
@@ -175,7 +207,7 @@ def test_trees_are_priced_by_tree_theory_on_the_scaled_table():
   dynamic = DynamicTree(top_k=2, depth=3, num_nodes=5)
   policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.2), trees=(FORK, dynamic),
                          tree_costs=(1.3, 1.5), rank_accept=TABLE, prior_weight=1e-6,
-                         prior_alpha=0.99 / 1.825)
+                         prior_alpha=0.99 / 1.825, min_gain=0.0)
   # The chains' calibrated rate is the table's, so chain evidence at α prices both at α.
   ref = policy.table_alpha  # P = 0.55, 0.275, 0.165: 0.99 / (0.99 + 0.835)
   assert ref == pytest.approx(0.99 / 1.825)
@@ -483,11 +515,12 @@ THEN_ONE = dataclasses.replace(THEN_PLAIN, step_costs=(1.0, 1.05, 1.6))
 # Trees: the first step is a three-node tree (scores at the table's own α_A = 0.9: tree
 # 3.01 / 1.6; γ = 1 at the chains' rate 0.2: 1.2 / 1.3; plain 1). A row whose root rank-0
 # draft was rejected has ρ̂ = 0.2 / 1.1 (α̂_tree = 0.16: 1.24 / 1.6; α̂ = 0.036) and next takes
-# a plain step, or with a cheap γ = 1 a chain (1.036 / 1.01).
+# a plain step, or with a cheap γ = 1 a chain (1.036 / 1.01, inside the default margin, so
+# min_gain = 0).
 TREE3 = TreeTopology.from_choices([(0,), (1,), (0, 0)])
 TREE_THEN_PLAIN = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 1.3), trees=(TREE3,),
                                 tree_costs=(1.6,), rank_accept=((0.9, 0.3), (0.9, 0.3)),
-                                prior_alpha=0.2, prior_weight=1.0)
+                                prior_alpha=0.2, prior_weight=1.0, min_gain=0.0)
 TREE_THEN_ONE = dataclasses.replace(TREE_THEN_PLAIN, step_costs=(1.0, 1.01))
 V, ROWS, PROMPT = 8, 100_000, [1, 2, 5]
 

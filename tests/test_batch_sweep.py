@@ -36,10 +36,12 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
     assert len(c["rank_accept"]) == 2 and 0.0 < c["chain_alpha"] < 1.0
     assert len(c["step_costs"]) == 2 and len(c["tree_costs"]) == 1
     assert min(c["step_costs"] + c["tree_costs"]) >= 1.0
+    assert c["min_gain"] == 0.05  # the policy's default margin, recorded
     mix = c["methods"]["adaptive"]["choice_steps"]
     assert len(mix) == 3 and sum(mix) > 0  # plain, γ = 1, the tree
   text = out.read_text()
   assert "| α_c | adaptive mix (0…1, tree) |" in text
+  assert "promises more than 5% over plain decoding (`min_gain`)" in text
   assert [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| 1 |")
           or l.startswith("| 2 |")] == ["1", "2"]
 

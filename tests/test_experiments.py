@@ -867,12 +867,14 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
     # batches of 2: priced for the slower row, by the 2 calibration prompts' rates
     assert len(policy.prompt_ease) == 2 and 0.01 <= policy.prior_alpha <= 0.99
     assert sum(r["depth_hist"]) == r["target_calls"]
+    assert r["min_gain"] == policy.min_gain == 0.05  # the margin it ran with, recorded
     # The chain-only policy's choices have depths of their own: plain at 0, γ = 2 at 2.
     assert r["choice_steps"] == [r["depth_hist"][0], r["depth_hist"][2]]
     if r["temperature"] == 0:
       assert r["greedy_match"] == 1.0
   tables = open(os.path.join(out, "tables.md")).read()
   assert "## Adaptive γ" in tables and "priced for the row they wait on" in tables
+  assert "a draft taken only when it promises more than 5% over plain decoding" in tables
   from experiments.report import tables_markdown  # the same tables from results.json
   with open(os.path.join(out, "results.json")) as f:
     assert tables_markdown(json.load(f)) == tables

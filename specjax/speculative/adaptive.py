@@ -34,6 +34,17 @@ not used to find the slowest one: ten steps of evidence each, the least of
 eight is biased low, and scoring it drafted worse
 (``benchmarks/results/batch_policy_variants.md``).
 
+A draft is taken over plain decoding only when it promises more than ``min_gain``
+(default 5%): its price rests on estimates (the step costs of one measured batch,
+α_c and its spread from a few calibration prompts), and near break-even their
+error, not the draft, decides the sign of the outcome. On an AVX2 host (Zen 3) at
+batch 4, γ = 1 was priced at +3.9% and measured 0.88–1.03× over three rounds (the
+timed prompts' rate was 0.53 against the calibration's 0.58), and a policy drafting
+it on a third of its steps lost 3% (``benchmarks/results/batch_sweep_avx2_29c3654.md``).
+Where drafting pays the margin hardly matters (at batch 1 the best draft promises
+30–50%); at the prior it is what sends a batch size whose drafts are within their
+prices' error to plain decoding (``never_drafts``).
+
 Trees need a price, so a policy with trees takes the drafter's per-depth,
 per-rank acceptance table (``rank_accept``, as ``tree_builders`` defines it and
 ``estimate_rank_accept`` measures it; the experiments' calibration) and prices
@@ -114,6 +125,7 @@ Tree = Union[TreeTopology, DynamicTree]
 
 ALPHA_GRID = 101  # points in [0, 1] at which a table-priced policy tabulates E[tokens | α]
 BATCH_ROWS = 1024  # batch sizes up to which ``batch_factors`` are tabulated (larger: the last)
+MIN_GAIN = 0.05  # default ``min_gain``: the margin a draft's expected gain must clear (below)
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -172,6 +184,12 @@ class AdaptiveGamma:
       rate over ``prior_alpha`` (``calibration.measure_chain_alphas``). With it, a step
       of a batch is priced for the row the batch waits on (``batch_factors``); empty:
       for the rows' mean. Stored as a tuple.
+    min_gain: the expected gain over plain decoding a draft must promise before the
+      policy leaves plain decoding for it (``choose``): a draft wins only when its score
+      exceeds 1 + min_gain, plain decoding's score. Its prices are estimates, and near
+      break-even an estimate's error decides the sign of the outcome (the module
+      docstring); the default is ``MIN_GAIN``. Only with plain decoding among the
+      choices; 0 takes the calibrated formula's argmax.
   """
 
   gammas: tuple[int, ...]
@@ -183,6 +201,7 @@ class AdaptiveGamma:
   prior_weight: float = 1.0
   decay: float = 0.9
   prompt_ease: tuple[float, ...] = ()
+  min_gain: float = MIN_GAIN
 
   def __post_init__(self):
     gammas, trees = tuple(self.gammas), tuple(self.trees)
@@ -235,13 +254,18 @@ class AdaptiveGamma:
       raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
     if not 0.0 < self.decay <= 1.0:
       raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+    if not (isinstance(self.min_gain, (int, float, np.floating, np.integer))
+            and not isinstance(self.min_gain, bool) and math.isfinite(self.min_gain)
+            and self.min_gain >= 0):
+      raise ValueError(f"min_gain must be a finite number >= 0, got {self.min_gain!r}")
     ease = tuple(self.prompt_ease)
     if not all(isinstance(e, (int, float, np.floating, np.integer)) and not isinstance(e, bool)
                and math.isfinite(e) and e >= 0 for e in ease):
       raise ValueError(f"prompt_ease must be finite numbers >= 0, got {self.prompt_ease!r}")
     for name, value in (("gammas", gammas), ("step_costs", costs), ("trees", trees),
                         ("tree_costs", tree_costs), ("rank_accept", table),
-                        ("prompt_ease", tuple(float(e) for e in ease))):
+                        ("prompt_ease", tuple(float(e) for e in ease)),
+                        ("min_gain", float(self.min_gain))):
       object.__setattr__(self, name, value)
 
   @classmethod
@@ -303,9 +327,9 @@ class AdaptiveGamma:
   def never_drafts(self, batch_size: int = 1) -> bool:
     """Whether every step of this policy is a plain decoding step for a batch of
     ``batch_size`` rows that stay active together to the end, which is known before the
-    first: plain decoding scores best at the prior (no evidence yet, ρ̂ = 1), and a plain
-    step accepts and rejects nothing, so the counts stay at zero (they only decay), ρ̂ at 1
-    and the choice where it was. ``SpeculativeDecoder.generate`` then decodes plainly. (A
+    first: plain decoding is chosen at the prior (no evidence yet, ρ̂ = 1; no draft promises
+    more than ``min_gain``), and a plain step accepts and rejects nothing, so the counts
+    stay at zero (they only decay), ρ̂ at 1 and the choice where it was. ``SpeculativeDecoder.generate`` then decodes plainly. (A
     row that ends early, at EOS, leaves fewer rows to wait on, which can only favour
     drafting: the decoder then asks at one row.)"""
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
@@ -433,8 +457,13 @@ class AdaptiveGamma:
     return mean / jnp.asarray(self.costs, jnp.float32)
 
   def choose(self, state: PolicyState, active: jax.Array) -> jax.Array:
-    """The index (into the choices) of this step's draft: int32 scalar."""
-    return jnp.argmax(self.scores(state, active)).astype(jnp.int32)
+    """The index (into the choices) of this step's draft: int32 scalar. The highest score,
+    with plain decoding's (choice 0, when it is one) raised by ``min_gain``: a draft must
+    promise more than that margin over plain decoding to be taken."""
+    scores = self.scores(state, active)
+    if self.plain:
+      scores = scores.at[0].add(self.min_gain)
+    return jnp.argmax(scores).astype(jnp.int32)
 
   def observe(self, state: PolicyState, index: jax.Array, num_accepted: jax.Array,
               active: jax.Array) -> PolicyState:
