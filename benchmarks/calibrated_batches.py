@@ -24,9 +24,8 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import write_markdown
-from experiments import checks
 from experiments.measure import (SpecRun, costs, round_decode_speedups, round_prefill_ratios,
-                                 round_speedups)
+                                 round_prefill_shares, round_speedups)
 from experiments.prompts import ALL, Batch
 from experiments.rows import slowest_row_tokens
 from specjax import theory
@@ -72,8 +71,7 @@ def _row(run: SpecRun) -> list[str] | None:
                                                  else f" / {p / decode - 1:+.1%}")
   whole = "–"
   if decode is not None:
-    share = float(np.median(np.divide(checks.round_sums(run.plain_prefill_seconds, everything),
-                                      checks.round_sums(run.plain_seconds, everything))))
+    share = float(np.median(round_prefill_shares(run, everything)))
     ratio = float(np.median(round_prefill_ratios(run, everything)))
     call = theory.whole_call_improvement(slowest, share, ratio)
     whole = f"**{call:.3f}×** ({call / measured - 1:+.1%}; prefill {share:.0%}, ×{ratio:.2f})"

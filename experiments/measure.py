@@ -274,6 +274,16 @@ def round_prefill_ratios(run: SpecRun, indices: Sequence[int]) -> Optional[list[
   return checks.round_ratios(run.plain_prefill_seconds, run.prefill_seconds, indices)
 
 
+def round_prefill_shares(run: SpecRun, indices: Sequence[int]) -> Optional[list[float]]:
+  """Per round that timed the given batches: plain decoding's Σ prefill / Σ wall seconds over
+  them (its share of time in prefill, ``theory.whole_call_improvement``'s s); None for runs
+  recorded without prefill times."""
+  if run.prefill_seconds is None or run.plain_prefill_seconds is None:
+    return None
+  return np.divide(checks.round_sums(run.plain_prefill_seconds, indices),
+                   checks.round_sums(run.plain_seconds, indices)).tolist()
+
+
 def median_known(values: Sequence[Optional[float]]) -> float:
   """The median of the values that were measured (an added round's step times are None)."""
   return float(np.median([v for v in values if v is not None]))

@@ -43,7 +43,7 @@ from specjax.speculative.metrics import mean_estimates
 from experiments import checks
 from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
                                  as_tuple, policy_of, round_decode_speedups,
-                                 round_prefill_ratios, round_speedups,
+                                 round_prefill_ratios, round_prefill_shares, round_speedups,
                                  run_flags)
 from experiments.prompts import ALL, Batch, batch_indices
 
@@ -143,8 +143,8 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
   decode = round_decode_speedups(run, sel)
   ar_seconds = checks.round_sums(run.plain_seconds, sel)
   if decode is not None:
-    row.update(decode_speedup=float(np.median(decode)), ar_prefill_share=float(np.median(
-        np.divide(checks.round_sums(run.plain_prefill_seconds, sel), ar_seconds))),
+    row.update(decode_speedup=float(np.median(decode)),
+               ar_prefill_share=float(np.median(round_prefill_shares(run, sel))),
                prefill_ratio=float(np.median(round_prefill_ratios(run, sel))))
   row.update(spec_seconds=float(np.median(checks.round_sums(run.seconds, sel))),
              ar_seconds=float(np.median(ar_seconds)),

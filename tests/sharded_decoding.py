@@ -156,7 +156,8 @@ def run(model: str, meshes: list[tuple[int, int]], only=None, exclude=()) -> dic
   weights = _weight_shapes(sharding.shard_params(params, cfg, sharding.make_mesh(1, 1))) | (
       _weight_shapes(eagle.plain_params(eagle_params))) | _weight_shapes(
           medusa.plain_params(medusa_params))
-  report = {"model": model, "devices": len(jax.devices()), "meshes": {}}
+  report = {"model": model, "devices": len(jax.devices()), "meshes": {},
+            "family_cases": list(FAMILY_CASES)}
   for data, model_axis in meshes:
     mesh = sharding.make_mesh(data, model_axis)
     with sharding.use_mesh(mesh, rules):
