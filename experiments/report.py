@@ -332,9 +332,10 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
            "`AdaptiveGamma` (specjax/speculative/adaptive.py) picks each step's γ inside the "
            "jitted loop: the choice with the most expected tokens (1 + α̂ + … + α̂^γ, α̂ a "
            "running per-row estimate) per unit of step cost, γ = 0 being a plain decoding "
-           f"step{_margin(adaptive)}. Its step costs are those the γ sweep measured above (step / t₁ on these "
-           "batches), made non-decreasing in γ. Steps at γ counts the steps it took at each of "
-           "its choices (0 = plain decoding), with the mean α̂ it chose them on.", "",
+           f"step{_margin(adaptive)}. Its step costs are those the γ sweep measured above "
+           "(step / t₁ on these batches), made non-decreasing in γ. Steps at γ counts the "
+           "steps it took at each of its choices (0 = plain decoding), with the mean α̂ it "
+           "chose them on.", "",
            "| T | choices | step costs | steps at γ | tokens/call | measured speedup | spread | "
            "decode-only speedup | best fixed γ | adaptive / best fixed | check |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]

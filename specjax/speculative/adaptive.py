@@ -329,9 +329,10 @@ class AdaptiveGamma:
     ``batch_size`` rows that stay active together to the end, which is known before the
     first: plain decoding is chosen at the prior (no evidence yet, ρ̂ = 1; no draft promises
     more than ``min_gain``), and a plain step accepts and rejects nothing, so the counts
-    stay at zero (they only decay), ρ̂ at 1 and the choice where it was. ``SpeculativeDecoder.generate`` then decodes plainly. (A
-    row that ends early, at EOS, leaves fewer rows to wait on, which can only favour
-    drafting: the decoder then asks at one row.)"""
+    stay at zero (they only decay), ρ̂ at 1 and the choice where it was.
+    ``SpeculativeDecoder.generate`` then decodes plainly. (A row that ends early, at EOS,
+    leaves fewer rows to wait on, which can only favour drafting: the decoder then asks at
+    one row.)"""
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
       raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if not self.plain:
