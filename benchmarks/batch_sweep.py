@@ -45,6 +45,7 @@ import sys
 import time
 from typing import Optional
 
+import jax
 import numpy as np
 from absl import app, flags
 
@@ -367,6 +368,11 @@ def _sweep(cells, store, todo, pricing, target, draft, batches, temps, gammas, t
     for batch in todo[temp]:
       cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees, pricing[temp]))
       files.write_text(store, json.dumps(cells, indent=1))
+      # No later cell runs these programs (another batch size or temperature): free them.
+      # Every compiled XLA:CPU program holds memory mappings, and a process may hold
+      # vm.max_map_count (65530) of them: B = 1-8 at T = 0 and then T = 1 reached it at
+      # T = 1's second cell ("LLVM compilation error: Cannot allocate memory", a segfault).
+      jax.clear_caches()
   cells = [c for c in cells if c["batch"] in batches and c["temperature"] in temps]
   command = " ".join(["python -m benchmarks.batch_sweep", *sys.argv[1:]])
   write_markdown(OUT.value, _report(cells, gammas, command,
