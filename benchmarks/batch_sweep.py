@@ -56,6 +56,7 @@ from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts, training_prompts
+from experiments.report import margin_words
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
@@ -237,17 +238,8 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
                       for name, v in speedups.items()}}
 
 
-def _margin(cells: list[dict]) -> str:
-  """The report's words for the policies' ``min_gain`` (cells before it was recorded had
-  none: the policy then took the formula's argmax)."""
-  gains = sorted({c.get("min_gain", 0.0) for c in cells})
-  if gains == [0.0]:
-    return ""
-  return ("; a draft is taken only when it promises more than "
-          + " or ".join(f"{g:.0%}" for g in gains) + " over plain decoding (`min_gain`)")
-
-
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
+  margin = margin_words(c.get("min_gain") for c in cells)
   name = "SmolLM2-135M-Instruct" if TARGET.value == "smollm2" else f"`{TARGET.value}`"
   lines = [f"# Speedup versus batch size ({name} target)", "",
            f"Command: `{command}`  ", f"{provenance()}; draft `{DRAFT.value}`; "
@@ -264,7 +256,7 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "the trees too, priced by the drafter's per-rank acceptance, all measured on "
            f"{CALIBRATION_PROMPTS} training-side prompts (never the timed ones); its mix "
            "counts steps of each choice (γ = 0 is plain decoding, then the chains, then the "
-           "trees)" + _margin(cells) + ".", ""]
+           "trees)" + (margin and "; " + margin) + ".", ""]
   if DATA.value > 1:
     lines[5:5] = [f"Data parallel: every batch's rows sharded over {DATA.value} devices "
                   "(`--data_parallel`, docs/sharding.md); tokens/s per device = tok/s / "

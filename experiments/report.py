@@ -313,13 +313,13 @@ def _depth_acceptance(alpha: Sequence[dict]) -> list[str]:
   return lines + [""]
 
 
-def _margin(adaptive: list[dict]) -> str:
-  """Words for the adaptive rows' ``min_gain``; empty when it is 0 (the formula's argmax) or
-  not recorded (rows from before it existed, whose policies took the argmax)."""
-  gains = sorted({r.get("min_gain") or 0.0 for r in adaptive})
+def margin_words(gains) -> str:
+  """Words for adaptive policies' ``min_gain`` values (None: not recorded, from before it
+  existed, when the policy took the formula's argmax); empty when every one is 0."""
+  gains = sorted({g or 0.0 for g in gains})
   if gains == [0.0]:
     return ""
-  return (", a draft taken only when it promises more than "
+  return ("a draft taken only when it promises more than "
           + " or ".join(f"{g:.0%}" for g in gains) + " over plain decoding (`min_gain`)")
 
 
@@ -328,11 +328,13 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
   adaptive = [r for r in rows if r["experiment"] == "adaptive" and r["category"] == ALL]
   if not adaptive:
     return []
+  margin = margin_words(r.get("min_gain") for r in adaptive)
+  margin = margin and ", " + margin
   lines = ["## Adaptive γ", "",
            "`AdaptiveGamma` (specjax/speculative/adaptive.py) picks each step's γ inside the "
            "jitted loop: the choice with the most expected tokens (1 + α̂ + … + α̂^γ, α̂ a "
            "running per-row estimate) per unit of step cost, γ = 0 being a plain decoding "
-           f"step{_margin(adaptive)}. Its step costs are those the γ sweep measured above "
+           f"step{margin}. Its step costs are those the γ sweep measured above "
            "(step / t₁ on these batches), made non-decreasing in γ. Steps at γ counts the "
            "steps it took at each of its choices (0 = plain decoding), with the mean α̂ it "
            "chose them on.", "",
