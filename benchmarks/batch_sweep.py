@@ -3,7 +3,8 @@
 Usage:
   python -m benchmarks.batch_sweep [--batch_sizes 1,2,4,8,16,32] [--temperatures 0]
       [--gammas 1,2,3,4] [--trees 3:3:4] [--nopolicy_trees] [--new_tokens 128] [--rounds 3]
-      [--draft eagle] [--target smollm2] [--out benchmarks/results/batch_sweep.md]
+      [--draft eagle] [--target smollm2] [--min_gain 0.05]
+      [--out benchmarks/results/batch_sweep.md]
 
 For each batch size B and temperature, on batches of B held-out prompts (the
 ``--prompts`` prompts split into batches of B, or cycled to fill one batch when B
@@ -19,7 +20,8 @@ exceeds them), in one process:
      steps by how that rate varies by prompt (``prompt_ease``), measured once per
      temperature on training-side prompts (``calibration.measure_tree_prices``, prompts
      alone, so batch-independent); ``--nopolicy_trees`` leaves the trees out of the policy
-     (the chains' rate and its spread are still measured, ``measure_chain_alphas``);
+     (the chains' rate and its spread are still measured, ``measure_chain_alphas``); it
+     drafts only when a draft promises more than ``--min_gain`` over plain decoding;
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
      one per batch and round, as in ``experiments``), whole generations
@@ -27,7 +29,8 @@ exceeds them), in one process:
      both summed over the batches, the median round reported.
 
 Results go to ``--out`` (markdown, with a figure beside it) and to a JSON file
-beside it that a rerun resumes from (delete it to start over).
+beside it that a rerun resumes from (delete it to start over; its cells of another
+``--data_parallel`` or ``--min_gain`` are measured again).
 
 With ``--data_parallel=N`` every batch's rows are sharded over N devices (an N x 1 mesh,
 ``specjax.sharding``; the batch sizes must be multiples of N) and tokens/s are also given
@@ -41,6 +44,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import math
 import sys
 import time
 from typing import Optional
@@ -59,7 +63,7 @@ from experiments.prompts import default_prompts, training_prompts
 from experiments.report import margin_words
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
-from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma
 from specjax.speculative.calibration import (default_branching, measure_chain_alphas,
                                              measure_step_costs, measure_tree_prices)
 from specjax.speculative.tree import DynamicTree
@@ -78,6 +82,9 @@ OUT = flags.DEFINE_string("out", "benchmarks/results/batch_sweep.md", "markdown 
 POLICY_TREES = flags.DEFINE_bool("policy_trees", True, "the adaptive policy also chooses the "
                                   "--trees (priced by an acceptance table measured on "
                                   "training-side prompts), not only the chains")
+MARGIN = flags.DEFINE_float("min_gain", MIN_GAIN, "the adaptive policy drafts only when a draft "
+                            "promises more than this over plain decoding "
+                            "(AdaptiveGamma.min_gain; 0: the formula's argmax)")
 DATA = flags.DEFINE_integer("data_parallel", 1, "rows sharded over this many devices (an N x 1 "
                             "('data', 'model') mesh, docs/sharding.md; on CPU simulate devices "
                             "with XLA_FLAGS=--xla_force_host_platform_device_count=N); the "
@@ -105,6 +112,8 @@ def _check_flags() -> tuple[list[int], list[float], list[int], list[DynamicTree]
     raise app.UsageError(f"gammas must be >= 1, got {gammas}")
   if NEW.value < 1 or ROUNDS.value < 1 or PROMPTS.value < 1:
     raise app.UsageError("new_tokens, rounds and prompts must be >= 1")
+  if not (math.isfinite(MARGIN.value) and MARGIN.value >= 0):
+    raise app.UsageError(f"min_gain must be a finite number >= 0, got {MARGIN.value}")
   return batches, temps, gammas, trees
 
 
@@ -189,7 +198,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
       trees=tuple(trees), tree_costs=tree_costs, rank_accept=pricing["rank_accept"])
   policy = AdaptiveGamma(gammas=(0, *gammas), step_costs=chain_costs,
                          prior_alpha=pricing["chain_alpha"], prompt_ease=pricing["prompt_ease"],
-                         **with_trees)
+                         min_gain=MARGIN.value, **with_trees)
   methods = {f"γ={g}": dataclasses.replace(template, gamma=g, tree=None) for g in gammas}
   methods.update({_tree_name(t): dataclasses.replace(template, gamma=None, tree=t)
                   for t in trees})
@@ -323,8 +332,11 @@ def main(_):
   mesh = _mesh(batches)
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   store = os.path.splitext(OUT.value)[0] + ".json"
-  cells = [c for c in (json.load(open(store)) if os.path.exists(store) else [])
-           if c.get("devices", 1) == DATA.value]  # a store of another mesh is not resumed
+  # A store's cells of another mesh or margin are kept in it but neither resumed nor
+  # reported (cells from before the margin existed took the formula's argmax: 0).
+  stored = json.load(open(store)) if os.path.exists(store) else []
+  ours = lambda c: c.get("devices", 1) == DATA.value and c.get("min_gain", 0.0) == MARGIN.value
+  cells, others = [c for c in stored if ours(c)], [c for c in stored if not ours(c)]
   done = {(c["batch"], c["temperature"]) for c in cells}
   target = load_target(TARGET.value)
   draft = load_draft(DRAFT.value, target, lambda: [])
@@ -347,23 +359,23 @@ def main(_):
                                                                          target.cfg, mesh))
       draft = dataclasses.replace(draft, params=sharding.shard_params(
           draft.params, target.cfg, mesh, drafter=draft.drafter))
-    _sweep(cells, store, todo, pricing, target, draft, batches, temps, gammas, trees, start)
+    _sweep(cells, others, store, todo, pricing, target, draft, batches, temps, gammas, trees,
+           start)
 
 
-def _sweep(cells, store, todo, pricing, target, draft, batches, temps, gammas, trees,
+def _sweep(cells, others, store, todo, pricing, target, draft, batches, temps, gammas, trees,
            start: float):
   """Measures the cells ``todo`` lists ({temperature: batch sizes}) with each temperature's
-  ``pricing``, saving the store after each, then writes the report and its figure (with the
-  minutes since ``start``)."""
+  ``pricing``, saving the store (``others``, then ``cells``) after each, then writes the
+  report of ``cells`` and its figure (with the minutes since ``start``)."""
   prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
   for temp in temps:
     for batch in todo[temp]:
       cells.append(_measure(target, draft, prompts, batch, temp, gammas, trees, pricing[temp]))
-      files.write_text(store, json.dumps(cells, indent=1))
-      # No later cell runs these programs (another batch size or temperature): free them.
-      # Every compiled XLA:CPU program holds memory mappings, and a process may hold
-      # vm.max_map_count (65530) of them: B = 1-8 at T = 0 and then T = 1 reached it at
-      # T = 1's second cell ("LLVM compilation error: Cannot allocate memory", a segfault).
+      files.write_text(store, json.dumps(others + cells, indent=1))
+      # No later cell runs these programs (another batch size or temperature): free them,
+      # or a long sweep reaches the process's mapping limit (specjax.compile_cache: B = 1-8
+      # at T = 0 and then T = 1 did, at T = 1's second cell).
       jax.clear_caches()
   cells = [c for c in cells if c["batch"] in batches and c["temperature"] in temps]
   command = " ".join(["python -m benchmarks.batch_sweep", *sys.argv[1:]])

@@ -94,6 +94,9 @@ class ExperimentConfig:
     verification: how the chains' sampled drafts are accepted: "tokenwise" (modified
       rejection sampling) or "block" (Sun et al. 2024; ``SpeculativeDecoder.verification``).
       Trees are always verified token-wise.
+    min_gain: the adaptive policies draft only when a draft promises more than this over
+      plain decoding (``AdaptiveGamma.min_gain``, default its ``MIN_GAIN``; 0 takes the
+      formula's argmax); their settings carry it.
   """
 
   experiments: tuple[str, ...] = DEFAULT_EXPERIMENTS
@@ -124,6 +127,7 @@ class ExperimentConfig:
   calibration_prompts: int = 8
   verification: str = "tokenwise"
   dtype: str = "auto"
+  min_gain: float = 0.05  # specjax.speculative.adaptive.MIN_GAIN (a test holds them equal)
 
   def __post_init__(self):
     unknown = [e for e in self.experiments if e not in EXPERIMENTS]
@@ -178,6 +182,9 @@ class ExperimentConfig:
       raise ValueError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
     if not (math.isfinite(self.phase_seconds) and self.phase_seconds > 0):
       raise ValueError(f"--phase_seconds must be a finite number > 0, got {self.phase_seconds}")
+    if (isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float))
+        or not (math.isfinite(self.min_gain) and self.min_gain >= 0)):
+      raise ValueError(f"--min_gain must be a finite number >= 0, got {self.min_gain!r}")
     if self.extra_rounds < 0:
       raise ValueError(f"--extra_rounds must be >= 0, got {self.extra_rounds}")
     if self.max_new_tokens < 2:

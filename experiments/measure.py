@@ -60,6 +60,7 @@ import tqdm
 from absl import logging
 
 import specjax
+from specjax import compile_cache
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
@@ -165,42 +166,51 @@ ADAPTIVE = "adaptive"
 def adaptive_setting(gammas: Sequence[int], step_costs: Sequence[float],
                      trees: Sequence[tuple] = (), tree_costs: Sequence[float] = (),
                      rank_accept=None, chain_alpha: Optional[float] = None,
-                     prompt_ease: Sequence[float] = ()) -> tuple[int, tuple]:
+                     prompt_ease: Sequence[float] = (),
+                     min_gain: Optional[float] = None) -> tuple[int, tuple]:
   """The ``(γ, tree)`` setting of an adaptive policy over ``gammas`` with these step costs;
   with ``trees`` (``SpecRun.tree`` encodings of static or dynamic trees), their costs and the
   acceptance table that prices them; with the chains' rate measured on the calibration
   prompts (``AdaptiveGamma.prior_alpha``; None: the policy's default) and how it varies over
   them (``AdaptiveGamma.prompt_ease``, which prices a batch's steps for the row it waits on;
-  empty: for the rows' mean). ``γ`` is the deepest choice's depth.
+  empty: for the rows' mean); with the margin a draft must promise over plain decoding
+  (``AdaptiveGamma.min_gain``; None: not carried, the policy's default). ``γ`` is the
+  deepest choice's depth.
 
-  A chains-only policy with neither rate nor spread keeps the flat form
+  A chains-only policy with neither rate, spread nor margin keeps the flat form
   ``(ADAPTIVE, *gammas, *costs)``; any other, ``(ADAPTIVE, gammas, costs, trees, tree costs,
-  table or None, α_c or None[, ease])``."""
+  table or None[, α_c or None[, ease[, min_gain]]])`` (the later slots present when one of
+  them is carried)."""
   round4 = lambda xs: tuple(round(float(c), 4) for c in xs)
-  if not trees and chain_alpha is None and not prompt_ease:
+  if not trees and chain_alpha is None and not prompt_ease and min_gain is None:
     return max(gammas), (ADAPTIVE, *(int(g) for g in gammas), *round4(step_costs))
   table = (None if rank_accept is None
            else tuple(round4(row) for row in np.asarray(rank_accept, np.float64)))
   setting = (ADAPTIVE, tuple(int(g) for g in gammas), round4(step_costs),
              tuple(as_tuple(t) for t in trees), round4(tree_costs), table)
-  if chain_alpha is not None or prompt_ease:
+  if chain_alpha is not None or prompt_ease or min_gain is not None:
     setting += (None if chain_alpha is None else round(float(chain_alpha), 4),)
-  if prompt_ease:
+  if prompt_ease or min_gain is not None:
     setting += (round4(prompt_ease),)
+  if min_gain is not None:
+    setting += (float(min_gain),)
   return policy_of(setting).max_depth, setting
 
 
 def policy_of(tree: Optional[tuple]) -> Optional[AdaptiveGamma]:
-  """The ``AdaptiveGamma`` of an adaptive setting's tree; None for chains and trees."""
+  """The ``AdaptiveGamma`` of an adaptive setting's tree; None for chains and trees. A
+  setting that does not carry its margin (the flat form, records before it) gets the
+  policy's default ``min_gain``."""
   if tree is None or tree[0] != ADAPTIVE:
     return None
-  if isinstance(tree[1], tuple):  # (ADAPTIVE, γs, costs, trees, costs, table[, α_c[, ease]])
+  if isinstance(tree[1], tuple):  # (ADAPTIVE, γs, costs, trees, costs, table[, α_c[, ease[, g]]])
     _, gammas, costs, trees, tree_costs, table = tree[:6]
     chain_alpha = setting_chain_alpha(tree)
     return AdaptiveGamma(gammas=gammas, step_costs=costs,
                          trees=tuple(tree_shape(t, 0) for t in trees), tree_costs=tree_costs,
                          rank_accept=table, prompt_ease=tree[7] if len(tree) > 7 else (),
-                         **({} if chain_alpha is None else {"prior_alpha": chain_alpha}))
+                         **({} if chain_alpha is None else {"prior_alpha": chain_alpha}),
+                         **({"min_gain": tree[8]} if len(tree) > 8 else {}))
   k = (len(tree) - 1) // 2
   return AdaptiveGamma(gammas=tuple(int(g) for g in tree[1:1 + k]), step_costs=tree[1 + k:])
 
@@ -455,7 +465,12 @@ class Bench:
              settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
     """Timed runs of ``(γ, tree, call)`` settings sharing interleaved rounds, the flagged
     ones measured once more (together)."""
+    released = compile_cache.release_if_crowded()  # a long run's programs near the limit
     plain, first = self._plain(temperature), self.batches[0]
+    if released:
+      logging.info("freed this process's compiled programs (%s memory mappings of %s after)",
+                   compile_cache.memory_mappings(), compile_cache.mapping_limit())
+      plain(first, 1, self.config.seed)  # compiled again before anything is timed
     load_before = load_average()
     compile_s = []
     for _, _, call in settings:

@@ -89,6 +89,9 @@ flags.DEFINE_enum("dtype", DEFAULT.dtype, ["auto", "float32", "bfloat16"],
                   "Weights, activations and KV cache of the target and its drafts; auto is "
                   "bfloat16 on GPU/TPU and float32 on CPU. Products accumulate, and logits "
                   "and acceptance compute, in float32 either way.")
+flags.DEFINE_float("min_gain", DEFAULT.min_gain, "The adaptive policies draft only when a "
+                   "draft promises more than this gain over plain decoding (0.05: 5%; 0 takes "
+                   "the calibrated formula's argmax).")
 flags.DEFINE_bool("compilation_cache", True, "Keep compiled XLA programs on disk "
                   "(specjax.compile_cache: $SPECJAX_CACHE/xla) so a rerun or a resumed run "
                   "skips most compiling; outputs are unchanged.")
@@ -113,7 +116,7 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
       calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),
       calibration_prompts=FLAGS.calibration_prompts, verification=FLAGS.verification,
-      dtype=FLAGS.dtype)
+      dtype=FLAGS.dtype, min_gain=FLAGS.min_gain)
 
 
 def main(argv):

@@ -55,7 +55,8 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
   is also given the chains' rate and how it varies by prompt, measured on the training-side
   calibration prompts (``Bench.chain_rates``), so it prices a batch's steps for the row the
   batch waits on (``AdaptiveGamma.prompt_ease``); at one row that changes nothing, and the
-  policy starts from its default prior."""
+  policy starts from its default prior. It drafts only when a draft promises more than
+  ``config.min_gain`` over plain decoding."""
   rows = []
   cfg = bench.config
   gammas = tuple(cfg.gammas)
@@ -64,10 +65,10 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
     sweep = bench.spec_many(draft, [(g, None) for g in gammas], t)
     choices = ((0,) if plain else ()) + gammas
     costs = ((1.0,) if plain else ()) + tuple(step_cost(run) for run in sweep)
-    rates = {}
+    rates = dict(min_gain=cfg.min_gain)
     if cfg.batch_size > 1:
       alpha, ease = bench.chain_rates(draft, t, _calibration_prompts(bench), max(gammas))
-      rates = dict(chain_alpha=alpha, prompt_ease=ease)
+      rates.update(chain_alpha=alpha, prompt_ease=ease)
     rows += _rows(bench, "adaptive", draft, t,
                   [adaptive_setting(choices, monotone_costs(choices, costs), **rates)])
   return rows
@@ -171,7 +172,8 @@ def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
   """The adaptive setting whose choices are the sweep's chains and trees (and plain decoding
   where the drafter tolerates skipped steps) at the step costs measured on them, priced by
   the calibration table and the chains' rate measured beside it (and, for batches of more
-  than one row, how that rate varies by prompt); trees deeper than the table are left out
+  than one row, how that rate varies by prompt), with ``config.min_gain`` as its margin
+  over plain decoding; trees deeper than the table are left out
   (None if no tree is left, or the table accepted no rank-0 draft)."""
   table = np.asarray(table)
   if table[0, 0] <= 0.0:  # no rank-0 draft accepted: nothing to scale the prices by
@@ -188,4 +190,5 @@ def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
   gammas = tuple(g for g, _ in plain + chains)
   costs = monotone_costs(gammas, [c for _, c in plain + chains])
   return adaptive_setting(gammas, costs, [t for t, _ in trees],
-                          [max(c, 1.0) for _, c in trees], table, chain_alpha, prompt_ease)
+                          [max(c, 1.0) for _, c in trees], table, chain_alpha, prompt_ease,
+                          bench.config.min_gain)

@@ -50,12 +50,27 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
   assert "done before, kept" in again.stderr
   assert "acceptance table" not in again.stderr and "step costs" not in again.stderr
 
+  # Another margin is another sweep: measured again, and the first margin's cells stay in
+  # the store without entering the report.
+  argmax = _sweep(out, "--batch_sizes=1", "--min_gain=0")
+  assert argmax.returncode == 0, argmax.stderr[-3000:]
+  assert "done before, kept" not in argmax.stderr and "step costs" in argmax.stderr
+  cells = json.loads((tmp_path / "sweep.json").read_text())
+  assert sorted((c["min_gain"], c["batch"]) for c in cells) == [(0.0, 1), (0.05, 1), (0.05, 2)]
+  text = out.read_text()
+  assert "`min_gain`" not in text  # the argmax: no margin to state
+  assert [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| 1 |")
+          or l.startswith("| 2 |")] == ["1"]
+
 
 def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
   out = _sweep(tmp_path / "sweep.md", "--trees=2:2")  # no node budget
   assert out.returncode != 0 and "bad flag value" in out.stderr
   out = _sweep(tmp_path / "sweep.md", "--draft=prompt_lookup")  # root branches only
   assert out.returncode != 0 and "cannot build the trees" in out.stderr
+  for margin in ("-0.1", "nan", "inf"):
+    out = _sweep(tmp_path / "sweep.md", f"--min_gain={margin}")
+    assert out.returncode != 0 and "min_gain must be a finite number >= 0" in out.stderr
   assert not (tmp_path / "sweep.json").exists()
 
 
@@ -66,7 +81,8 @@ def _simulated(devices: int) -> dict:
 
 def test_data_parallel_rows_on_two_simulated_devices(tmp_path):
   """--data_parallel=2 shards every batch's rows over a 2 x 1 mesh and reports tokens/s per
-  device; a store of one device is not resumed for it; a batch the data axis does not
+  device; a store's cell of one device is neither resumed nor reported for it (it stays in
+  the store); a batch the data axis does not
   divide and a mesh larger than the devices are refused before any model loads."""
   out = tmp_path / "sweep.md"
   one = _sweep(out, "--batch_sizes=2", "--trees=")  # one device first: kept beside
@@ -77,7 +93,7 @@ def test_data_parallel_rows_on_two_simulated_devices(tmp_path):
   assert run.returncode == 0, run.stderr[-3000:]
   assert "done before, kept" not in run.stderr
   cells = json.loads((tmp_path / "sweep.json").read_text())
-  assert [c["devices"] for c in cells] == [2]
+  assert [c["devices"] for c in cells] == [1, 2]  # the one-device cell kept, not reported
   text = out.read_text()
   assert "rows sharded over 2 devices" in text and "adaptive tok/s per device" in text
   row = next(l for l in text.splitlines() if l.startswith("| 2 |")).split("|")
