@@ -518,6 +518,28 @@ def test_roofline_benchmark_runs_on_a_tiny_model(tmp_path):
   assert len(totals) == 3 and min(totals) > 0, profile
 
 
+def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path):
+  """The benchmark times plain decoding, the never-drafting policy's speculative loop and its
+  generate (plain decoding's loop) at each batch size, checks their tokens equal, and
+  reports ratios to plain decoding; a drafter that cannot skip steps is refused."""
+  out = tmp_path / "overhead.md"
+  args = [sys.executable, "-m", "benchmarks.adaptive_overhead", "--target=tiny",
+          "--batch_sizes=1,2", "--new_tokens=4", "--rounds=2", "--prompts=2"]
+  proc = subprocess.run(args + ["--draft=tiny", f"--out={out}"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [l.split(" | ") for l in out.read_text().splitlines() if l[:4] in ("| 1 ", "| 2 ")]
+  assert [r[0] for r in rows] == ["| 1", "| 2"] and all(len(r) == 7 for r in rows), rows
+  for r in rows:  # plain's decode ms/token and prefill ms; the others' ratios, with a range
+    assert float(r[1]) > 0 and float(r[4]) > 0
+    for c in (r[2], r[3], r[5], r[6]):
+      median, (low, high) = float(c.split(" (")[0]), c.split(" (")[1].split(")")[0].split("–")
+      assert 0 < float(low) <= round(median, 2) <= float(high), c
+  refused = subprocess.run(args + ["--draft=jacobi", f"--out={tmp_path / 'j.md'}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+  assert refused.returncode != 0 and "cannot skip steps" in refused.stderr
+
+
 @pytest.mark.heavy
 def test_continuous_batching_benchmark_runs_on_tiny_models(tmp_path):
   out = tmp_path / "cb.md"
