@@ -518,6 +518,7 @@ def test_roofline_benchmark_runs_on_a_tiny_model(tmp_path):
   assert len(totals) == 3 and min(totals) > 0, profile
 
 
+@pytest.mark.heavy  # a benchmark's run (its tokens check guards every real run too)
 def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path):
   """The benchmark times plain decoding, the never-drafting policy's speculative loop and its
   generate (plain decoding's loop) at each batch size, checks their tokens equal, and
