@@ -43,8 +43,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import math
+import os
 import sys
 import time
 from typing import Optional

@@ -10,6 +10,9 @@ Outputs are unchanged: the cache key covers everything the program depends on.
 
   >>> import specjax.compile_cache
   >>> path = specjax.compile_cache.enable()   # before anything compiles
+
+Compiled programs also live in memory, each holding memory mappings, and a process may hold
+only so many: ``release_if_crowded`` frees them all when a long run nears that limit.
 """
 
 from __future__ import annotations
@@ -61,17 +64,13 @@ MAPS = "/proc/self/maps"
 MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 
 
-def _count_lines(path: str) -> Optional[int]:
+def memory_mappings() -> Optional[int]:
+  """This process's memory mappings (None where ``/proc`` does not say)."""
   try:
-    with open(path, "rb") as f:
+    with open(MAPS, "rb") as f:
       return sum(1 for _ in f)
   except OSError:
     return None
-
-
-def memory_mappings() -> Optional[int]:
-  """This process's memory mappings (None where ``/proc`` does not say)."""
-  return _count_lines(MAPS)
 
 
 def mapping_limit() -> Optional[int]:
