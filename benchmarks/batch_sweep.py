@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -63,7 +62,7 @@ from experiments.prompts import default_prompts, training_prompts
 from experiments.report import margin_words
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
-from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma
+from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma, check_min_gain
 from specjax.speculative.calibration import (default_branching, measure_chain_alphas,
                                              measure_step_costs, measure_tree_prices)
 from specjax.speculative.tree import DynamicTree
@@ -112,8 +111,10 @@ def _check_flags() -> tuple[list[int], list[float], list[int], list[DynamicTree]
     raise app.UsageError(f"gammas must be >= 1, got {gammas}")
   if NEW.value < 1 or ROUNDS.value < 1 or PROMPTS.value < 1:
     raise app.UsageError("new_tokens, rounds and prompts must be >= 1")
-  if not (math.isfinite(MARGIN.value) and MARGIN.value >= 0):
-    raise app.UsageError(f"min_gain must be a finite number >= 0, got {MARGIN.value}")
+  try:
+    check_min_gain(MARGIN.value, "--min_gain")
+  except ValueError as e:
+    raise app.UsageError(str(e))
   return batches, temps, gammas, trees
 
 

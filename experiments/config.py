@@ -182,9 +182,8 @@ class ExperimentConfig:
       raise ValueError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
     if not (math.isfinite(self.phase_seconds) and self.phase_seconds > 0):
       raise ValueError(f"--phase_seconds must be a finite number > 0, got {self.phase_seconds}")
-    if (isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float))
-        or not (math.isfinite(self.min_gain) and self.min_gain >= 0)):
-      raise ValueError(f"--min_gain must be a finite number >= 0, got {self.min_gain!r}")
+    from specjax.speculative.adaptive import check_min_gain  # the policy's own rule
+    check_min_gain(self.min_gain, "--min_gain")
     if self.extra_rounds < 0:
       raise ValueError(f"--extra_rounds must be >= 0, got {self.extra_rounds}")
     if self.max_new_tokens < 2:

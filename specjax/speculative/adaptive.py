@@ -146,6 +146,14 @@ class PolicyState:
   tree_failures: jax.Array
 
 
+def check_min_gain(value, name: str = "min_gain") -> None:
+  """Refuses a ``min_gain`` that is not a finite number >= 0 (a bool is not a number here),
+  naming it ``name`` (a flag's callers pass ``--min_gain``)."""
+  if not (isinstance(value, (int, float, np.floating, np.integer))
+          and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+    raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 def _costs(costs: Sequence[float], name: str) -> tuple[float, ...]:
   costs = tuple(costs)
   if not all(isinstance(c, (int, float, np.floating, np.integer)) and not isinstance(c, bool)
@@ -254,10 +262,7 @@ class AdaptiveGamma:
       raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
     if not 0.0 < self.decay <= 1.0:
       raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-    if not (isinstance(self.min_gain, (int, float, np.floating, np.integer))
-            and not isinstance(self.min_gain, bool) and math.isfinite(self.min_gain)
-            and self.min_gain >= 0):
-      raise ValueError(f"min_gain must be a finite number >= 0, got {self.min_gain!r}")
+    check_min_gain(self.min_gain)
     ease = tuple(self.prompt_ease)
     if not all(isinstance(e, (int, float, np.floating, np.integer)) and not isinstance(e, bool)
                and math.isfinite(e) and e >= 0 for e in ease):
