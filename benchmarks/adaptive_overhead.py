@@ -103,7 +103,6 @@ def _measure(target, draft, prompts: list, batch: int) -> dict:
     t = np.asarray(times[m])
     decode = (t[:, 0] - t[:, 1]) / new
     cell[m] = dict(prefill=float(np.median(t[:, 1])), decode_per_token=float(np.median(decode)),
-                   total=float(np.median(t[:, 0])),
                    # each round's ratio to plain decoding's call in the same round
                    decode_ratios=(decode / ((plain[:, 0] - plain[:, 1]) / new)).tolist(),
                    prefill_ratios=(t[:, 1] / plain[:, 1]).tolist())
