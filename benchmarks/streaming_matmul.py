@@ -20,8 +20,8 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import forward_fn, interleaved_times, provenance, write_markdown
+from experiments.machine import matmul_path
 from specjax.kernels import streaming_matmul as sm
-from specjax.kernels.packed import PackedWeight
 from specjax.loaders import load_model
 
 OUT = flags.DEFINE_string("out", "benchmarks/results/streaming_matmul.md", "markdown output")
@@ -37,8 +37,7 @@ def main(_):
   cfg, plain = load_model(packed=False)
   paths = {"XLA dot": plain, "kernel": load_model(packed=True)[1],
            "chosen": load_model()[1]}
-  w = paths["chosen"]["layers"][0]["wqkv"]
-  chosen = w.policy.describe() if isinstance(w, PackedWeight) else "XLA's dot for every M"
+  chosen = matmul_path(paths["chosen"])
   times = {}
   for b, t in SHAPES:
     fns = {name: forward_fn(cfg, p, t, CONTEXT, b) for name, p in paths.items()}
@@ -60,7 +59,8 @@ def main(_):
       "after a warm-up, the three paths timed alternately; in parentheses the spread "
       "(slowest / fastest call). Same model, same jit; only the weights' storage differs: "
       "plain [K, N] arrays, [N/W, K, W] column panels for the kernel at every M, and what "
-      "`load_model()` chose on this machine:",
+      "`load_model()` chose on this machine (for the layers' projections and the head, "
+      "measured apart):",
       "",
       f"> {chosen}",
       "",

@@ -35,12 +35,16 @@ def describe_cpu(info: dict[str, object]) -> str:
 
 
 def matmul_path(params) -> str:
-  """Which matmul a loaded model runs (``specjax/kernels/policy.py``), for result headers."""
+  """Which matmul a loaded model runs for its layers' projections and for its head
+  (``specjax/kernels/policy.py`` decides them apart), for result headers."""
   from specjax.kernels.packed import PackedWeight  # pylint: disable=g-import-not-at-top
-  w = params["layers"][0]["wqkv"]
-  if not isinstance(w, PackedWeight):
-    return "XLA's dot for every M"
-  return f"{w.policy.describe()} [kernel path {sm.isa()}]"
+  weights = params["layers"][0]["wqkv"], params.get("lm_head")
+  layers, head = (w.policy.describe() if isinstance(w, PackedWeight) else
+                  "XLA's dot for every M" for w in weights)
+  text = layers if layers == head else f"layers: {layers}; head: {head}"
+  if any(isinstance(w, PackedWeight) for w in weights):
+    text += f" [kernel path {sm.isa()}]"
+  return text
 
 
 class OutputError(ValueError):

@@ -162,11 +162,14 @@ def test_load_model_follows_the_policy_and_falls_back_without_the_kernel(tmp_pat
   monkeypatch.setattr(sm, "cache_dir", lambda: str(tmp_path / "cache"))
   wqkv = lambda p: p["layers"][0]["wqkv"]
   measured = load_model(src)[1]  # auto: measured on the tiny shapes, cached
-  (cached,) = (tmp_path / "cache").glob("matmul-policy-*.json")
-  policy = pol.MatmulPolicy.from_json(json.loads(cached.read_text()))
+  assert len(list((tmp_path / "cache").glob("matmul-policy-*.json"))) == 2  # layers, head
+  policy, head = (pol.policy_for(pk.unpack_params(measured, cfg.tie_embeddings),
+                                 cfg.tie_embeddings, measure_fn=None, part=p)
+                  for p in pol.PARTS)  # read back from the cache (measure_fn is not called)
   assert isinstance(wqkv(measured), pk.PackedWeight) == (not policy.never)
   if not policy.never:
     assert wqkv(measured).policy == policy
+  assert isinstance(measured.get("lm_head"), pk.PackedWeight) == (not head.never)
   monkeypatch.setenv(pol.ENV, "kernel")
   assert isinstance(wqkv(load_model(src)[1]), pk.PackedWeight)
   monkeypatch.setenv(pol.ENV, "xla")
@@ -311,16 +314,76 @@ def test_policy_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
   cfg, params = tiny_model(seed=0)
   calls = []
 
-  def fake_measure(weights):
+  def fake_measure(weights, xla_transposed):
     calls.append(len(weights))
     return {1: (2.0, 1.0), 8: (1.0, 2.0)}  # kernel faster for one row only
 
   first = pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure)
   second = pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure)
-  assert calls == [cfg.num_layers * 4 + 1] and first == second
+  assert calls == [cfg.num_layers * 4] and first == second
   assert first.use_kernel(1) and not first.use_kernel(2)
   monkeypatch.setenv(pol.ENV, "xla")
   assert pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure).never
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_layers_and_head_are_measured_apart_the_head_as_the_model_multiplies_by_it(
+    tmp_path, monkeypatch, tied):
+  """One chain of both weighed 4 layers against the head (a model runs all of its layers) and
+  timed a tied head's XLA path against embed.T, where the model contracts against embed."""
+  monkeypatch.setattr(sm, "cache_dir", lambda: str(tmp_path))
+  monkeypatch.delenv(pol.ENV, raising=False)
+  cfg, params = tiny_model(seed=0, tie_embeddings=tied)
+  if not tied:
+    params = dict(params, lm_head=jnp.asarray(_rand((cfg.dim, cfg.vocab_size), 5)))
+  calls = []
+
+  def fake_measure(weights, xla_transposed):
+    calls.append(([w.shape for w in weights], xla_transposed))
+    head = len(weights) == 1
+    return {1: (2.0, 1.0) if head else (1.0, 2.0)}  # the kernel only on the head
+
+  layers, head = (pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure, part=p)
+                  for p in pol.PARTS)
+  assert calls == [([w.shape for w in pol.projection_weights(params, tied, part="layers")],
+                    False), ([(cfg.dim, cfg.vocab_size)], tied)]
+  assert layers.never and head.always
+  assert pol.policy_for(params, tied, measure_fn=fake_measure, part="head") == head  # cached
+  assert len(calls) == 2
+  both = pol.projection_weights(params, tied)
+  parts = sum((pol.projection_weights(params, tied, part=p) for p in pol.PARTS), [])
+  assert [w.shape for w in both] == [w.shape for w in parts]
+  with pytest.raises(ValueError, match="part"):
+    pol.policy_for(params, tied, measure_fn=fake_measure, part="embed")
+  with pytest.raises(ValueError, match="part"):
+    pol.projection_weights(params, tied, part="all")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("layers_kernel", [True, False])
+def test_layers_and_head_packed_under_their_own_policies_match_the_plain_model(tied,
+                                                                              layers_kernel):
+  cfg, params = tiny_model(seed=0, tie_embeddings=tied)
+  if not tied:
+    params = dict(params, lm_head=jnp.asarray(_rand((cfg.dim, cfg.vocab_size), 5)))
+  policy, head = (pol.KERNEL, pol.XLA) if layers_kernel else (pol.XLA, pol.KERNEL)
+  packed = pk.pack_params(params, cfg.tie_embeddings, policy, head_policy=head)
+  assert isinstance(packed["layers"][0]["wqkv"], pk.PackedWeight) == layers_kernel
+  if layers_kernel:  # the head stays plain: absent when tied (it contracts against embed)
+    assert ("lm_head" in packed) == (not tied)
+    assert not isinstance(packed.get("lm_head"), pk.PackedWeight)
+  else:
+    assert isinstance(packed["lm_head"], pk.PackedWeight) and packed["lm_head"].policy.always
+  assert pk.policy_of(packed) == policy
+  for t in (1, 3):
+    tokens = jnp.asarray([[1, 5, 9][:t]])
+    pos = jnp.arange(t)[None]
+    a = forward(params, cfg, tokens, pos, kvc.init_cache(cfg, 1, 8))
+    b = forward(packed, cfg, tokens, pos, kvc.init_cache(cfg, 1, 8))
+    np.testing.assert_allclose(np.asarray(b.logits), np.asarray(a.logits), rtol=1e-4, atol=1e-4)
+  again = pk.pack_params(packed, cfg.tie_embeddings, policy, head_policy=head)  # idempotent
+  assert again["layers"][0]["wqkv"] is packed["layers"][0]["wqkv"]
+  assert again.get("lm_head") is packed.get("lm_head")
 
 
 def test_close_calls_are_the_row_counts_the_kernel_neither_clearly_wins_nor_loses():
@@ -331,9 +394,10 @@ def test_close_calls_are_the_row_counts_the_kernel_neither_clearly_wins_nor_lose
   assert pol.close_calls({1: (2.0, 1.0)}) == [] and pol.close_calls({1: (1.0, 1.1)}) == [1]
 
 
-def test_real_measurement_covers_the_grid():
+@pytest.mark.parametrize("xla_transposed", [False, True])
+def test_real_measurement_covers_the_grid(xla_transposed):
   w = [_rand((64, 128), 0), _rand((128, 64), 1)]
-  t = pol.measure(w, grid=(1, 3), repeats=1)
+  t = pol.measure(w, grid=(1, 3), repeats=1, xla_transposed=xla_transposed)
   assert set(t) == {1, 3} and all(len(v) == 3 and min(v) > 0 for v in t.values())
 
 

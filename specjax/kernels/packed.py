@@ -111,8 +111,9 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
 
 
 def policy_of(params: dict) -> MatmulPolicy:
-  """The policy a model's projections were packed under (``XLA`` for plain params), so that
-  weights used beside them (a drafter's) can be packed the same way."""
+  """The policy a model's layer projections were packed under (``XLA`` for plain params; its
+  head may have another), so that weights used beside them (a drafter's) can be packed the
+  same way."""
   for layer in params.get("layers", ()):
     for name in PROJECTIONS:
       if isinstance(layer.get(name), PackedWeight):
@@ -120,34 +121,39 @@ def policy_of(params: dict) -> MatmulPolicy:
   return XLA
 
 
-def pack_params(params: dict, tie_embeddings: bool, policy: MatmulPolicy = KERNEL) -> dict:
-  """The projections and the output head of a model as PackedWeights under ``policy``.
+def pack_params(params: dict, tie_embeddings: bool, policy: MatmulPolicy = KERNEL,
+                head_policy: Optional[MatmulPolicy] = None) -> dict:
+  """The projections of a model as PackedWeights under ``policy``, its output head under
+  ``head_policy`` (default: ``policy``; ``policy.policy_for`` measures the two apart).
 
-  A policy that never takes the kernel returns plain arrays. With tied
+  Where a policy never takes the kernel the weights stay plain arrays. With tied
   embeddings the head is packed from ``embed`` (kept for the input lookup),
   which costs one more copy of the embedding table; where the policy takes
   XLA's dot the head contracts against ``embed`` instead. A mixed policy keeps
   the plain matrices beside the panels (twice the projection memory).
-  Idempotent for weights packed under the same policy.
+  Idempotent for weights packed under the same policies.
   """
-  if policy.never:
+  head_policy = policy if head_policy is None else head_policy
+  if policy.never and head_policy.never:
     return unpack_params(params, tie_embeddings)
 
-  def pack_one(w, keep_plain=None):
+  def pack_one(w, under: MatmulPolicy):
     if isinstance(w, PackedWeight):
-      if w.policy == policy:
+      if w.policy == under:
         return w
       w = unpacked(w)
-    return pack(w, policy, keep_plain)
+    return w if under.never else pack(w, under)
 
-  out = dict(params, layers=[{name: (pack_one(v) if name in PROJECTIONS else v)
+  out = dict(params, layers=[{name: (pack_one(v, policy) if name in PROJECTIONS else v)
                               for name, v in p.items()} for p in params["layers"]])
-  if tie_embeddings:
-    head = params.get("lm_head")
-    out["lm_head"] = (head if isinstance(head, PackedWeight) and head.policy == policy else
-                      pack(np.asarray(params["embed"], np.float32).T, policy, keep_plain=False))
-  else:
-    out["lm_head"] = pack_one(params["lm_head"])
+  head = params.get("lm_head")
+  if not tie_embeddings:
+    out["lm_head"] = pack_one(head, head_policy)
+  elif head_policy.never:
+    out.pop("lm_head", None)  # contracts against ``embed``
+  elif not (isinstance(head, PackedWeight) and head.policy == head_policy):
+    out["lm_head"] = pack(np.asarray(params["embed"], np.float32).T, head_policy,
+                          keep_plain=False)
   return out
 
 

@@ -11,6 +11,15 @@ decision on disk, keyed by CPU model and flags, jaxlib version, kernel source
 and the weight shapes (``cache_key``). ``SPECJAX_MATMUL=xla|kernel|auto``
 overrides it (default ``auto``).
 
+The decoder layers' projections and the output head are measured and decided
+apart (``PARTS``), each the way the model runs it (a tied head: XLA's dot against
+the embedding itself, [V, D]). One chain of both weighed four layers against the
+head, where a 30-layer model runs thirty, and timed the tied head's XLA path in a
+layout the model does not use: on a 2-core Zen 3 host that chose XLA's dot for
+every one-row product, though the kernel was faster there on the layers (3.5 against
+5.7 ms for four) and on the head as the model runs it (5.3 against 6.2 ms), and
+plain decoding took 41 ms a token where the kernel gives 31.
+
 Worked example: measured medians (ms) {1: (20, 14, 15), 16: (70, 50, 45),
 128: (230, 260, 250)} as (XLA, kernel, kernel with prefetch) give the policy
 "kernel for M <= 16, prefetching at 16, XLA's dot beyond": M = 5 takes the
@@ -40,7 +49,9 @@ ENV = "SPECJAX_MATMUL"
 CHOICES = ("auto", "xla", "kernel")
 # Decode and verify widths, then prefill-sized calls (batch x 64-token chunks).
 ROW_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128, 256)
-_MEASURED_LAYERS = 4  # the first layers' projections + the head: tens of MB, past the caches
+_MEASURED_LAYERS = 4  # the first layers' projections: tens of MB, past the caches
+LAYERS, HEAD = "layers", "head"
+PARTS = (LAYERS, HEAD)  # measured and decided apart (the module's docstring says why)
 
 _log = logging.getLogger("specjax")
 
@@ -145,14 +156,18 @@ def choose(timings: dict[int, tuple[float, ...]], source: str = "measured",
                       prefetch=prefetch if any(prefetch) else ())
 
 
-def projection_weights(params: dict, tie_embeddings: bool, num_layers: int = _MEASURED_LAYERS
-                       ) -> list[np.ndarray]:
-  """The [K, N] matrices a forward multiplies by, in order: the first layers' and the head."""
+def projection_weights(params: dict, tie_embeddings: bool, num_layers: int = _MEASURED_LAYERS,
+                       part: Optional[str] = None) -> list[np.ndarray]:
+  """The [K, N] matrices a forward multiplies by, in order: the first ``num_layers`` layers'
+  projections (``part`` "layers"), the head ("head"), or both (None)."""
+  if part not in (None,) + PARTS:
+    raise ValueError(f"part must be one of {PARTS} or None, got {part!r}")
   names = ("wqkv", "wo", "w_gate_up", "w_down")
-  ws = [np.asarray(layer[n], np.float32) for layer in params["layers"][:num_layers]
-        for n in names]
-  ws.append(np.asarray(params["embed"], np.float32).T if tie_embeddings
-            else np.asarray(params["lm_head"], np.float32))
+  ws = [] if part == HEAD else [np.asarray(layer[n], np.float32)
+                                for layer in params["layers"][:num_layers] for n in names]
+  if part != LAYERS:
+    ws.append(np.asarray(params["embed"], np.float32).T if tie_embeddings
+              else np.asarray(params["lm_head"], np.float32))
   return ws
 
 
@@ -185,19 +200,27 @@ def close_calls(timings: dict[int, tuple[float, ...]], factor: float = CLOSE_CAL
 
 
 def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repeats: int = 3,
-            variant: str = "native", retime: int = 3) -> dict[int, tuple[float, float, float]]:
+            variant: str = "native", retime: int = 3, xla_transposed: bool = False
+            ) -> dict[int, tuple[float, float, float]]:
   """Median seconds of the product chain with XLA's dot, the kernel and the kernel with
   prefetch, per row count.
 
   The paths are timed alternately (XLA, kernel, prefetching kernel, XLA, ...)
   after a warm-up, so load from elsewhere on the machine hits them alike. Close calls
   (``close_calls``) get ``retime`` × ``repeats`` more alternating repeats, and their medians
-  are taken over all of them.
+  are taken over all of them. ``xla_transposed``: XLA's dot contracts against each [K, N]
+  weight stored as its [N, K] transpose, as the model multiplies by a tied head (against
+  the embedding); the kernel reads the same panels either way.
   """
   ks = [w.shape[0] for w in weights]
-  plain = [jnp.asarray(w) for w in weights]
+  if xla_transposed:
+    plain = [jnp.asarray(np.ascontiguousarray(w.T)) for w in weights]
+    xla_dot = lambda x, w: jnp.einsum("mk,nk->mn", x, w)
+  else:
+    plain = [jnp.asarray(w) for w in weights]
+    xla_dot = lambda x, w: x @ w
   panels = [jnp.asarray(sm.to_panels(w, variant)) for w in weights]
-  fns = (_chain(lambda x, w: x @ w, ks),
+  fns = (_chain(xla_dot, ks),
          _chain(functools.partial(sm.streaming_matmul, variant=variant), ks),
          _chain(functools.partial(sm.streaming_matmul, variant=variant, prefetch=True), ks))
   args = (plain, panels, panels)
@@ -230,13 +253,17 @@ def _code_fingerprint(code: types.CodeType) -> tuple:
   return code.co_code, code.co_names, consts
 
 
-def cache_key(weight_shapes: Sequence[tuple[int, int]], cpu: Optional[str] = None) -> str:
-  """What a measured decision is valid for: CPU model and flags, jaxlib, kernel source, shapes,
-  and the rule that turns timings into a decision (``choose``'s compiled code: no source file
-  needed, and comment edits do not invalidate the cache)."""
+def cache_key(weight_shapes: Sequence[tuple[int, int]], cpu: Optional[str] = None,
+              xla_transposed: bool = False) -> str:
+  """What a measured decision is valid for: CPU model and flags, jaxlib, kernel source, shapes
+  (and ``measure``'s ``xla_transposed``), and the rule that turns timings into a decision
+  (``choose``'s compiled code: no source file needed, and comment edits do not invalidate the
+  cache)."""
   cpu = sm.cpu_signature() if cpu is None else cpu
   parts = (cpu, jax.lib.__version__, sm.source_hash(), repr(tuple(map(tuple, weight_shapes))),
            repr(ROW_GRID), repr(_code_fingerprint(choose.__code__)))
+  if xla_transposed:  # (absent when off: the layers' keys do not depend on it)
+    parts += ("XLA against [N, K]",)
   return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -245,10 +272,13 @@ def _cache_path(key: str) -> str:
 
 
 def policy_for(params: dict, tie_embeddings: bool,
-               measure_fn: Callable[[Sequence[np.ndarray]], dict] = measure) -> MatmulPolicy:
-  """The matmul policy for this model here: ``SPECJAX_MATMUL``, else the cached or new
-  measurement. Logs the decision (a warning when it measures: once per machine, 28 s
-  measured on a slow 2-core host)."""
+               measure_fn: Callable[..., dict] = measure, part: str = LAYERS) -> MatmulPolicy:
+  """The matmul policy for ``part`` of this model here (its decoder layers' projections or its
+  output head, ``PARTS``): ``SPECJAX_MATMUL``, else the cached or new measurement
+  (``measure_fn(weights, xla_transposed=...)``). Logs the decision (a warning when it
+  measures: once per machine and part, 28 s for both measured on a slow 2-core host)."""
+  if part not in PARTS:
+    raise ValueError(f"part must be one of {PARTS}, got {part!r}")
   choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
   if choice not in CHOICES:
     raise ValueError(f"{ENV}={choice!r}: choose one of {', '.join(CHOICES)}")
@@ -267,19 +297,23 @@ def policy_for(params: dict, tie_embeddings: bool,
     return dataclasses.replace(XLA, source="weights are not float32")
   if choice == "kernel":
     return dataclasses.replace(KERNEL, source=f"{ENV}=kernel")
-  weights = projection_weights(params, tie_embeddings)
-  path = _cache_path(cache_key([w.shape for w in weights]))
+  weights = projection_weights(params, tie_embeddings, part=part)
+  transposed = part == HEAD and tie_embeddings  # lm_head contracts against embed [V, D]
+  path = _cache_path(cache_key([w.shape for w in weights], xla_transposed=transposed))
   try:
     with open(path) as f:
       policy = MatmulPolicy.from_json(json.load(f))
-    _log.info("specjax matmul (%s, kernel %s): %s", sm.cpu_model(), sm.isa(), policy.describe())
+    _log.info("specjax matmul, %s (%s, kernel %s): %s", part, sm.cpu_model(), sm.isa(),
+              policy.describe())
     return policy
   except (OSError, ValueError, KeyError, TypeError):
     pass
   _log.warning("specjax: timing the streaming kernel against XLA's dot on this CPU (%s, "
-               "kernel path %s); once per machine, cached in %s", sm.cpu_model(), sm.isa(), path)
-  policy = choose(measure_fn(weights), source=f"measured on {sm.cpu_model()}, {sm.isa()}",
+               "kernel path %s) for the %s; once per machine, cached in %s", sm.cpu_model(),
+               sm.isa(), part, path)
+  policy = choose(measure_fn(weights, xla_transposed=transposed),
+                  source=f"measured on {sm.cpu_model()}, {sm.isa()}",
                   prefetch_rows=sm.prefetch_rows())
   files.write_text(path, json.dumps(policy.to_json()))  # concurrent processes: whole files
-  _log.warning("specjax matmul: %s", policy.describe())
+  _log.warning("specjax matmul, %s: %s", part, policy.describe())
   return policy

@@ -25,8 +25,9 @@ def load_model(source: str = EMBEDDED, dtype="auto", packed: Optional[bool] = No
 
   On CPU, the projections and the head are packed for the streaming matmul
   kernel (``specjax.kernels``) for the row counts where it beat XLA's dot when
-  timed on this machine (``kernels/policy.py``: measured once, ~10-30 s, then
-  cached; the decision is logged). ``SPECJAX_MATMUL=xla|kernel|auto`` overrides it.
+  timed on this machine, the layers and the head each on their own
+  (``kernels/policy.py``: measured once, ~10-30 s, then cached; the decisions are
+  logged). ``SPECJAX_MATMUL=xla|kernel|auto`` overrides it.
 
   Args:
     source: ``"smollm2"``, a ``.gguf`` path or an HF model directory.
@@ -39,16 +40,17 @@ def load_model(source: str = EMBEDDED, dtype="auto", packed: Optional[bool] = No
       Packed parameters are for inference only.
   """
   cfg, params = _load(source, dtype)
-  if packed is None:
-    policy = matmul_policy.policy_for(params, cfg.tie_embeddings)
+  if packed is None:  # the layers' projections and the head, each as measured
+    policy, head = (matmul_policy.policy_for(params, cfg.tie_embeddings, part=part)
+                    for part in matmul_policy.PARTS)
   elif packed:
     if not streaming_matmul.available():
       raise RuntimeError(f"packed=True needs the streaming matmul kernel: "
                          f"{streaming_matmul.unavailable_reason()}")
-    policy = matmul_policy.KERNEL
+    policy = head = matmul_policy.KERNEL
   else:
-    policy = matmul_policy.XLA
-  return cfg, pack_params(params, cfg.tie_embeddings, policy)
+    policy = head = matmul_policy.XLA
+  return cfg, pack_params(params, cfg.tie_embeddings, policy, head_policy=head)
 
 
 def _load(source: str, dtype) -> tuple[ModelConfig, Params]:
