@@ -12,20 +12,19 @@ if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "
   { apt-get update -q && apt-get install -y -q g++; } >/dev/null || echo "setup: could not install g++; using XLA's dot" >&2
 fi
 # Build the kernels and time the matmul against XLA's dot on the embedded model's shapes
-# now (~20-30 s, once per machine; cached in ~/.cache/specjax/kernels), and say which
-# paths run.
+# (its layers and its head apart) now (~20-30 s, once per machine; cached in
+# ~/.cache/specjax/kernels), and say which paths run.
 python - <<'PY'
 import logging
 logging.disable(logging.WARNING)
 import specjax
+from experiments.machine import matmul_path
 from specjax.kernels import cpu_attention as ca
 from specjax.kernels import streaming_matmul as sm
-from specjax.kernels.packed import PackedWeight
 _, params = specjax.load_model()
-w = params["layers"][0]["wqkv"]
 print("CPU:", sm.cpu_model(), "| streaming matmul kernel:",
       f"ready ({sm.isa()} path)" if sm.available() else sm.unavailable_reason())
-print("matmul path:", w.policy.describe() if isinstance(w, PackedWeight) else "XLA's dot for every M")
+print("matmul path:", matmul_path(params))
 print("attention:", f"CPU kernel for blocks of up to {ca.MAX_TOKENS} new tokens" if ca.available()
       else f"jnp reference ({ca.unavailable_reason()})")
 PY
