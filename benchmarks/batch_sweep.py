@@ -56,7 +56,7 @@ import specjax
 from specjax import files
 from specjax import sharding
 from benchmarks.common import provenance, write_markdown
-from experiments.machine import probe_output_dir
+from experiments.machine import matmul_path, probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts, training_prompts
 from experiments.report import margin_words
@@ -241,11 +241,22 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
           "gammas": [0, *gammas], "step_costs": list(chain_costs),
           "trees": [_tree_name(t) for t in trees], "tree_costs": list(tree_costs),
           "policy_trees": pricing["rank_accept"] is not None, **pricing,
-          "min_gain": policy.min_gain,
+          "min_gain": policy.min_gain, "matmul": matmul_path(target.params),
           "plain_tokens_per_second": plain_tps,
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
                                  tokens_per_second=plain_tps * float(np.median(v)))
                       for name, v in speedups.items()}}
+
+
+def _matmul_words(cells: list[dict]) -> str:
+  """The matmul paths the cells ran (``experiments.machine.matmul_path``; cells measured before
+  it was recorded say so)."""
+  paths = sorted({c.get("matmul") or "not recorded" for c in cells})
+  if len(paths) == 1:
+    return f"Matmul path: {paths[0]}."
+  where = lambda p: ", ".join(f"T = {c['temperature']:g} B = {c['batch']}" for c in cells
+                              if (c.get("matmul") or "not recorded") == p)
+  return "Matmul paths (the cells differ): " + " | ".join(f"{where(p)}: {p}" for p in paths) + "."
 
 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
@@ -257,6 +268,7 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "batches of B (cycled to fill one batch when B is larger); whole generations (prefill "
            f"included); median of {ROUNDS.value} interleaved rounds; {minutes:.1f} min (this "
            "invocation; a rerun resumes from the JSON beside this file).", "",
+           _matmul_words(cells), "",
            "Adaptive's per-round speedups are in brackets. "
            "Step cost = a speculative step's decode-loop time over a plain decoding step's, "
            "at that batch, for each γ and then each tree (what the adaptive policy is given). "

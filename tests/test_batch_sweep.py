@@ -37,11 +37,13 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
     assert len(c["step_costs"]) == 2 and len(c["tree_costs"]) == 1
     assert min(c["step_costs"] + c["tree_costs"]) >= 1.0
     assert c["min_gain"] == 0.05  # the policy's default margin, recorded
+    assert c["matmul"]  # the matmul path the cell ran, recorded (experiments.machine)
     mix = c["methods"]["adaptive"]["choice_steps"]
     assert len(mix) == 3 and sum(mix) > 0  # plain, γ = 1, the tree
   text = out.read_text()
   assert "| α_c | adaptive mix (0…1, tree) |" in text
   assert "promises more than 5% over plain decoding (`min_gain`)" in text
+  assert f"Matmul path: {cells[0]['matmul']}." in text  # one path: said once
   assert [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| 1 |")
           or l.startswith("| 2 |")] == ["1", "2"]
 
@@ -108,3 +110,13 @@ def test_data_parallel_rows_on_two_simulated_devices(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, env=_simulated(2))
     assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
   assert not (tmp_path / "bad.json").exists()
+
+
+def test_the_report_names_the_matmul_path_of_each_cell():
+  from benchmarks.batch_sweep import _matmul_words
+  cells = [dict(batch=1, temperature=0.0, matmul="kernel"),
+           dict(batch=2, temperature=0.0, matmul="kernel")]
+  assert _matmul_words(cells) == "Matmul path: kernel."
+  cells.append(dict(batch=4, temperature=1.0))  # measured before the path was recorded
+  assert _matmul_words(cells) == ("Matmul paths (the cells differ): T = 0 B = 1, T = 0 B = 2: "
+                                  "kernel | T = 1 B = 4: not recorded.")
