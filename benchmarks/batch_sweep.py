@@ -251,12 +251,14 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
 def _matmul_words(cells: list[dict]) -> str:
   """The matmul paths the cells ran (``experiments.machine.matmul_path``; cells measured before
   it was recorded say so)."""
-  paths = sorted({c.get("matmul") or "not recorded" for c in cells})
-  if len(paths) == 1:
-    return f"Matmul path: {paths[0]}."
-  where = lambda p: ", ".join(f"T = {c['temperature']:g} B = {c['batch']}" for c in cells
-                              if (c.get("matmul") or "not recorded") == p)
-  return "Matmul paths (the cells differ): " + " | ".join(f"{where(p)}: {p}" for p in paths) + "."
+  by_path: dict[str, list[str]] = {}
+  for c in cells:
+    by_path.setdefault(c.get("matmul") or "not recorded", []).append(
+        f"T = {c['temperature']:g} B = {c['batch']}")
+  if len(by_path) == 1:
+    return f"Matmul path: {next(iter(by_path))}."
+  return "Matmul paths (the cells differ): " + " | ".join(
+      f"{', '.join(where)}: {p}" for p, where in sorted(by_path.items())) + "."
 
 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:

@@ -16,9 +16,9 @@ apart (``PARTS``), each the way the model runs it (a tied head: XLA's dot agains
 the embedding itself, [V, D]). One chain of both weighed four layers against the
 head, where a 30-layer model runs thirty, and timed the tied head's XLA path in a
 layout the model does not use: on a 2-core Zen 3 host that chose XLA's dot for
-every one-row product, though the kernel was faster there on the layers (3.5 against
-5.7 ms for four) and on the head as the model runs it (5.3 against 6.2 ms), and
-plain decoding took 41 ms a token where the kernel gives 31.
+every one-row product, where measured apart both parts take the kernel (kernel/XLA
+0.90 for the layers, 0.95 for the head at M = 1) and a one-token forward is 1.23x
+faster for it (``benchmarks/results/matmul_parts_avx2.md``).
 
 Worked example: measured medians (ms) {1: (20, 14, 15), 16: (70, 50, 45),
 128: (230, 260, 250)} as (XLA, kernel, kernel with prefetch) give the policy
