@@ -125,6 +125,35 @@ def test_fused_drafter_greedy_equals_plain_greedy_decoding():
       assert out.generated(row) == want.generated(row)
 
 
+@pytest.mark.parametrize("layers_kernel", [True, False])
+def test_draft_packed_beside_a_target_takes_its_layers_and_its_heads_policies(layers_kernel):
+  """The target's layers and head are packed under policies measured apart: the draft's
+  projections take the layers', its own head the head's; either way it drafts as plain."""
+  from specjax.kernels import packed as pk
+  from specjax.kernels import policy as pol
+  cfg, params = tiny_model(seed=0)
+  layers, head = (pol.KERNEL, pol.XLA) if layers_kernel else (pol.XLA, pol.KERNEL)
+  target = pk.pack_params(params, cfg.tie_embeddings, layers, head_policy=head)
+  assert pk.policy_of(target) == layers and pk.head_policy_of(target) == head
+  assert pk.head_policy_of(params) == pol.XLA
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
+  feature_layers = (0, cfg.num_layers - 1)
+  drafter, plain = eagle_drafter(cfg, params, weights, None, feature_layers)
+  _, dp = eagle_drafter(cfg, target, weights, None, feature_layers)
+  assert not any(isinstance(w, pk.PackedWeight) for w in jax.tree.leaves(
+      plain, is_leaf=lambda x: isinstance(x, pk.PackedWeight)))
+  for w in (dp["fuse"], dp["fc"], dp["layers"][0]["wqkv"]):
+    assert isinstance(w, pk.PackedWeight) == layers_kernel
+  assert isinstance(dp["head"], pk.PackedWeight) == (not layers_kernel)
+  np.testing.assert_allclose(np.asarray(drafter.plain_params(dp)["head"]),
+                             np.asarray(plain["head"]))
+  seq = [1, 5, 9, 2, 7, 3]
+  want = _draft_from_scratch(drafter, plain, params, cfg, seq)
+  got = _draft_from_scratch(drafter, dp, params, cfg, seq)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
 def test_untrained_fusion_of_the_last_layer_reads_what_eagle1_reads():
   """``fuse`` starts as the identity on the highest layer: with (…, last) fused, the
   drafter's first-step output equals the unfused drafter's on the same weights."""

@@ -59,7 +59,8 @@ from specjax.drafters.residual_head import target_head
 from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, over_chunks
 from specjax.kernels.accumulate import einsum_f32
-from specjax.kernels.packed import PROJECTIONS, PackedWeight, dense, pack, policy_of, unpacked
+from specjax.kernels.packed import (PROJECTIONS, PackedWeight, dense, head_policy_of, pack,
+                                    policy_of, unpacked)
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, cast_params, compute_dtype, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
@@ -327,9 +328,11 @@ def head_rows(dp: Params) -> int:
   return head.shape[1] if isinstance(head, PackedWeight) else head.shape[-2]
 
 
-def pack_eagle_params(dp: Params, policy: MatmulPolicy) -> Params:
-  """Inference draft params with ``fc``, the fusion, the layers' projections and the head
-  packed for the streaming matmul under ``policy`` (the target's: ``packed.policy_of``).
+def pack_eagle_params(dp: Params, policy: MatmulPolicy,
+                      head_policy: Optional[MatmulPolicy] = None) -> Params:
+  """Inference draft params with ``fc``, the fusion and the layers' projections packed for the
+  streaming matmul under ``policy`` (the target's layers': ``packed.policy_of``), the head
+  under ``head_policy`` (the target's head's: ``packed.head_policy_of``; default ``policy``).
 
   A one-layer drafter multiplies a few rows (γ + 1 pending pairs, a tree level's
   k nodes) by small matrices at every draft step: the shapes where the kernel
@@ -337,15 +340,17 @@ def pack_eagle_params(dp: Params, policy: MatmulPolicy) -> Params:
   come back unchanged under a policy that never takes the kernel; train on
   ``unpack_eagle_params``.
   """
-  if policy.never:
+  head_policy = policy if head_policy is None else head_policy
+  if policy.never and head_policy.never:
     return dp
-  layer = lambda l: {k: pack(unpacked(v), policy) if k in PROJECTIONS else v
-                     for k, v in l.items()}
+  one = lambda w: unpacked(w) if policy.never else pack(unpacked(w), policy)
+  layer = lambda l: {k: one(v) if k in PROJECTIONS else v for k, v in l.items()}
+  head = jnp.transpose(unpacked_head(dp["head"]))  # [D, Vd]
   out = dict(dp, layers=[layer(l) for l in dp["layers"]],
-             head=pack(jnp.transpose(unpacked_head(dp["head"])), policy))
+             head=unpacked_head(dp["head"]) if head_policy.never else pack(head, head_policy))
   for k in ("fc", "fuse"):
     if k in dp:
-      out[k] = pack(unpacked(dp[k]), policy)
+      out[k] = one(dp[k])
   return out
 
 
@@ -445,6 +450,6 @@ def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Param
   drafter = EagleDrafter(eagle_config(target_cfg, num_layers), feature_layers=feature_layers)
   dp = eagle_params(target_cfg, target_params, weights, vocab_map)
   drafter.check_params(dp)
-  dp = pack_eagle_params(dp, policy_of(target_params))
+  dp = pack_eagle_params(dp, policy_of(target_params), head_policy_of(target_params))
   return drafter, dp
 

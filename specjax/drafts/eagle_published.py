@@ -58,7 +58,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.eagle import EagleDrafter, pack_eagle_params
 from specjax.drafters.residual_head import target_head
 from specjax.drafters import eagle_arch
-from specjax.kernels.packed import policy_of
+from specjax.kernels.packed import head_policy_of, policy_of
 from specjax.loaders.hf import CheckpointError, read_config_json
 from specjax.model import Params, compute_dtype
 from specjax.param_layout import fuse_gate_up, fuse_qkv
@@ -375,7 +375,8 @@ def load_published_eagle(path: str, target_cfg: ModelConfig, target_params: Para
       dp["vocab_map"] = jnp.asarray(vocab_map)
     drafter = EagleDrafter(cfg, feature_layers=layers, arch=eagle_arch.EAGLE3)
   drafter.check_params(dp)
-  return drafter, pack_eagle_params(dp, policy_of(target_params))
+  return drafter, pack_eagle_params(dp, policy_of(target_params),
+                                    head_policy_of(target_params))
 
 
 def published_kind(drafter: EagleDrafter) -> str:

@@ -121,6 +121,15 @@ def policy_of(params: dict) -> MatmulPolicy:
   return XLA
 
 
+def head_policy_of(params: dict) -> MatmulPolicy:
+  """The policy a model's output head was packed under (``policy.policy_for(part="head")``):
+  ``XLA`` for a plain head, or a tied one that contracts against ``embed``. A drafter's own
+  head (an EAGLE head of a few thousand rows) is packed under it: head-shaped, unlike the
+  layers' projections."""
+  head = params.get("lm_head")
+  return head.policy if isinstance(head, PackedWeight) else XLA
+
+
 def pack_params(params: dict, tie_embeddings: bool, policy: MatmulPolicy = KERNEL,
                 head_policy: Optional[MatmulPolicy] = None) -> dict:
   """The projections of a model as PackedWeights under ``policy``, its output head under
