@@ -15,6 +15,8 @@ from specjax.drafters.eagle import (EagleDrafter, eagle_config, eagle_drafter, i
 from specjax.kv_cache import init_cache
 from specjax.loaders import CheckpointError
 from specjax.generate import generate
+from specjax.kernels import packed as pk
+from specjax.kernels import policy as pol
 from specjax.model import forward, target_features
 from specjax.sampling import Sampling
 from specjax.speculative import SpeculativeDecoder
@@ -129,8 +131,6 @@ def test_fused_drafter_greedy_equals_plain_greedy_decoding():
 def test_draft_packed_beside_a_target_takes_its_layers_and_its_heads_policies(layers_kernel):
   """The target's layers and head are packed under policies measured apart: the draft's
   projections take the layers', its own head the head's; either way it drafts as plain."""
-  from specjax.kernels import packed as pk
-  from specjax.kernels import policy as pol
   cfg, params = tiny_model(seed=0)
   layers, head = (pol.KERNEL, pol.XLA) if layers_kernel else (pol.XLA, pol.KERNEL)
   target = pk.pack_params(params, cfg.tie_embeddings, layers, head_policy=head)

@@ -59,8 +59,8 @@ from specjax.drafters.residual_head import target_head
 from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, over_chunks
 from specjax.kernels.accumulate import einsum_f32
-from specjax.kernels.packed import (PROJECTIONS, PackedWeight, dense, head_policy_of, pack,
-                                    policy_of, unpacked)
+from specjax.kernels.packed import (PROJECTIONS, PackedWeight, dense, head_policy_of,
+                                    pack_under, policy_of, unpacked)
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, cast_params, compute_dtype, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
@@ -343,14 +343,17 @@ def pack_eagle_params(dp: Params, policy: MatmulPolicy,
   head_policy = policy if head_policy is None else head_policy
   if policy.never and head_policy.never:
     return dp
-  one = lambda w: unpacked(w) if policy.never else pack(unpacked(w), policy)
-  layer = lambda l: {k: one(v) if k in PROJECTIONS else v for k, v in l.items()}
-  head = jnp.transpose(unpacked_head(dp["head"]))  # [D, Vd]
-  out = dict(dp, layers=[layer(l) for l in dp["layers"]],
-             head=unpacked_head(dp["head"]) if head_policy.never else pack(head, head_policy))
+  layer = lambda l: {k: pack_under(v, policy) if k in PROJECTIONS else v for k, v in l.items()}
+  head = dp["head"]  # packed: [D, Vd] panels; plain: [Vd, D]
+  if head_policy.never:
+    head = unpacked_head(head)
+  else:
+    head = pack_under(head if isinstance(head, PackedWeight) else jnp.transpose(head),
+                      head_policy)
+  out = dict(dp, layers=[layer(l) for l in dp["layers"]], head=head)
   for k in ("fc", "fuse"):
     if k in dp:
-      out[k] = one(dp[k])
+      out[k] = pack_under(dp[k], policy)
   return out
 
 

@@ -72,6 +72,16 @@ def pack(w: Any, policy: MatmulPolicy = KERNEL, keep_plain: Optional[bool] = Non
                       policy=policy)
 
 
+def pack_under(w: Any, policy: MatmulPolicy) -> Any:
+  """A [K, N] weight, plain or packed, as ``policy`` wants it: kept when already packed under
+  it, plain where the policy never takes the kernel, packed (again) otherwise."""
+  if isinstance(w, PackedWeight):
+    if w.policy == policy:
+      return w
+    w = unpacked(w)
+  return w if policy.never else pack(w, policy)
+
+
 def unpacked(w: Any) -> jax.Array:
   """The plain [K, N] matrix of a weight, packed or not."""
   if isinstance(w, PackedWeight):
@@ -124,8 +134,9 @@ def policy_of(params: dict) -> MatmulPolicy:
 def head_policy_of(params: dict) -> MatmulPolicy:
   """The policy a model's output head was packed under (``policy.policy_for(part="head")``):
   ``XLA`` for a plain head, or a tied one that contracts against ``embed``. A drafter's own
-  head (an EAGLE head of a few thousand rows) is packed under it: head-shaped, unlike the
-  layers' projections."""
+  head (an EAGLE head of a few thousand rows) is packed under it: of the two measurements the
+  one of the nearer shape (a wide [D, V] matrix), though neither was made at the draft head's
+  own width."""
   head = params.get("lm_head")
   return head.policy if isinstance(head, PackedWeight) else XLA
 
@@ -145,19 +156,11 @@ def pack_params(params: dict, tie_embeddings: bool, policy: MatmulPolicy = KERNE
   head_policy = policy if head_policy is None else head_policy
   if policy.never and head_policy.never:
     return unpack_params(params, tie_embeddings)
-
-  def pack_one(w, under: MatmulPolicy):
-    if isinstance(w, PackedWeight):
-      if w.policy == under:
-        return w
-      w = unpacked(w)
-    return w if under.never else pack(w, under)
-
-  out = dict(params, layers=[{name: (pack_one(v, policy) if name in PROJECTIONS else v)
+  out = dict(params, layers=[{name: (pack_under(v, policy) if name in PROJECTIONS else v)
                               for name, v in p.items()} for p in params["layers"]])
   head = params.get("lm_head")
   if not tie_embeddings:
-    out["lm_head"] = pack_one(head, head_policy)
+    out["lm_head"] = pack_under(head, head_policy)
   elif head_policy.never:
     out.pop("lm_head", None)  # contracts against ``embed``
   elif not (isinstance(head, PackedWeight) and head.policy == head_policy):
