@@ -6,18 +6,22 @@ Usage:
       [--temperatures 1] [--prompts 10] [--seeds 3] [--new_tokens 128]
       [--out benchmarks/results/policy_decisions.md]
 
-The policy is the tree sweep's adaptive row of each temperature (``--results``: its choices,
-the step costs measured on this machine in that run, the calibration table and the chains'
-rate α_c beside it). A row that predates α_c gets it measured here as the sweep's
-calibration measures it (``Bench.calibrate``: a chain as deep as the calibration tree, on
-the same training-side prompts, seed and length), so an old sweep is judged with today's
-pricing. Every
+The policy is the adaptive row of each temperature in ``--results``: a tree sweep's (its
+choices, the step costs measured on this machine in that run, the calibration table and the
+chains' rate α_c beside it) or the default run's adaptive γ row (chains and plain decoding,
+its step costs; at batch 1 it starts from the policy's default prior, as it ran). A tree
+sweep's row that predates α_c gets it measured here as the sweep's calibration measures it
+(``Bench.calibrate``: a chain as deep as the calibration tree, on the same training-side
+prompts, seed and length), so an old sweep is judged with today's pricing. Every
 setting decodes each prompt alone (batch 1, as the sweep), to exactly ``new_tokens`` tokens
 (no EOS stop), once per seed:
 
   * each choice held fixed: a chain of γ or a tree, as a plain ``SpeculativeDecoder``;
-  * the policy, and the policy over its chains only (its trees taken out), with the steps
-    each took of every choice and the mean running estimate it chose them on;
+  * the policy, the policy counting its sampled chains' accept/reject outcomes in place of
+    their βs (``AdaptiveGamma.evidence="accepted"``, how the policy counted before it
+    weighed βs; at T > 0 only: greedy βs are the outcomes), and the policy over its chains only
+    (its trees taken out), with the steps each took of every choice and the mean running
+    estimate it chose them on;
 
 and the table gives each one's **modelled speedup**: generated tokens over the sum of its
 steps' costs in plain decoding steps (a fixed setting: steps × its cost; the policy: the
@@ -52,8 +56,8 @@ from specjax.speculative.metrics import mean_estimates
 
 RESULTS = flags.DEFINE_string(
     "results", "experiments/results/avx2_zen3/trees_adaptive_batch1/results.json",
-    "results.json of a tree sweep with adaptive rows (python -m experiments.run "
-    "--experiment=tree_sweep)")
+    "results.json with adaptive rows: a tree sweep's (python -m experiments.run "
+    "--experiment=tree_sweep) or the default run's (its adaptive γ rows)")
 TEMPS = flags.DEFINE_list("temperatures", ["1"], "temperatures of the sweep's adaptive rows")
 PROMPTS = flags.DEFINE_integer("prompts", 10, "held-out prompts (round-robin over categories)")
 SEEDS = flags.DEFINE_integer("seeds", 3, "seeds per prompt (>= 1)")
@@ -64,24 +68,27 @@ OUT = flags.DEFINE_string("out", "benchmarks/results/policy_decisions.md", "mark
 
 def sweep_policies(path: str, temperatures: list[float], chain_rate=None
                    ) -> dict[float, AdaptiveGamma]:
-  """The adaptive policy of each temperature's tree-sweep row in a results.json; a row that
-  predates α_c gets ``chain_rate(results, T)`` as its ``prior_alpha``."""
+  """The adaptive policy of each temperature's tree-sweep or adaptive-γ row in a
+  results.json (a tree sweep's, where both are present); a tree-sweep row that predates α_c
+  gets ``chain_rate(results, T)`` as its ``prior_alpha``."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"--results {path}: no such file (a tree sweep's results.json)")
   with open(path) as f:
     results = json.load(f)
   rows = results["rows"]
-  found = {r["temperature"]: as_tuple(r["tree"]) for r in rows
-           if r["experiment"] == "tree_sweep" and r["shape"] == "adaptive"
-           and r["category"] == "all"}
+  found, kind = {}, {}
+  for r in sorted(rows, key=lambda r: r["experiment"] == "tree_sweep"):  # tree sweeps win
+    if (r["experiment"] in ("tree_sweep", "adaptive") and r["shape"] == "adaptive"
+        and r["category"] == "all"):
+      found[r["temperature"]], kind[r["temperature"]] = as_tuple(r["tree"]), r["experiment"]
   missing = [t for t in temperatures if t not in found]
   if missing:
-    raise ValueError(f"--results {path} has no adaptive tree-sweep row at T = {missing} "
+    raise ValueError(f"--results {path} has no adaptive row at T = {missing} "
                      f"(it has T = {sorted(found)})")
   policies = {t: policy_of(found[t]) for t in temperatures}
   if chain_rate is None:
     return policies
-  return {t: p if setting_chain_alpha(found[t]) is not None
+  return {t: p if setting_chain_alpha(found[t]) is not None or kind[t] != "tree_sweep"
           else dataclasses.replace(p, prior_alpha=round(chain_rate(results, t), 4))
           for t, p in policies.items()}
 
@@ -101,12 +108,16 @@ def calibration_chain_rate(target, draft):
   return rate
 
 
-def settings(policy: AdaptiveGamma) -> dict[str, tuple[AdaptiveGamma | None, dict, float]]:
+def settings(policy: AdaptiveGamma, temperature: float
+             ) -> dict[str, tuple[AdaptiveGamma | None, dict, float]]:
   """name -> (policy or None, the decoder's shape keywords, a fixed setting's step cost)."""
   out = {name: (None, dict(tree=policy.shape(i)), cost)
          for i, (name, cost) in enumerate(zip(choice_names(policy), policy.costs))
          if policy.shape(i) is not None}
   out["adaptive"] = (policy, {}, 0.0)
+  if temperature > 0:  # greedy βs are the outcomes: the same policy
+    out["adaptive, outcomes counted"] = (dataclasses.replace(policy, evidence="accepted"),
+                                         {}, 0.0)
   if policy.trees:
     chains = dataclasses.replace(policy, trees=(), tree_costs=(), rank_accept=None)
     out["adaptive, chains only"] = (chains, {}, 0.0)
@@ -136,7 +147,7 @@ def main(_):
            "setting's, seed by seed (sampled texts differ between settings at T > 0).", ""]
   for t, policy in policies.items():
     sampler = make_sampler(t)
-    table = settings(policy)
+    table = settings(policy, t)
     seeds = SEEDS.value if t > 0 else 1  # greedy decoding draws nothing
     # One buffer length for every prompt and setting (the policy's headroom covers each
     # choice's): one compiled loop per setting, not one per prompt length.
@@ -165,8 +176,10 @@ def main(_):
     best = max(fixed, key=speedup.get)
     per_seed = lambda k: tokens[k] / cost[k] / (tokens[best] / cost[best])
     names = choice_names(policy)
-    lines += [f"## T = {t:g}", "", f"Calibrated rates: chains α_c = {policy.prior_alpha:.3f}, "
-              f"trees α_A = {policy.table_alpha:.3f} (rank-0 drafts of the table).", "",
+    rates = (f"chains α_c = {policy.prior_alpha:.3f}, trees α_A = {policy.table_alpha:.3f} "
+             "(rank-0 drafts of the table)" if policy.trees
+             else f"chains α_c = {policy.prior_alpha:.3f} (the prior the policy starts from)")
+    lines += [f"## T = {t:g}", "", f"Calibrated rates: {rates}.", "",
               "| setting | step cost | steps by choice (mean α̂ behind them) | modelled speedup "
               "| / best fixed | per seed |", "|---|---|---|---|---|---|"]
     for k, (pol, _, step_cost) in table.items():

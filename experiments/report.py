@@ -333,7 +333,9 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
   lines = ["## Adaptive γ", "",
            "`AdaptiveGamma` (specjax/speculative/adaptive.py) picks each step's γ inside the "
            "jitted loop: the choice with the most expected tokens (1 + α̂ + … + α̂^γ, α̂ a "
-           "running per-row estimate) per unit of step cost, γ = 0 being a plain decoding "
+           "running per-row estimate; a sampled chain step adds each scored draft's β, its "
+           "chance of acceptance, not the outcome) per unit of step cost, γ = 0 being a "
+           "plain decoding "
            f"step{margin}. Its step costs are those the γ sweep measured above "
            "(step / t₁ on these batches), made non-decreasing in γ. Steps at γ counts the "
            "steps it took at each of its choices (0 = plain decoding), with the mean α̂ it "

@@ -138,6 +138,29 @@ def test_observe_discounts_counts_rejections_and_spares_inactive_rows():
   np.testing.assert_allclose(plain.failures, [0.5, 0.5, 1.0])
 
 
+def test_a_weighed_chain_step_counts_its_betas_in_place_of_its_outcomes():
+  """``evidence="expected"``: Σβ successes and count − Σβ failures where the step weighed
+  its drafts (count > 0); outcomes where it did not; ``"accepted"`` ignores the βs."""
+  expected = AdaptiveGamma(gammas=(0, 2, 4), step_costs=(1.0, 1.1, 1.3), decay=0.5)
+  accepted = dataclasses.replace(expected, evidence="accepted")
+  state = _state(expected, [2.0, 2.0, 2.0], [1.0, 1.0, 1.0])
+  active = jnp.array([True, True, True])
+  # γ = 4: row 0 accepted 2 of its drafts (3 positions scored), row 1 all 4 (4 scored), row 2
+  # weighed nothing (count 0, as a greedy or tree step's: its outcome counts).
+  step = (jnp.int32(2), jnp.array([2, 4, 1]), active)
+  betas = dict(beta_sum=jnp.array([1.9, 3.2, 0.0]), beta_count=jnp.array([3, 4, 0]))
+  new = expected.observe(state, *step, **betas)
+  np.testing.assert_allclose(new.successes, [1.0 + 1.9, 1.0 + 3.2, 1.0 + 1])
+  np.testing.assert_allclose(new.failures, [0.5 + 1.1, 0.5 + 0.8, 0.5 + 1], rtol=1e-6)
+  old = accepted.observe(state, *step, **betas)
+  np.testing.assert_allclose(old.successes, [1.0 + 2, 1.0 + 4, 1.0 + 1])
+  np.testing.assert_allclose(old.failures, [0.5 + 1, 0.5, 0.5 + 1])
+  for policy in (expected, accepted):  # without βs both count outcomes
+    np.testing.assert_allclose(policy.observe(state, *step).successes, old.successes)
+  with pytest.raises(ValueError, match="together"):
+    expected.observe(state, *step, beta_sum=betas["beta_sum"])
+
+
 def test_plain_steps_return_the_estimate_to_the_prior_so_drafting_is_tried_again():
   policy = AdaptiveGamma(gammas=(0, 2), step_costs=(1.0, 1.3), prior_alpha=0.6, decay=0.9,
                          min_gain=0.0)
@@ -303,6 +326,7 @@ def test_chains_and_trees_share_one_running_ease():
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prior_weight=0.0), "prior_weight"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), decay=0.0), "decay"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prompt_ease=(1.0, -0.5)), "prompt_ease"),
+    (dict(gammas=(1, 2), step_costs=(1.0, 1.1), evidence="beta"), "evidence"),
     (dict(gammas=(1, 2), step_costs=(1.0, 1.1), prompt_ease=(1.0, float("nan"))),
      "prompt_ease"),
     (dict(gammas=(0,), step_costs=(1.0,), trees=(FORK,), tree_costs=(1.2,)), "rank_accept"),
@@ -409,6 +433,41 @@ def test_profiled_twin_and_single_steps_take_the_same_path(models):
     np.testing.assert_array_equal(np.asarray(getattr(state.counters, name)), counts,
                                   err_msg=name)
   assert profiled.timing["verify"] > 0
+
+
+def _policy_after(dec, params, dp, new_tokens):
+  state, _ = dec.prepare(params, dp, PROMPTS, new_tokens)
+  step = jax.jit(dec.step)
+  while not bool(jnp.all(state.done)):
+    state = step(params, dp, state)
+  return state
+
+
+def test_sampled_chain_steps_feed_the_policy_their_betas_and_greedy_ones_their_outcomes(models):
+  """With nothing forgotten (decay 1) and chains only, the policy's counts are the loop's
+  own: under ``"expected"`` at T = 1 its successes are the counters' Σβ and its trials their
+  scored positions; under ``"accepted"`` its successes are the accepted drafts (which
+  differ from Σβ: the test would fail if the βs went unused). Greedy βs are the outcomes,
+  so at T = 0 both evidences make the same choices and the same counts."""
+  target, draft = models
+  cfg, params = target
+  drafter, dp = _drafter("model", target, draft)
+  policy = AdaptiveGamma(gammas=(1, 3), step_costs=(1.1, 1.3), prior_alpha=0.5, decay=1.0)
+  old = dataclasses.replace(policy, evidence="accepted")
+  t1 = dict(sampler=Sampling(temperature=1.0), eos_ids=())
+  st = _policy_after(SpeculativeDecoder(cfg, drafter, policy=policy, **t1), params, dp, 24)
+  np.testing.assert_allclose(st.policy.successes, st.counters.beta_sum, rtol=1e-5)
+  np.testing.assert_allclose(st.policy.successes + st.policy.failures, st.counters.beta_count,
+                             rtol=1e-5)
+  st = _policy_after(SpeculativeDecoder(cfg, drafter, policy=old, **t1), params, dp, 24)
+  np.testing.assert_array_equal(st.policy.successes, st.counters.accepted)
+  assert not np.allclose(st.policy.successes, st.counters.beta_sum, atol=1e-3)
+  switching = dataclasses.replace(SWITCHING, evidence="accepted")
+  runs = [SpeculativeDecoder(cfg, drafter, policy=p, eos_ids=()).generate(params, dp, PROMPTS, 30)
+          for p in (SWITCHING, switching)]
+  np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+  for name in ("choice_steps", "choice_estimate"):
+    np.testing.assert_array_equal(runs[0].per_row[name], runs[1].per_row[name], err_msg=name)
 
 
 def test_a_policy_that_never_drafts_decodes_plainly_with_the_loops_tokens_and_counters(

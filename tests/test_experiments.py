@@ -1067,16 +1067,21 @@ def test_calibrated_batches_benchmark_rereads_a_committed_run(tmp_path, benchmar
 
 def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_choices(
     tmp_path, benchmark_module):
-  """benchmarks.policy_decisions takes each temperature's adaptive tree-sweep row from a
-  results.json, holds each of its draft choices fixed beside it (plain decoding needs no run)
-  and adds its chains-only twin; a missing file or temperature is refused before loading."""
+  """benchmarks.policy_decisions takes each temperature's adaptive tree-sweep row (or the
+  default run's adaptive γ row) from a results.json, holds each of its draft choices fixed
+  beside it (plain decoding needs no run) and adds its twin that counts outcomes (at T > 0)
+  and its chains-only twin; a missing file or temperature is refused before loading."""
   bench = benchmark_module("policy_decisions")
   settings, sweep_policies = bench.settings, bench.sweep_policies
   path = "experiments/results/avx2_zen3/trees_adaptive_batch1/results.json"
   policy = sweep_policies(path, [1.0])[1.0]
-  table = settings(policy)
+  table = settings(policy, 1.0)
   assert list(table)[:2] == ["γ = 1", "γ = 2"] and "plain" not in table
-  assert list(table)[-2:] == ["adaptive", "adaptive, chains only"]
+  assert list(table)[-3:] == ["adaptive", "adaptive, outcomes counted",
+                              "adaptive, chains only"]
+  counted = table["adaptive, outcomes counted"][0]
+  assert counted == dataclasses.replace(policy, evidence="accepted")
+  assert policy.evidence == "expected" and "adaptive, outcomes counted" not in settings(policy, 0.0)
   fixed = [k for k, (pol, _, _) in table.items() if pol is None]
   assert len(fixed) == policy.num_choices - 1  # every choice but plain decoding
   assert [table[k][2] for k in fixed] == list(policy.costs[1:])
@@ -1088,7 +1093,12 @@ def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_ch
   rated = sweep_policies(path, [0.0, 1.0], lambda res, t: asked.append(t) or 0.3125)
   assert asked == [0.0, 1.0] and {p.prior_alpha for p in rated.values()} == {0.3125}
   assert chains.prior_alpha == policy.prior_alpha == 0.5  # no chain_rate: the default
-  with pytest.raises(ValueError, match=r"no adaptive tree-sweep row at T = \[0.5\]"):
+  with pytest.raises(ValueError, match=r"no adaptive row at T = \[0.5\]"):
     sweep_policies(path, [0.5])
+  # The default run's adaptive γ row: chains and plain decoding, its prior as it ran.
+  default = sweep_policies("experiments/results/avx2_zen3/results.json", [1.0],
+                           lambda res, t: asked.append(t) or 0.3125)[1.0]
+  assert default.gammas == (0, 1, 2, 3, 4) and not default.trees
+  assert default.prior_alpha == 0.5 and asked == [0.0, 1.0]  # not re-measured
   with pytest.raises(FileNotFoundError, match="no such file"):
     sweep_policies(str(tmp_path / "missing.json"), [1.0])

@@ -82,6 +82,24 @@ this is the chains' own estimate, (s_c + w·α_c) / (s_c + f_c + w). Every step
 decays all counts, so while plain decoding is chosen ρ̂ drifts back to 1 and
 the drafts are tried again.
 
+What a sampled chain step counts (``evidence``). Its drafts are accepted by coin flips, each
+with probability β_i = Σₓ min(p_i(x), q_i(x)) given its context, and the step knows every
+β_i it flipped for (the target's p and the draft's q are both in the verification). By
+default (``"expected"``) a step counts Σβ_i over the positions it scored (its drafts up to
+and including the first rejected one) as successes and the rest of those positions as
+failures, instead of the flips' outcomes: accepted drafts as successes and one failure at a
+rejection (``"accepted"``). The two have the same expectation, since whether a position is
+scored is decided before its flip (optional stopping), so the estimate tracks the same α,
+the tables' α = E[β]; but the expected count drops the flips' own noise, which in a window
+of about ten steps sent the outcome-counting policy into dips it did not need: at T = 1,
+priced with Zen 3's costs, it took 135 plain steps of 2,310 against 1 of 2,234, for 96.1%
+of the best fixed γ's modelled speedup against 98.9%
+(``benchmarks/results/policy_evidence_avx2.md``). A step that cannot weigh its flips counts
+outcomes either way: a greedy chain (at T = 0 β is 0 or 1, the flip itself), a tree (its
+drafts are point masses, ``tree_acceptance``) and a chain verified otherwise than token by
+token (block verification accepts with other probabilities than β; typical acceptance
+draws none).
+
 The decoder (``SpeculativeDecoder(policy=...)``) runs each choice's steps in
 an inner while loop of its own, inside the one jitted loop: no recompilation
 and no host round trip. The choice depends only on steps already taken, never
@@ -126,6 +144,7 @@ Tree = Union[TreeTopology, DynamicTree]
 ALPHA_GRID = 101  # points in [0, 1] at which a table-priced policy tabulates E[tokens | α]
 BATCH_ROWS = 1024  # batch sizes up to which ``batch_factors`` are tabulated (larger: the last)
 MIN_GAIN = 0.05  # default ``min_gain``: the margin a draft's expected gain must clear (below)
+EVIDENCE = ("expected", "accepted")  # what a sampled chain step counts (``evidence``)
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -198,6 +217,9 @@ class AdaptiveGamma:
       break-even an estimate's error decides the sign of the outcome (the module
       docstring); the default is ``MIN_GAIN``. Only with plain decoding among the
       choices; 0 takes the calibrated formula's argmax.
+    evidence: what a sampled chain step counts (the module docstring): ``"expected"``
+      (default), the β of each position it scored; ``"accepted"``, its accept/reject
+      outcomes. Greedy chains and trees count outcomes under both.
   """
 
   gammas: tuple[int, ...]
@@ -210,6 +232,7 @@ class AdaptiveGamma:
   decay: float = 0.9
   prompt_ease: tuple[float, ...] = ()
   min_gain: float = MIN_GAIN
+  evidence: str = "expected"
 
   def __post_init__(self):
     gammas, trees = tuple(self.gammas), tuple(self.trees)
@@ -263,6 +286,8 @@ class AdaptiveGamma:
     if not 0.0 < self.decay <= 1.0:
       raise ValueError(f"decay must be in (0, 1], got {self.decay}")
     check_min_gain(self.min_gain)
+    if self.evidence not in EVIDENCE:
+      raise ValueError(f"evidence must be one of {EVIDENCE}, got {self.evidence!r}")
     ease = tuple(self.prompt_ease)
     if not all(isinstance(e, (int, float, np.floating, np.integer)) and not isinstance(e, bool)
                and math.isfinite(e) and e >= 0 for e in ease):
@@ -472,14 +497,26 @@ class AdaptiveGamma:
     return jnp.argmax(scores).astype(jnp.int32)
 
   def observe(self, state: PolicyState, index: jax.Array, num_accepted: jax.Array,
-              active: jax.Array) -> PolicyState:
+              active: jax.Array, beta_sum: Optional[jax.Array] = None,
+              beta_count: Optional[jax.Array] = None) -> PolicyState:
     """Folds in a step of choice ``index`` that accepted ``num_accepted`` [B] drafts along
     its first-ranked chain (a chain's: all it accepted) into its kind's counts (chains or
-    trees; both feed ``ease``); every count decays. Rows not ``active`` keep their counts."""
+    trees; both feed ``ease``); every count decays. Rows not ``active`` keep their counts.
+
+    ``beta_sum`` and ``beta_count`` [B]: Σβ over the positions a sampled chain step scored
+    and their number (0 where the step weighed none: plain, greedy or tree steps). Under
+    ``evidence="expected"`` a row with a count takes Σβ successes and count − Σβ failures
+    in place of its outcomes (the module docstring)."""
+    if (beta_sum is None) != (beta_count is None):
+      raise ValueError("give beta_sum and beta_count together")
     length = jnp.asarray(self.first_chain_depths, jnp.int32)[index]
     tree = index >= len(self.gammas)
     accepted = num_accepted.astype(jnp.float32)
     rejected = (num_accepted < length).astype(jnp.float32)
+    if self.evidence == "expected" and beta_sum is not None:
+      weighed = beta_count > 0
+      accepted = jnp.where(weighed, beta_sum.astype(jnp.float32), accepted)
+      rejected = jnp.where(weighed, (beta_count - beta_sum).astype(jnp.float32), rejected)
     d = self.decay
     new = PolicyState(successes=d * state.successes + jnp.where(tree, 0.0, accepted),
                       failures=d * state.failures + jnp.where(tree, 0.0, rejected),

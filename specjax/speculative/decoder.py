@@ -348,14 +348,18 @@ class SpeculativeDecoder:
   def observed(self, before: SpecState, after: SpecState, index: jax.Array) -> SpecState:
     """``after`` (one step of the policy's choice ``index``) with the policy's estimates
     updated by the drafts that step accepted along its first-ranked chain (for a chain:
-    all it accepted)."""
+    all it accepted), or by the β it scored them with (``AdaptiveGamma.evidence``)."""
     rank0 = after.counters.accepted_rank[:, :, 0] - before.counters.accepted_rank[:, :, 0]
     leading = jnp.sum(jnp.cumprod(rank0, axis=1), axis=1)  # [B] rank-0 drafts from the root
     active = ~before.done
     hit = jax.nn.one_hot(index, self.policy.num_choices, dtype=jnp.int32) * active[:, None]
     counters = after.counters.add_choices(hit, self.policy.estimate(before.policy, index))
-    return after.replace(counters=counters,
-                         policy=self.policy.observe(before.policy, index, leading, active))
+    weighed = {}
+    if self.verification == "tokenwise":  # β is then each draft's acceptance probability
+      weighed = dict(beta_sum=after.counters.beta_sum - before.counters.beta_sum,
+                     beta_count=after.counters.beta_count - before.counters.beta_count)
+    return after.replace(counters=counters, policy=self.policy.observe(
+        before.policy, index, leading, active, **weighed))
 
   def branch(self, index: int) -> Optional["SpeculativeDecoder"]:
     """The fixed decoder of the policy's choice ``index`` (None for γ = 0, plain decoding)."""
