@@ -165,9 +165,10 @@ def test_predictions_follow_the_theory_from_measured_alpha_and_c(smoke):
       continue
     assert r["verify_cost"] == pytest.approx(verify)
     # E[tokens] of batches (of 2 here) that wait for their slowest row, between one token a
-    # step and γ + 1 (the test below pins the formula)
+    # step and γ + 1 (the test below pins the formula); rounding aside, where α is 0 (the
+    # random tiny draft on some CPU kinds) it is exactly one
     tokens = r["calibrated_speedup"] * (r["gamma"] * r["c"] + r["verify_cost"])
-    assert 1.0 <= tokens <= r["gamma"] + 1
+    assert 1.0 - 1e-9 <= tokens <= r["gamma"] + 1 + 1e-9
     # the whole call: the decode loop as predicted, the prefill as measured
     s, r_p = r["ar_prefill_share"], r["prefill_ratio"]
     assert 0 < s < 1 and r_p > 0
@@ -800,7 +801,12 @@ def test_tree_sweep_rows_and_calibration(smoke):
 
 def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
   """The policy's choices are plain decoding and the sweep's chains and trees, at the step
-  costs measured on them, priced by that temperature's calibration table; greedy-exact."""
+  costs measured on them, priced by that temperature's calibration table; greedy-exact. A
+  temperature whose calibration accepted no rank-0 draft at depth 1 has no adaptive row
+  (nothing scales the trees' prices): the random tiny draft's top-ranked drafts match the
+  tiny target by chance, and on some CPU kinds (AMD Zen 3: α 0 at T = 0, 0.13 sampled) not
+  once in the calibration's tokens, at either temperature; the rows are checked wherever
+  the float order of the host gives them."""
   results, out = smoke
   rows = [r for r in results["rows"] if r["experiment"] == "tree_sweep" and r["category"] == "all"]
   runs = {(r["gamma"], r["temperature"], r["tree"] and as_tuple(r["tree"])): r
@@ -808,7 +814,8 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
   known = lambda xs: np.median([x for x in xs if x is not None])
   cost = lambda run: known(run["step_seconds"]) / known(run["plain_step_seconds"])
   adaptive = [r for r in rows if r["shape"] == "adaptive"]
-  assert {r["temperature"] for r in adaptive} == {0.0, 1.0}
+  priced = {t for t in (0.0, 1.0) if results["tree_calibration"][f"{t:g}"]["table"][0][0] > 0}
+  assert {r["temperature"] for r in adaptive} == priced
   for r in adaptive:
     t = r["temperature"]
     policy = policy_of(as_tuple(r["tree"]))
@@ -834,8 +841,9 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
     if t == 0:
       assert r["greedy_match"] == 1.0
   tables = open(os.path.join(out, "tables.md")).read()
-  assert "- adaptive: each step one of plain" in tables and "(α̂ 0." in tables
-  assert "one running ease shared by chains and trees" in tables and "α_c = 0." in tables
+  if adaptive:
+    assert "- adaptive: each step one of plain" in tables and "(α̂ 0." in tables
+    assert "one running ease shared by chains and trees" in tables and "α_c = 0." in tables
 
 
 def test_sweep_trees_parse_from_the_flag_and_size_the_cache():
