@@ -447,8 +447,8 @@ def test_sampled_chain_steps_feed_the_policy_their_betas_and_greedy_ones_their_o
   """With nothing forgotten (decay 1) and chains only, the policy's counts are the loop's
   own: under ``"expected"`` at T = 1 its successes are the counters' Σβ and its trials their
   scored positions; under ``"accepted"`` its successes are the accepted drafts (which
-  differ from Σβ: the test would fail if the βs went unused). Greedy βs are the outcomes,
-  so at T = 0 both evidences make the same choices and the same counts."""
+  differ from Σβ: the test would fail if the βs went unused), as under block verification.
+  Greedy βs are the outcomes, so at T = 0 both evidences make the same choices and counts."""
   target, draft = models
   cfg, params = target
   drafter, dp = _drafter("model", target, draft)
@@ -462,6 +462,10 @@ def test_sampled_chain_steps_feed_the_policy_their_betas_and_greedy_ones_their_o
   st = _policy_after(SpeculativeDecoder(cfg, drafter, policy=old, **t1), params, dp, 24)
   np.testing.assert_array_equal(st.policy.successes, st.counters.accepted)
   assert not np.allclose(st.policy.successes, st.counters.beta_sum, atol=1e-3)
+  # Block verification accepts with other probabilities than β: outcomes count there.
+  block = SpeculativeDecoder(cfg, drafter, policy=policy, verification="block", **t1)
+  st = _policy_after(block, params, dp, 24)
+  np.testing.assert_array_equal(st.policy.successes, st.counters.accepted)
   switching = dataclasses.replace(SWITCHING, evidence="accepted")
   runs = [SpeculativeDecoder(cfg, drafter, policy=p, eos_ids=()).generate(params, dp, PROMPTS, 30)
           for p in (SWITCHING, switching)]
