@@ -72,7 +72,7 @@ def sweep_policies(path: str, temperatures: list[float], chain_rate=None
   results.json (a tree sweep's, where both are present); a tree-sweep row that predates α_c
   gets ``chain_rate(results, T)`` as its ``prior_alpha``."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"--results {path}: no such file (a tree sweep's results.json)")
+    raise FileNotFoundError(f"--results {path}: no such file (a results.json with adaptive rows)")
   with open(path) as f:
     results = json.load(f)
   rows = results["rows"]
