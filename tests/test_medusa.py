@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 from specjax import drafts
 from specjax import kv_cache as kvc
 from specjax.drafts import medusa_published
+from specjax.drafters import ModelDrafter
 from specjax.drafters.medusa import (MedusaDrafter, best_product_paths, medusa_drafter,
                                      medusa_params, medusa_tree, random_medusa_weights)
 from specjax.generate import generate
@@ -551,6 +552,19 @@ def test_typical_acceptance_is_opt_in_and_moves_the_law(small):
   assert dec.verification == TypicalAcceptance() and dec.verification.lossy
   counts = empirical_joint(dec, target, dp, PROMPT, N)
   assert chi_square_pvalue(counts, exact_joint(*target, sampler, PROMPT)) < 1e-6
+
+
+def test_typical_acceptance_of_a_sampled_chain_records_no_beta(target):
+  """Typical acceptance computes no β: a chain it verifies leaves α unmeasured (NaN in the
+  summary), where its zero βs used to read α = 0."""
+  cfg, params = target
+  dcfg, dparams = tiny_model(seed=1, num_layers=1)
+  drafter = ModelDrafter(dcfg)
+  dec = SpeculativeDecoder(cfg, drafter, gamma=2, sampler=Sampling(temperature=1.0),
+                           eos_ids=(), verification="typical_lossy")
+  out = dec.generate(params, drafter.make_params(dparams), PROMPTS, 10)
+  assert out.per_row["beta_count"].sum() == 0 and out.per_row["drafted"].sum() > 0
+  assert np.isnan(out.metrics()["alpha"])
 
 
 def test_typical_acceptance_keeps_greedy_exact(target, heads):

@@ -322,7 +322,8 @@ class SpeculativeDecoder:
         accept_len_hist=counters.accept_len_hist + hist(acc.num_accepted),
         depth_hist=counters.depth_hist + hist(jnp.full_like(a, depth)),
         accepted_rank=counters.accepted_rank + rank_hit * accepted_at[:, :, None])
-    if not (self.tree.is_chain and proposal.draw == "sampled"):
+    if not (self.tree.is_chain and proposal.draw == "sampled") or isinstance(
+        self.verification, TypicalAcceptance):  # which computes no β (its zeros would read α 0)
       return counters  # β = Σ min(p, q) is defined for chains of sampled drafts only
     levels = jnp.arange(acc.beta.shape[1])[None, :]
     scored = (levels <= acc.num_accepted[:, None]) & active[:, None]
