@@ -59,7 +59,7 @@ from benchmarks.common import provenance, write_markdown
 from experiments.machine import matmul_path, probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts, training_prompts
-from experiments.report import margin_words
+from experiments.report import margin_words, matmul_words
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma, check_min_gain
@@ -248,19 +248,6 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
                       for name, v in speedups.items()}}
 
 
-def _matmul_words(cells: list[dict]) -> str:
-  """The matmul paths the cells ran (``experiments.machine.matmul_path``; cells measured before
-  it was recorded say so)."""
-  by_path: dict[str, list[str]] = {}
-  for c in cells:
-    by_path.setdefault(c.get("matmul") or "not recorded", []).append(
-        f"T = {c['temperature']:g} B = {c['batch']}")
-  if len(by_path) == 1:
-    return f"Matmul path: {next(iter(by_path))}."
-  return "Matmul paths (the cells differ): " + " | ".join(
-      f"{', '.join(where)}: {p}" for p, where in sorted(by_path.items())) + "."
-
-
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
   margin = margin_words(c.get("min_gain") for c in cells)
   name = "SmolLM2-135M-Instruct" if TARGET.value == "smollm2" else f"`{TARGET.value}`"
@@ -270,7 +257,7 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "batches of B (cycled to fill one batch when B is larger); whole generations (prefill "
            f"included); median of {ROUNDS.value} interleaved rounds; {minutes:.1f} min (this "
            "invocation; a rerun resumes from the JSON beside this file).", "",
-           _matmul_words(cells), "",
+           matmul_words(cells), "",
            "Adaptive's per-round speedups are in brackets. "
            "Step cost = a speculative step's decode-loop time over a plain decoding step's, "
            "at that batch, for each γ and then each tree (what the adaptive policy is given). "

@@ -323,6 +323,19 @@ def margin_words(gains) -> str:
           + " or ".join(f"{g:.0%}" for g in gains) + " over plain decoding (`min_gain`)")
 
 
+def matmul_words(cells: list[dict]) -> str:
+  """Words for the matmul paths a sweep's cells ran (``experiments.machine.matmul_path``;
+  cells measured before it was recorded say so)."""
+  by_path: dict[str, list[str]] = {}
+  for c in cells:
+    by_path.setdefault(c.get("matmul") or "not recorded", []).append(
+        f"T = {c['temperature']:g} B = {c['batch']}")
+  if len(by_path) == 1:
+    return f"Matmul path: {next(iter(by_path))}."
+  return "Matmul paths (the cells differ): " + " | ".join(
+      f"{', '.join(where)}: {p}" for p, where in sorted(by_path.items())) + "."
+
+
 def _adaptive_section(rows: Sequence[dict]) -> list[str]:
   """The adaptive policy against plain decoding and against the best fixed γ of the sweep."""
   adaptive = [r for r in rows if r["experiment"] == "adaptive" and r["category"] == ALL]

@@ -12,9 +12,11 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
-# At T = 1 the random tiny draft's drafts are accepted at a rate well above 0 (min(1, p/q)),
-# so the calibration accepts rank-0 drafts and the trees can be priced.
-ARGS = ["--target=tiny", "--draft=tiny", "--batch_sizes=1,2", "--temperatures=1",
+# The tiny target's first layer as the draft (early exit): at T = 1 its chains are accepted
+# at a rate well inside (0, 1), and the calibration's full tree accepts its rank-0 drafts
+# 5-7 times in 8 prompts (the independent random draft, whose rank-0 draft the target's law
+# takes only ~2 times, took it 0 times on one host, leaving the trees unpriced).
+ARGS = ["--target=tiny", "--draft=early_exit:1", "--batch_sizes=1,2", "--temperatures=1",
         "--gammas=1", "--trees=2:2:3", "--new_tokens=8", "--rounds=1", "--prompts=2"]
 
 
@@ -113,10 +115,10 @@ def test_data_parallel_rows_on_two_simulated_devices(tmp_path):
 
 
 def test_the_report_names_the_matmul_path_of_each_cell():
-  from benchmarks.batch_sweep import _matmul_words
+  from experiments.report import matmul_words
   cells = [dict(batch=1, temperature=0.0, matmul="kernel"),
            dict(batch=2, temperature=0.0, matmul="kernel")]
-  assert _matmul_words(cells) == "Matmul path: kernel."
+  assert matmul_words(cells) == "Matmul path: kernel."
   cells.append(dict(batch=4, temperature=1.0))  # measured before the path was recorded
-  assert _matmul_words(cells) == ("Matmul paths (the cells differ): T = 0 B = 1, T = 0 B = 2: "
+  assert matmul_words(cells) == ("Matmul paths (the cells differ): T = 0 B = 1, T = 0 B = 2: "
                                   "kernel | T = 1 B = 4: not recorded.")
