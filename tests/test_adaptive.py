@@ -22,7 +22,7 @@ from specjax.drafters import JacobiDrafter, ModelDrafter
 from specjax.generate import prefill
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
-from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma, PolicyState
+from specjax.speculative.adaptive import EVIDENCE, MIN_GAIN, AdaptiveGamma, PolicyState
 from specjax.speculative.calibration import (calibrate, measure_chain_alpha, measure_chain_alphas,
                                              measure_rank_accept, measure_step_costs,
                                              measure_tree_prices)
@@ -717,30 +717,52 @@ def test_measured_costs_make_a_policy(models):
                                 rounds=1, trees=(FORK,))) == 2
   assert with_trees.rank_accept == tuple(map(tuple, table["table"].tolist()))
   assert with_trees.prior_alpha == 0.99  # its chains' rate, 1, measured and clipped
-  # The chains' rate as the policy counts it: drafts accepted over those plus short steps
-  # (sampled, where the random draft is accepted some of the time).
+  # The chains' rate as the policy counts it (sampled, where the random draft is accepted
+  # some of the time): by default Σβ over the scored positions over those positions; counting
+  # outcomes, drafts accepted over those plus short steps.
   sampled = dataclasses.replace(template, sampler=Sampling(temperature=1.0))
   chain3 = dataclasses.replace(sampled, gamma=None, tree=TreeTopology.chain(3))  # one program
   outs = [chain3.generate(target[1], dp, [p], 8, seed=i)
           for i, p in enumerate(PROMPTS[:2])]
-  accepted = sum(int(o.per_row["accepted"][0]) for o in outs)
-  short = sum(int(o.per_row["accept_len_hist"][0][:3].sum()) for o in outs)
-  assert 0 < accepted and 0 < short
+  row = lambda o, k: float(o.per_row[k][0])
+  accepted = sum(row(o, "accepted") for o in outs)
+  short = sum(float(o.per_row["accept_len_hist"][0][:3].sum()) for o in outs)
+  beta, scored = sum(row(o, "beta_sum") for o in outs), sum(row(o, "beta_count") for o in outs)
+  assert 0 < accepted and 0 < short and scored == accepted + short  # each scored once
+  assert beta / scored != pytest.approx(accepted / scored, abs=1e-3)  # the two differ here
   assert measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8) == pytest.approx(
-      accepted / (accepted + short))
+      beta / scored)
+  counted = measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8, evidence="accepted")
+  assert counted == pytest.approx(accepted / (accepted + short))
+  # Block verification is priced as its policy counts it: outcomes.
+  assert measure_chain_alpha(dataclasses.replace(sampled, verification="block"), target[1], dp,
+                             PROMPTS[:2], 3, 8) == pytest.approx(counted)
+  with pytest.raises(ValueError, match="evidence must be one of"):
+    measure_chain_alphas(sampled, target[1], dp, PROMPTS[:2], 3, 8, evidence="flips")
   # Each prompt's own rate, over the pooled one.
   alpha, ease = measure_chain_alphas(sampled, target[1], dp, PROMPTS[:2], 3, 8)
-  own = [int(o.per_row["accepted"][0]) / (int(o.per_row["accepted"][0])
-                                          + int(o.per_row["accept_len_hist"][0][:3].sum()))
-         for o in outs]
-  assert alpha == pytest.approx(accepted / (accepted + short))
+  own = [row(o, "beta_sum") / row(o, "beta_count") for o in outs]
+  assert alpha == pytest.approx(beta / scored)
   np.testing.assert_allclose(np.asarray(ease) * alpha, own, rtol=1e-6)
   # Both prices at once: the same table, and the rate of a chain as deep as the full tree.
   prices = measure_tree_prices(sampled, target[1], dp, PROMPTS[:2], (2, 1, 1), 8)
   np.testing.assert_array_equal(prices["table"], measure_rank_accept(
       sampled, target[1], dp, PROMPTS[:2], (2, 1, 1), 8)["table"])
-  assert prices["chain_alpha"] == pytest.approx(accepted / (accepted + short))
+  assert prices["chain_alpha"] == pytest.approx(beta / scored)
   np.testing.assert_allclose(prices["prompt_ease"], ease, rtol=1e-6)
+  assert measure_tree_prices(sampled, target[1], dp, PROMPTS[:2], (2, 1, 1), 8,
+                             evidence="accepted")["chain_alpha"] == pytest.approx(counted)
+  # calibrate prices its policy's prior as that policy counts (a chain as deep as FORK).
+  priors = []
+  for evidence in EVIDENCE:
+    policy = calibrate(sampled, target[1], dp, PROMPTS[:2], (0, 1), max_new_tokens=8,
+                       rounds=1, trees=(FORK,), rank_accept=((0.5, 0.5), (0.5, 0.5)),
+                       evidence=evidence)
+    assert policy.evidence == evidence
+    assert policy.prior_alpha == measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 2, 8,
+                                                     evidence=evidence)
+    priors.append(policy.prior_alpha)
+  assert priors[0] != pytest.approx(priors[1], abs=1e-3)
   assert table["offered"][0, 0] == table["offered"][0, 5] > 0  # every root rank offered
   np.testing.assert_array_less(table["accepted"] - 1, table["offered"])
   with pytest.raises(ValueError, match="gammas"):

@@ -34,7 +34,7 @@ import numpy as np
 
 from specjax.generate import generate
 from specjax.model import Params
-from specjax.speculative.adaptive import AdaptiveGamma, Tree
+from specjax.speculative.adaptive import EVIDENCE, AdaptiveGamma, Tree
 from specjax.speculative.decoder import SpeculativeDecoder
 from specjax.speculative.tree import TreeTopology
 from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
@@ -114,21 +114,36 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
 def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
                          draft_params: Any, prompts: Sequence[Sequence[int]], gamma: int = 4,
                          max_new_tokens: int = 64, seed: int = 0,
-                         cache_size: Optional[int] = None) -> tuple[float, tuple[float, ...]]:
-  """(α_c, ease): the chains' acceptance rate as ``AdaptiveGamma`` counts it, drafts
-  accepted over drafts accepted plus steps that stopped before γ, decoding each prompt
-  alone with a chain of ``gamma`` and the template's sampler (the chains' own draw; block
-  verification is measured token-wise, as a policy verifies; ``decode_alone``), pooled over
-  the prompts and clipped to [0.01, 0.99] (the policy needs a rate strictly inside (0, 1));
-  and each prompt's own rate over α_c (``AdaptiveGamma.prompt_ease``). A policy with trees
-  takes α_c as ``prior_alpha``, measured on the prompts its ``rank_accept`` table was."""
+                         cache_size: Optional[int] = None,
+                         evidence: str = "expected") -> tuple[float, tuple[float, ...]]:
+  """(α_c, ease): the chains' acceptance rate as ``AdaptiveGamma`` counts it, decoding each
+  prompt alone with a chain of ``gamma`` and the template's sampler (the chains' own draw;
+  block verification is measured token-wise, as a policy verifies; ``decode_alone``),
+  pooled over the prompts and clipped to [0.01, 0.99] (the policy needs a rate strictly
+  inside (0, 1)); and each prompt's own rate over α_c (``AdaptiveGamma.prompt_ease``). A
+  policy with trees takes α_c as ``prior_alpha``, measured on the prompts its
+  ``rank_accept`` table was.
+
+  The rate is successes over successes plus failures, counted as the policy of that
+  ``evidence`` (``AdaptiveGamma.evidence``) counts them: drafts accepted and steps that
+  stopped before γ; or, under "expected" where the chain's drafts are sampled and verified
+  token-wise, Σβ over the positions the steps scored and the rest of those positions (the
+  same expectation, less noise). A prompt with no β (greedy drafts) counts outcomes."""
   if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an integer >= 1, got {gamma}")
-  hists = decode_each(_tree_decoder(template, TreeTopology.chain(int(gamma))), target_params,
-                      draft_params, prompts, max_new_tokens, seed, cache_size,
-                      ("accept_len_hist",))["accept_len_hist"]  # [prompts, γ + 1]
-  successes = hists @ np.arange(hists.shape[1])
-  failures = hists[:, :gamma].sum(axis=1)
+  if evidence not in EVIDENCE:
+    raise ValueError(f"evidence must be one of {EVIDENCE}, got {evidence!r}")
+  counts = decode_each(_tree_decoder(template, TreeTopology.chain(int(gamma))), target_params,
+                       draft_params, prompts, max_new_tokens, seed, cache_size,
+                       ("accept_len_hist", "beta_sum", "beta_count"))
+  hists = counts["accept_len_hist"]  # [prompts, γ + 1]
+  successes = (hists @ np.arange(hists.shape[1])).astype(np.float64)
+  failures = hists[:, :gamma].sum(axis=1).astype(np.float64)
+  if evidence == "expected" and template.verification == "tokenwise":  # as the policy weighs
+    beta, scored = counts["beta_sum"].astype(np.float64), counts["beta_count"]
+    weighed = scored > 0
+    successes = np.where(weighed, beta, successes)
+    failures = np.where(weighed, scored - beta, failures)
   rate = lambda s, f: float(s / max(s + f, 1.0))
   alpha = float(np.clip(rate(successes.sum(), failures.sum()), 0.01, 0.99))
   return alpha, tuple(rate(s, f) / alpha for s, f in zip(successes, failures))
@@ -137,10 +152,10 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
 def measure_chain_alpha(template: SpeculativeDecoder, target_params: Params,
                         draft_params: Any, prompts: Sequence[Sequence[int]], gamma: int = 4,
                         max_new_tokens: int = 64, seed: int = 0,
-                        cache_size: Optional[int] = None) -> float:
+                        cache_size: Optional[int] = None, evidence: str = "expected") -> float:
   """α_c alone (``measure_chain_alphas``)."""
   return measure_chain_alphas(template, target_params, draft_params, prompts, gamma,
-                              max_new_tokens, seed, cache_size)[0]
+                              max_new_tokens, seed, cache_size, evidence)[0]
 
 
 def decode_each(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
@@ -168,16 +183,17 @@ def decode_alone(dec: SpeculativeDecoder, target_params: Params, draft_params: A
 def measure_tree_prices(template: SpeculativeDecoder, target_params: Params, draft_params: Any,
                         prompts: Sequence[Sequence[int]],
                         branching: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
-                        seed: int = 0, cache_size: Optional[int] = None) -> dict[str, Any]:
+                        seed: int = 0, cache_size: Optional[int] = None,
+                        evidence: str = "expected") -> dict[str, Any]:
   """What a policy with trees is priced by, on the same prompts: ``measure_rank_accept``'s
   dict (the table and its counts) with ``chain_alpha`` and ``prompt_ease``, the chains'
   rate from a chain as deep as the full tree and how it varies by prompt
-  (``measure_chain_alphas``)."""
+  (``measure_chain_alphas``, counted as a policy of that ``evidence`` counts)."""
   out = measure_rank_accept(template, target_params, draft_params, prompts, branching,
                             max_new_tokens, seed, cache_size)
   out["chain_alpha"], out["prompt_ease"] = measure_chain_alphas(
       template, target_params, draft_params, prompts, len(out["branching"]), max_new_tokens,
-      seed, cache_size)
+      seed, cache_size, evidence)
   return out
 
 
@@ -233,10 +249,11 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   measured on the same prompts, one at a time, with a full tree as deep as the deepest
   tree (``measure_rank_accept``, with the template's sampler: the trees' own draw); with
   trees and no ``prior_alpha``, the chains' rate is measured there too
-  (``measure_chain_alphas``); with more than one prompt and no ``prompt_ease``, how the
-  chains' rate varies over them is measured too (the policy then prices a batch's steps for
-  the row it waits on), and that rate, which the spread is relative to, becomes the prior
-  unless ``prior_alpha`` is given. ``policy_kwargs`` go to ``AdaptiveGamma``."""
+  (``measure_chain_alphas``, counted as the policy's ``evidence`` counts); with more than
+  one prompt and no ``prompt_ease``, how the chains' rate varies over them is measured too
+  (the policy then prices a batch's steps for the row it waits on), and that rate, which
+  the spread is relative to, becomes the prior unless ``prior_alpha`` is given.
+  ``policy_kwargs`` go to ``AdaptiveGamma``."""
   trees = tuple(trees)
   costs = measure_step_costs(template, target_params, draft_params, prompts, gammas,
                              max_new_tokens, rounds, trees)
@@ -249,7 +266,8 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   need_ease = len(prompts) > 1 and depth >= 1 and "prompt_ease" not in policy_kwargs
   if need_alpha or need_ease:
     alpha, ease = measure_chain_alphas(template, target_params, draft_params, prompts, depth,
-                                       max_new_tokens)
+                                       max_new_tokens,
+                                       evidence=policy_kwargs.get("evidence", "expected"))
     policy_kwargs.setdefault("prior_alpha", alpha)
     if need_ease:
       policy_kwargs["prompt_ease"] = ease
