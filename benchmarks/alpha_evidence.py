@@ -8,8 +8,8 @@ Usage:
 ease) from a few training-side prompts, decoded alone with a chain of ``--gamma``. Under
 ``evidence="expected"`` (the default since d2cc146) a sampled chain's positions count their
 β = Σ min(p, q), under ``"accepted"`` their accept/reject outcomes: the same expectation.
-For each seed both are measured on the same draws (the decoding does not depend on the
-evidence, only the counting does), and the table gives their mean and their spread over the
+For each seed one decode of the prompts gives both counts (``calibration.chain_alphas``: the
+decoding does not depend on the evidence, only the counting does), and the table gives their mean and their spread over the
 seeds (the standard deviation, and the largest minus the smallest), for the shipped EAGLE-3
 drafter on the embedded target.
 """
@@ -27,12 +27,13 @@ from experiments.prompts import training_prompts
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import EVIDENCE
-from specjax.speculative.calibration import measure_chain_alphas
+from specjax.speculative.calibration import (CHAIN_COUNTERS, chain_alphas, chain_decoder,
+                                             decode_each)
 
 TEMP = flags.DEFINE_float("temperature", 1.0, "sampling temperature (> 0: greedy βs are the "
                           "outcomes)")
 PROMPTS = flags.DEFINE_integer("prompts", 8, "training-side calibration prompts")
-SEEDS = flags.DEFINE_integer("seeds", 5, "seeds (each decodes every prompt once per evidence)")
+SEEDS = flags.DEFINE_integer("seeds", 5, "seeds (each decodes every prompt once)")
 GAMMA = flags.DEFINE_integer("gamma", 4, "the calibration chain's γ")
 NEW = flags.DEFINE_integer("new_tokens", 128, "tokens per prompt")
 OUT = flags.DEFINE_string("out", "benchmarks/results/alpha_evidence.md", "markdown output")
@@ -53,12 +54,13 @@ def main(argv):
                                 eos_ids=())
   prompts = [target.encode(t) for t in training_prompts(PROMPTS.value)]
   start = time.perf_counter()
+  chain = chain_decoder(template, GAMMA.value)
   alphas = {e: [] for e in EVIDENCE}
   for seed in range(SEEDS.value):
+    counts = decode_each(chain, target.params, draft.params, prompts, NEW.value, seed * 1000,
+                         None, CHAIN_COUNTERS)  # what measure_chain_alphas decodes
     for e in EVIDENCE:
-      alpha, _ = measure_chain_alphas(template, target.params, draft.params, prompts,
-                                      GAMMA.value, NEW.value, seed=seed * 1000, evidence=e)
-      alphas[e].append(alpha)
+      alphas[e].append(chain_alphas(counts, template, e)[0])
     print(f"seed {seed}: " + ", ".join(f"{e} {alphas[e][-1]:.4f}" for e in EVIDENCE)
           + f" ({time.perf_counter() - start:.0f} s)", flush=True)
   lines = ["# α_c counted by βs or by outcomes", "",
@@ -68,8 +70,8 @@ def main(argv):
            f"{provenance()}; {(time.perf_counter() - start) / 60:.1f} min.", "",
            f"SmolLM2 with the shipped EAGLE-3 drafter, T = {TEMP.value:g}, a chain of "
            f"γ = {GAMMA.value}, {PROMPTS.value} training-side prompts of {NEW.value} tokens "
-           "each decoded alone (`calibration.measure_chain_alphas`), once per seed and "
-           "evidence.", "",
+           "each decoded alone once per seed, both counts read from the same decodes "
+           "(`calibration.measure_chain_alphas`' decodes, `calibration.chain_alphas`).", "",
            "| evidence | α_c per seed | mean | std over seeds | max − min |",
            "|---|---|---|---|---|"]
   for e in EVIDENCE:

@@ -173,6 +173,12 @@ def check_min_gain(value, name: str = "min_gain") -> None:
     raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
+def check_evidence(value) -> None:
+  """Refuses an ``evidence`` (``AdaptiveGamma.evidence``) not in ``EVIDENCE``."""
+  if value not in EVIDENCE:
+    raise ValueError(f"evidence must be one of {EVIDENCE}, got {value!r}")
+
+
 def _costs(costs: Sequence[float], name: str) -> tuple[float, ...]:
   costs = tuple(costs)
   if not all(isinstance(c, (int, float, np.floating, np.integer)) and not isinstance(c, bool)
@@ -286,8 +292,7 @@ class AdaptiveGamma:
     if not 0.0 < self.decay <= 1.0:
       raise ValueError(f"decay must be in (0, 1], got {self.decay}")
     check_min_gain(self.min_gain)
-    if self.evidence not in EVIDENCE:
-      raise ValueError(f"evidence must be one of {EVIDENCE}, got {self.evidence!r}")
+    check_evidence(self.evidence)
     ease = tuple(self.prompt_ease)
     if not all(isinstance(e, (int, float, np.floating, np.integer)) and not isinstance(e, bool)
                and math.isfinite(e) and e >= 0 for e in ease):

@@ -34,7 +34,7 @@ import numpy as np
 
 from specjax.generate import generate
 from specjax.model import Params
-from specjax.speculative.adaptive import EVIDENCE, AdaptiveGamma, Tree
+from specjax.speculative.adaptive import AdaptiveGamma, Tree, check_evidence
 from specjax.speculative.decoder import SpeculativeDecoder
 from specjax.speculative.tree import TreeTopology
 from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
@@ -131,13 +131,30 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
   same expectation, less noise). A prompt with no β (greedy drafts) counts outcomes."""
   if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an integer >= 1, got {gamma}")
-  if evidence not in EVIDENCE:
-    raise ValueError(f"evidence must be one of {EVIDENCE}, got {evidence!r}")
-  counts = decode_each(_tree_decoder(template, TreeTopology.chain(int(gamma))), target_params,
-                       draft_params, prompts, max_new_tokens, seed, cache_size,
-                       ("accept_len_hist", "beta_sum", "beta_count"))
+  check_evidence(evidence)  # before anything decodes
+  counts = decode_each(chain_decoder(template, int(gamma)), target_params, draft_params,
+                       prompts, max_new_tokens, seed, cache_size, CHAIN_COUNTERS)
+  return chain_alphas(counts, template, evidence)
+
+
+def chain_decoder(template: SpeculativeDecoder, gamma: int) -> SpeculativeDecoder:
+  """The decoder ``measure_chain_alphas`` measures with: ``template`` on a chain of ``gamma``
+  (one compiled program for every prompt and seed; block verification token-wise)."""
+  return _tree_decoder(template, TreeTopology.chain(gamma))
+
+
+CHAIN_COUNTERS = ("accept_len_hist", "beta_sum", "beta_count")  # what ``chain_alphas`` reads
+
+
+def chain_alphas(counts: dict[str, np.ndarray], template: SpeculativeDecoder,
+                 evidence: str = "expected") -> tuple[float, tuple[float, ...]]:
+  """``measure_chain_alphas``' (α_c, ease) from its decodes' per-prompt counters
+  (``decode_each`` of ``CHAIN_COUNTERS`` with ``chain_decoder(template, γ)``) counted for
+  ``template``'s verification and ``evidence``: one decode serves every evidence."""
+  check_evidence(evidence)
   hists = counts["accept_len_hist"]  # [prompts, γ + 1]
-  successes = (hists @ np.arange(hists.shape[1])).astype(np.float64)
+  gamma = hists.shape[1] - 1
+  successes = (hists @ np.arange(gamma + 1)).astype(np.float64)
   failures = hists[:, :gamma].sum(axis=1).astype(np.float64)
   if evidence == "expected" and template.verification == "tokenwise":  # as the policy weighs
     beta, scored = counts["beta_sum"].astype(np.float64), counts["beta_count"]
