@@ -118,7 +118,7 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
                          evidence: str = "expected") -> tuple[float, tuple[float, ...]]:
   """(α_c, ease): the chains' acceptance rate as ``AdaptiveGamma`` counts it, decoding each
   prompt alone with a chain of ``gamma`` and the template's sampler (the chains' own draw;
-  block verification is measured token-wise, as a policy verifies; ``decode_alone``),
+  block verification is measured token-wise, as a policy verifies; ``decode_each``),
   pooled over the prompts and clipped to [0.01, 0.99] (the policy needs a rate strictly
   inside (0, 1)); and each prompt's own rate over α_c (``AdaptiveGamma.prompt_ease``). A
   policy with trees takes α_c as ``prior_alpha``, measured on the prompts its
