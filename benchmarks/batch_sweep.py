@@ -3,7 +3,7 @@
 Usage:
   python -m benchmarks.batch_sweep [--batch_sizes 1,2,4,8,16,32] [--temperatures 0]
       [--gammas 1,2,3,4] [--trees 3:3:4] [--nopolicy_trees] [--new_tokens 128] [--rounds 3]
-      [--draft eagle] [--target smollm2] [--min_gain 0.05]
+      [--draft eagle] [--target smollm2] [--min_gain 0.05] [--evidence expected]
       [--out benchmarks/results/batch_sweep.md]
 
 For each batch size B and temperature, on batches of B held-out prompts (the
@@ -21,7 +21,9 @@ exceeds them), in one process:
      temperature on training-side prompts (``calibration.measure_tree_prices``, prompts
      alone, so batch-independent); ``--nopolicy_trees`` leaves the trees out of the policy
      (the chains' rate and its spread are still measured, ``measure_chain_alphas``); it
-     drafts only when a draft promises more than ``--min_gain`` over plain decoding;
+     drafts only when a draft promises more than ``--min_gain`` over plain decoding, and
+     the policy and its calibration count a sampled chain step's ``--evidence`` (each
+     scored draft's β, or the outcomes: ``AdaptiveGamma.evidence``);
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
      one per batch and round, as in ``experiments``), whole generations
@@ -30,7 +32,9 @@ exceeds them), in one process:
 
 Results go to ``--out`` (markdown, with a figure beside it) and to a JSON file
 beside it that a rerun resumes from (delete it to start over; its cells of another
-``--data_parallel`` or ``--min_gain`` are measured again).
+``--data_parallel``, ``--min_gain`` or ``--evidence`` are measured again, and so are cells
+that do not record their evidence: their policies counted outcomes before git 3d3668c,
+their calibrations before d2cc146).
 
 With ``--data_parallel=N`` every batch's rows are sharded over N devices (an N x 1 mesh,
 ``specjax.sharding``; the batch sizes must be multiples of N) and tokens/s are also given
@@ -59,10 +63,10 @@ from benchmarks.common import provenance, write_markdown
 from experiments.machine import matmul_path, probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts, training_prompts
-from experiments.report import margin_words, matmul_words
+from experiments.report import evidence_words, margin_words, matmul_words
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
-from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma, check_min_gain
+from specjax.speculative.adaptive import EVIDENCE, MIN_GAIN, AdaptiveGamma, check_min_gain
 from specjax.speculative.calibration import (default_branching, measure_chain_alphas,
                                              measure_step_costs, measure_tree_prices)
 from specjax.speculative.tree import DynamicTree
@@ -84,6 +88,10 @@ POLICY_TREES = flags.DEFINE_bool("policy_trees", True, "the adaptive policy also
 MARGIN = flags.DEFINE_float("min_gain", MIN_GAIN, "the adaptive policy drafts only when a draft "
                             "promises more than this over plain decoding "
                             "(AdaptiveGamma.min_gain; 0: the formula's argmax)")
+EVIDENCE_FLAG = flags.DEFINE_enum("evidence", EVIDENCE[0], list(EVIDENCE),
+                                  "what the adaptive policy and its calibration count of a "
+                                  "sampled chain step (AdaptiveGamma.evidence): each scored "
+                                  "draft's acceptance chance β, or the outcomes")
 DATA = flags.DEFINE_integer("data_parallel", 1, "rows sharded over this many devices (an N x 1 "
                             "('data', 'model') mesh, docs/sharding.md; on CPU simulate devices "
                             "with XLA_FLAGS=--xla_force_host_platform_device_count=N); the "
@@ -156,7 +164,8 @@ def _pricing(target, draft, temp: float, gammas, trees) -> dict:
   if POLICY_TREES.value and trees:
     depth = max(t.max_depth for t in trees)
     prices = measure_tree_prices(template, target.params, draft.params, prompts,
-                                 default_branching(depth), NEW.value)
+                                 default_branching(depth), NEW.value,
+                                 evidence=EVIDENCE_FLAG.value)
     if prices["table"][0][0] <= 0.0:  # nothing scales the trees' prices (AdaptiveGamma refuses it)
       _log(f"T={temp:g}: no rank-0 draft accepted at depth 1 in calibration; the policy takes "
            "chains only")
@@ -164,7 +173,7 @@ def _pricing(target, draft, temp: float, gammas, trees) -> dict:
   if prices is None:
     depth = max(gammas)
     alpha, ease = measure_chain_alphas(template, target.params, draft.params, prompts, depth,
-                                       NEW.value)
+                                       NEW.value, evidence=EVIDENCE_FLAG.value)
     prices = {"table": None, "chain_alpha": alpha, "prompt_ease": ease}
   alpha, ease = prices["chain_alpha"], prices["prompt_ease"]
   _log(f"T={temp:g}: " + ("chains only" if prices["table"] is None else
@@ -199,7 +208,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
       trees=tuple(trees), tree_costs=tree_costs, rank_accept=pricing["rank_accept"])
   policy = AdaptiveGamma(gammas=(0, *gammas), step_costs=chain_costs,
                          prior_alpha=pricing["chain_alpha"], prompt_ease=pricing["prompt_ease"],
-                         min_gain=MARGIN.value, **with_trees)
+                         min_gain=MARGIN.value, evidence=EVIDENCE_FLAG.value, **with_trees)
   methods = {f"γ={g}": dataclasses.replace(template, gamma=g, tree=None) for g in gammas}
   methods.update({_tree_name(t): dataclasses.replace(template, gamma=None, tree=t)
                   for t in trees})
@@ -241,11 +250,21 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
           "gammas": [0, *gammas], "step_costs": list(chain_costs),
           "trees": [_tree_name(t) for t in trees], "tree_costs": list(tree_costs),
           "policy_trees": pricing["rank_accept"] is not None, **pricing,
-          "min_gain": policy.min_gain, "matmul": matmul_path(target.params),
+          "min_gain": policy.min_gain, "evidence": policy.evidence,
+          "matmul": matmul_path(target.params),
           "plain_tokens_per_second": plain_tps,
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
                                  tokens_per_second=plain_tps * float(np.median(v)))
                       for name, v in speedups.items()}}
+
+
+def resumable(cell: dict, devices: int, min_gain: float, evidence: str) -> bool:
+  """Whether a stored cell was measured as this invocation measures: on as many devices,
+  with the same margin and the same evidence. The others stay in the store, neither resumed
+  nor reported (cells from before the margin existed took the formula's argmax, 0; cells
+  that do not record their evidence are measured again: outcomes before git 3d3668c)."""
+  return (cell.get("devices", 1) == devices and cell.get("min_gain", 0.0) == min_gain
+          and cell.get("evidence") == evidence)
 
 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
@@ -267,7 +286,8 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "the trees too, priced by the drafter's per-rank acceptance, all measured on "
            f"{CALIBRATION_PROMPTS} training-side prompts (never the timed ones); its mix "
            "counts steps of each choice (γ = 0 is plain decoding, then the chains, then the "
-           "trees)" + (margin and "; " + margin) + ".", ""]
+           "trees)" + (margin and "; " + margin) + "; "
+           + evidence_words(c.get("evidence") for c in cells) + ".", ""]
   if DATA.value > 1:
     lines[5:5] = [f"Data parallel: every batch's rows sharded over {DATA.value} devices "
                   "(`--data_parallel`, docs/sharding.md); tokens/s per device = tok/s / "
@@ -334,10 +354,8 @@ def main(_):
   mesh = _mesh(batches)
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   store = os.path.splitext(OUT.value)[0] + ".json"
-  # A store's cells of another mesh or margin are kept in it but neither resumed nor
-  # reported (cells from before the margin existed took the formula's argmax: 0).
   stored = json.load(open(store)) if os.path.exists(store) else []
-  ours = lambda c: c.get("devices", 1) == DATA.value and c.get("min_gain", 0.0) == MARGIN.value
+  ours = lambda c: resumable(c, DATA.value, MARGIN.value, EVIDENCE_FLAG.value)
   cells, others = [c for c in stored if ours(c)], [c for c in stored if not ours(c)]
   done = {(c["batch"], c["temperature"]) for c in cells}
   target = load_target(TARGET.value)

@@ -97,6 +97,10 @@ class ExperimentConfig:
     min_gain: the adaptive policies draft only when a draft promises more than this over
       plain decoding (``AdaptiveGamma.min_gain``, default its ``MIN_GAIN``; 0 takes the
       formula's argmax); their settings carry it.
+    evidence: what the adaptive policies, and the calibrations that price them, count of a
+      sampled chain step (``AdaptiveGamma.evidence``): "expected" (each scored draft's
+      acceptance chance β, the default) or "accepted" (the outcomes); their settings carry
+      it.
   """
 
   experiments: tuple[str, ...] = DEFAULT_EXPERIMENTS
@@ -128,6 +132,7 @@ class ExperimentConfig:
   verification: str = "tokenwise"
   dtype: str = "auto"
   min_gain: float = 0.05  # specjax.speculative.adaptive.MIN_GAIN (a test holds them equal)
+  evidence: str = "expected"  # AdaptiveGamma.evidence's default (a test holds them equal)
 
   def __post_init__(self):
     unknown = [e for e in self.experiments if e not in EXPERIMENTS]
@@ -184,6 +189,10 @@ class ExperimentConfig:
       raise ValueError(f"--phase_seconds must be a finite number > 0, got {self.phase_seconds}")
     from specjax.speculative.adaptive import check_min_gain  # the policy's own rule
     check_min_gain(self.min_gain, "--min_gain")
+    from specjax.speculative.adaptive import EVIDENCE
+    if self.evidence not in EVIDENCE:
+      raise ValueError(f"--evidence must be one of {', '.join(EVIDENCE)}, got "
+                       f"{self.evidence!r}")
     if self.extra_rounds < 0:
       raise ValueError(f"--extra_rounds must be >= 0, got {self.extra_rounds}")
     if self.max_new_tokens < 2:

@@ -63,7 +63,7 @@ import specjax
 from specjax import compile_cache
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
-from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma, check_evidence
 from specjax.speculative.calibration import (loop_step_seconds, measure_chain_alphas,
                                              measure_tree_prices)
 from specjax.speculative.replay import replay_greedy
@@ -167,21 +167,27 @@ def adaptive_setting(gammas: Sequence[int], step_costs: Sequence[float],
                      trees: Sequence[tuple] = (), tree_costs: Sequence[float] = (),
                      rank_accept=None, chain_alpha: Optional[float] = None,
                      prompt_ease: Sequence[float] = (),
-                     min_gain: Optional[float] = None) -> tuple[int, tuple]:
+                     min_gain: Optional[float] = None,
+                     evidence: Optional[str] = None) -> tuple[int, tuple]:
   """The ``(γ, tree)`` setting of an adaptive policy over ``gammas`` with these step costs;
   with ``trees`` (``SpecRun.tree`` encodings of static or dynamic trees), their costs and the
   acceptance table that prices them; with the chains' rate measured on the calibration
   prompts (``AdaptiveGamma.prior_alpha``; None: the policy's default) and how it varies over
   them (``AdaptiveGamma.prompt_ease``, which prices a batch's steps for the row it waits on;
   empty: for the rows' mean); with the margin a draft must promise over plain decoding
-  (``AdaptiveGamma.min_gain``; None: not carried, the policy's default). ``γ`` is the
-  deepest choice's depth.
+  (``AdaptiveGamma.min_gain``; None: not carried, the policy's default); with what a sampled
+  chain step counts (``AdaptiveGamma.evidence``; None: not carried, the policy's default,
+  which a record from before git 3d3668c did not run with). ``γ`` is the deepest choice's depth.
 
-  A chains-only policy with neither rate, spread nor margin keeps the flat form
+  A chains-only policy with neither rate, spread, margin nor evidence keeps the flat form
   ``(ADAPTIVE, *gammas, *costs)``; any other, ``(ADAPTIVE, gammas, costs, trees, tree costs,
-  table or None[, α_c or None[, ease[, min_gain]]])`` (the later slots present when one of
-  them is carried)."""
+  table or None[, α_c or None[, ease[, min_gain[, evidence]]]])`` (the later slots present
+  when one of them is carried; evidence without a margin carries the default margin)."""
   round4 = lambda xs: tuple(round(float(c), 4) for c in xs)
+  if evidence is not None:
+    check_evidence(evidence)
+    if min_gain is None:
+      min_gain = MIN_GAIN
   if not trees and chain_alpha is None and not prompt_ease and min_gain is None:
     return max(gammas), (ADAPTIVE, *(int(g) for g in gammas), *round4(step_costs))
   table = (None if rank_accept is None
@@ -194,23 +200,26 @@ def adaptive_setting(gammas: Sequence[int], step_costs: Sequence[float],
     setting += (round4(prompt_ease),)
   if min_gain is not None:
     setting += (float(min_gain),)
+  if evidence is not None:
+    setting += (evidence,)
   return policy_of(setting).max_depth, setting
 
 
 def policy_of(tree: Optional[tuple]) -> Optional[AdaptiveGamma]:
   """The ``AdaptiveGamma`` of an adaptive setting's tree; None for chains and trees. A
-  setting that does not carry its margin (the flat form, records before it) gets the
-  policy's default ``min_gain``."""
+  setting that does not carry its margin or its evidence (the flat form, records before
+  them) gets the policy's default ``min_gain`` or ``evidence``."""
   if tree is None or tree[0] != ADAPTIVE:
     return None
-  if isinstance(tree[1], tuple):  # (ADAPTIVE, γs, costs, trees, costs, table[, α_c[, ease[, g]]])
+  if isinstance(tree[1], tuple):  # (ADAPTIVE, γs, costs, trees, costs, table[, α_c[, ease[, g[, e]]]])
     _, gammas, costs, trees, tree_costs, table = tree[:6]
     chain_alpha = setting_chain_alpha(tree)
     return AdaptiveGamma(gammas=gammas, step_costs=costs,
                          trees=tuple(tree_shape(t, 0) for t in trees), tree_costs=tree_costs,
                          rank_accept=table, prompt_ease=tree[7] if len(tree) > 7 else (),
                          **({} if chain_alpha is None else {"prior_alpha": chain_alpha}),
-                         **({"min_gain": tree[8]} if len(tree) > 8 else {}))
+                         **({"min_gain": tree[8]} if len(tree) > 8 else {}),
+                         **({"evidence": tree[9]} if len(tree) > 9 else {}))
   k = (len(tree) - 1) // 2
   return AdaptiveGamma(gammas=tuple(int(g) for g in tree[1:1 + k]), step_costs=tree[1 + k:])
 
@@ -221,6 +230,14 @@ def setting_chain_alpha(tree: Optional[tuple]) -> Optional[float]:
   separate estimates, and load at the default ``prior_alpha``)."""
   structured = tree is not None and tree[0] == ADAPTIVE and isinstance(tree[1], tuple)
   return tree[6] if structured and len(tree) > 6 else None
+
+
+def setting_evidence(tree: Optional[tuple]) -> Optional[str]:
+  """What an adaptive setting's policy counted of a sampled chain step
+  (``AdaptiveGamma.evidence``) where the setting carries it; None for any other setting and
+  for records that predate it (outcomes before git 3d3668c, βs after)."""
+  structured = tree is not None and tree[0] == ADAPTIVE and isinstance(tree[1], tuple)
+  return tree[9] if structured and len(tree) > 9 else None
 
 
 def choice_names(policy: AdaptiveGamma) -> list[str]:
@@ -608,28 +625,31 @@ class Bench:
     Decodes ``prompts`` (training-side, never the evaluated ones) one at a
     time with ``config.calibration_tree``, then with a chain as deep
     (``calibration.measure_tree_prices``): the table, its counts and ``chain_alpha``
-    (arrays as nested lists, tuples as lists: what the progress log gives back on a
-    resume, ``_calibrated``).
+    counted as ``config.evidence`` counts (arrays as nested lists, tuples as lists: what
+    the progress log gives back on a resume, ``_calibrated``, keyed by the evidence too).
     """
     # (the template's chain is replaced by the calibration tree; block verification by
     # token-wise, as trees verify)
+    evidence = self.config.evidence
     measure = lambda: measure_tree_prices(
         self.decoder(draft, 1, temperature), self.target.params, draft.params, prompts,
         self.config.calibration_tree, self.config.max_new_tokens, self.config.seed,
-        self.cache_size)
-    return self._calibrated("tree_prices", draft, temperature, prompts, (), measure)
+        self.cache_size, evidence=evidence)
+    return self._calibrated("tree_prices", draft, temperature, prompts, (evidence,), measure)
 
   def chain_rates(self, draft: Draft, temperature: float, prompts: Sequence[Sequence[int]],
                   gamma: int) -> tuple[float, tuple[float, ...]]:
     """The chains' rate α_c of ``draft`` and each prompt's own rate over it, decoding
     ``prompts`` (training-side, never the evaluated ones) one at a time with a chain of
-    ``gamma`` (``calibration.measure_chain_alphas``; logged and reused like
-    ``calibrate``)."""
+    ``gamma`` (``calibration.measure_chain_alphas``, counted as ``config.evidence``
+    counts; logged and reused like ``calibrate``)."""
+    evidence = self.config.evidence
     measure = lambda: measure_chain_alphas(
         self.decoder(draft, gamma, temperature), self.target.params, draft.params, prompts,
-        gamma, self.config.max_new_tokens, self.config.seed, self.cache_size)
-    alpha, ease = self._calibrated("chain_rates", draft, temperature, prompts, (gamma,),
-                                   measure)
+        gamma, self.config.max_new_tokens, self.config.seed, self.cache_size,
+        evidence=evidence)
+    alpha, ease = self._calibrated("chain_rates", draft, temperature, prompts,
+                                   (gamma, evidence), measure)
     return float(alpha), tuple(float(e) for e in ease)
 
   def _calibrated(self, kind: str, draft: Draft, temperature: float,

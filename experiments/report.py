@@ -323,6 +323,20 @@ def margin_words(gains) -> str:
           + " or ".join(f"{g:.0%}" for g in gains) + " over plain decoding (`min_gain`)")
 
 
+EVIDENCE_WORDS = {
+    "expected": "a sampled chain step adds each scored draft's β, its chance of acceptance, "
+                "not the outcome",
+    "accepted": "a sampled chain step adds its drafts' outcomes (`--evidence=accepted`)",
+    None: "a sampled chain step's count not recorded (its outcomes before git 3d3668c, each "
+          "scored draft's β after)"}
+
+
+def evidence_words(values) -> str:
+  """Words for what adaptive policies counted of a sampled chain step (their rows'
+  ``evidence``; None: a record from before it was carried)."""
+  return "; ".join(EVIDENCE_WORDS[v] for v in sorted(set(values), key=str))
+
+
 def matmul_words(cells: list[dict]) -> str:
   """Words for the matmul paths a sweep's cells ran (``experiments.machine.matmul_path``;
   cells measured before it was recorded say so)."""
@@ -346,8 +360,9 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
   lines = ["## Adaptive γ", "",
            "`AdaptiveGamma` (specjax/speculative/adaptive.py) picks each step's γ inside the "
            "jitted loop: the choice with the most expected tokens (1 + α̂ + … + α̂^γ, α̂ a "
-           "running per-row estimate; a sampled chain step adds each scored draft's β, its "
-           "chance of acceptance, not the outcome) per unit of step cost, γ = 0 being a "
+           "running per-row estimate; "
+           + evidence_words(r.get("evidence") for r in adaptive)
+           + ") per unit of step cost, γ = 0 being a "
            "plain decoding "
            f"step{margin}. Its step costs are those the γ sweep measured above "
            "(step / t₁ on these batches), made non-decreasing in γ. Steps at γ counts the "

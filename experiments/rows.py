@@ -44,7 +44,7 @@ from experiments import checks
 from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
                                  as_tuple, policy_of, round_decode_speedups,
                                  round_prefill_ratios, round_prefill_shares, round_speedups,
-                                 run_flags)
+                                 run_flags, setting_evidence)
 from experiments.prompts import ALL, Batch, batch_indices
 
 
@@ -136,7 +136,8 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       decode_speedup=None, ar_prefill_share=None, prefill_ratio=None,
       step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,
       calibrated_speedup=None, calibrated_call_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags),
-      replayed=run.replayed, min_gain=_min_gain(run.tree))
+      replayed=run.replayed, min_gain=_min_gain(run.tree),
+      evidence=setting_evidence(None if run.tree is None else as_tuple(run.tree)))
   if not run.timed:
     return row
   ratios = round_speedups(run, sel)

@@ -92,6 +92,10 @@ flags.DEFINE_enum("dtype", DEFAULT.dtype, ["auto", "float32", "bfloat16"],
 flags.DEFINE_float("min_gain", DEFAULT.min_gain, "The adaptive policies draft only when a "
                    "draft promises more than this gain over plain decoding (0.05: 5%; 0 takes "
                    "the calibrated formula's argmax).")
+flags.DEFINE_enum("evidence", DEFAULT.evidence, ["expected", "accepted"], "What the "
+                  "adaptive policies and their calibrations count of a sampled chain step: "
+                  "each scored draft's acceptance chance β (expected) or the outcomes "
+                  "(accepted).")
 flags.DEFINE_bool("compilation_cache", True, "Keep compiled XLA programs on disk "
                   "(specjax.compile_cache: $SPECJAX_CACHE/xla) so a rerun or a resumed run "
                   "skips most compiling; outputs are unchanged.")
@@ -116,7 +120,7 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
       calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),
       calibration_prompts=FLAGS.calibration_prompts, verification=FLAGS.verification,
-      dtype=FLAGS.dtype, min_gain=FLAGS.min_gain)
+      dtype=FLAGS.dtype, min_gain=FLAGS.min_gain, evidence=FLAGS.evidence)
 
 
 def main(argv):

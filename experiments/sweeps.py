@@ -56,7 +56,8 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
   calibration prompts (``Bench.chain_rates``), so it prices a batch's steps for the row the
   batch waits on (``AdaptiveGamma.prompt_ease``); at one row that changes nothing, and the
   policy starts from its default prior. It drafts only when a draft promises more than
-  ``config.min_gain`` over plain decoding."""
+  ``config.min_gain`` over plain decoding, and it counts ``config.evidence`` (its calibration
+  too)."""
   rows = []
   cfg = bench.config
   gammas = tuple(cfg.gammas)
@@ -65,7 +66,7 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
     sweep = bench.spec_many(draft, [(g, None) for g in gammas], t)
     choices = ((0,) if plain else ()) + gammas
     costs = ((1.0,) if plain else ()) + tuple(step_cost(run) for run in sweep)
-    rates = dict(min_gain=cfg.min_gain)
+    rates = dict(min_gain=cfg.min_gain, evidence=cfg.evidence)
     if cfg.batch_size > 1:
       alpha, ease = bench.chain_rates(draft, t, _calibration_prompts(bench), max(gammas))
       rates.update(chain_alpha=alpha, prompt_ease=ease)
@@ -173,7 +174,7 @@ def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
   where the drafter tolerates skipped steps) at the step costs measured on them, priced by
   the calibration table and the chains' rate measured beside it (and, for batches of more
   than one row, how that rate varies by prompt), with ``config.min_gain`` as its margin
-  over plain decoding; trees deeper than the table are left out
+  over plain decoding and ``config.evidence`` as what it counts; trees deeper than the table are left out
   (None if no tree is left, or the table accepted no rank-0 draft)."""
   table = np.asarray(table)
   if table[0, 0] <= 0.0:  # no rank-0 draft accepted: nothing to scale the prices by
@@ -191,4 +192,4 @@ def _adaptive_over(bench: Bench, draft: Draft, temperature: float,
   costs = monotone_costs(gammas, [c for _, c in plain + chains])
   return adaptive_setting(gammas, costs, [t for t, _ in trees],
                           [max(c, 1.0) for _, c in trees], table, chain_alpha, prompt_ease,
-                          bench.config.min_gain)
+                          bench.config.min_gain, bench.config.evidence)

@@ -39,12 +39,14 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
     assert len(c["step_costs"]) == 2 and len(c["tree_costs"]) == 1
     assert min(c["step_costs"] + c["tree_costs"]) >= 1.0
     assert c["min_gain"] == 0.05  # the policy's default margin, recorded
+    assert c["evidence"] == "expected"  # and what it counts of a sampled chain step
     assert c["matmul"]  # the matmul path the cell ran, recorded (experiments.machine)
     mix = c["methods"]["adaptive"]["choice_steps"]
     assert len(mix) == 3 and sum(mix) > 0  # plain, γ = 1, the tree
   text = out.read_text()
   assert "| α_c | adaptive mix (0…1, tree) |" in text
   assert "promises more than 5% over plain decoding (`min_gain`)" in text
+  assert "adds each scored draft's β" in text
   assert f"Matmul path: {cells[0]['matmul']}." in text  # one path: said once
   assert [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| 1 |")
           or l.startswith("| 2 |")] == ["1", "2"]
@@ -67,6 +69,19 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
           or l.startswith("| 2 |")] == ["1"]
 
 
+def test_only_cells_measured_alike_are_resumed(benchmark_module):
+  """A stored cell resumes only for the same devices, margin and evidence; a cell that does
+  not record its evidence (before it was carried: outcomes before git 3d3668c) is measured
+  again."""
+  resumable = benchmark_module("batch_sweep").resumable
+  cell = dict(devices=1, min_gain=0.05, evidence="expected")
+  assert resumable(cell, 1, 0.05, "expected")
+  assert not resumable(cell, 2, 0.05, "expected") and not resumable(cell, 1, 0.0, "expected")
+  assert not resumable(cell, 1, 0.05, "accepted")
+  assert not resumable(dict(devices=1, min_gain=0.05), 1, 0.05, "expected")
+  assert resumable(dict(evidence="accepted"), 1, 0.0, "accepted")  # the oldest cells' defaults
+
+
 def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
   out = _sweep(tmp_path / "sweep.md", "--trees=2:2")  # no node budget
   assert out.returncode != 0 and "bad flag value" in out.stderr
@@ -75,6 +90,8 @@ def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
   for margin in ("-0.1", "nan", "inf"):
     out = _sweep(tmp_path / "sweep.md", f"--min_gain={margin}")
     assert out.returncode != 0 and "min_gain must be a finite number >= 0" in out.stderr
+  out = _sweep(tmp_path / "sweep.md", "--evidence=outcomes")
+  assert out.returncode != 0 and "--evidence" in out.stderr
   assert not (tmp_path / "sweep.json").exists()
 
 

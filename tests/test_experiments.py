@@ -345,6 +345,7 @@ def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, 
     (dict(min_gain=-0.01), "--min_gain must be a finite number >= 0"),
     (dict(min_gain=float("nan")), "--min_gain must be a finite number >= 0"),
     (dict(min_gain=True), "--min_gain must be a finite number >= 0"),
+    (dict(evidence="outcomes"), "--evidence must be one of expected, accepted, got 'outcomes'"),
     (dict(draft="lookahead"), "--draft=lookahead verifies its own tree, so it has no γ for "
                               "adaptive, gamma_sweep, temperature_sweep"),
     (dict(sweep_trees=((4, 4, 3),)), "--sweep_trees: 4:4:3: DynamicTree num_nodes=3 < depth=4"),
@@ -408,6 +409,7 @@ def test_unwritable_out_fails_before_any_model_loads(tmp_path, monkeypatch):
     (["--temperatures=0,inf"], "--temperatures must be finite numbers >= 0, got [inf]"),
     (["--draft=early_exit:0"], "K of early_exit:K must be an integer >= 1"),
     (["--min_gain=-0.5"], "--min_gain must be a finite number >= 0, got -0.5"),
+    (["--evidence=beta"], "--evidence"),
 ])
 def test_cli_rejects_bad_flags_before_loading_models(tmp_path, args, message):
   (tmp_path / "file").write_text("")
@@ -834,6 +836,7 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
         results["tree_calibration"][f"{t:g}"]["prompt_ease"], abs=1e-4)
     assert r["speedup"] is not None and sum(r["depth_hist"]) == r["target_calls"]
     assert r["tree"][8] == r["min_gain"] == policy.min_gain == 0.05  # the setting's margin
+    assert r["tree"][9] == r["evidence"] == policy.evidence == "expected"  # and its count
     assert sum(r["choice_steps"]) == r["target_calls"]  # one count per step, per choice
     assert len(r["choice_steps"]) == len(r["choice_estimate"]) == policy.num_choices
     assert all((e is None) == (n == 0) and (e is None or 0 < e < 1)
@@ -932,7 +935,8 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
     assert len(policy.prompt_ease) == 2 and 0.01 <= policy.prior_alpha <= 0.99
     assert sum(r["depth_hist"]) == r["target_calls"]
     assert r["min_gain"] == policy.min_gain == 0.05  # the margin it ran with, recorded
-    assert len(r["tree"]) == 9 and r["tree"][8] == 0.05  # and carried by its setting
+    assert len(r["tree"]) == 10 and r["tree"][8] == 0.05  # and carried by its setting,
+    assert r["tree"][9] == r["evidence"] == policy.evidence == "expected"  # with its count
     # The chain-only policy's choices have depths of their own: plain at 0, γ = 2 at 2.
     assert r["choice_steps"] == [r["depth_hist"][0], r["depth_hist"][2]]
     if r["temperature"] == 0:
@@ -998,6 +1002,34 @@ def test_adaptive_settings_carry_their_margin_over_plain_decoding():
   assert policy_of(without).min_gain == MIN_GAIN and len(without) == 7
 
 
+def test_adaptive_settings_carry_what_their_policy_counts():
+  """What a sampled chain step counts (``evidence``) rides in the setting's tenth slot (the
+  margin before it, the default where none was given), so records counted otherwise are
+  other settings; settings without it load at the policy's default and say so (None)."""
+  from experiments.measure import adaptive_setting, setting_evidence
+  from experiments.report import evidence_words
+  from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma
+  assert ExperimentConfig().evidence == AdaptiveGamma(gammas=(1,), step_costs=(1.0,)).evidence
+  table = ((0.6, 0.2), (0.5, 0.1))
+  for evidence in ("expected", "accepted"):
+    _, chains = adaptive_setting((0, 1), (1.0, 1.4), evidence=evidence)
+    _, full = adaptive_setting((0, 1), (1.0, 1.1), (("dynamic", 2, 2, 3),), (1.3,), table, 0.45,
+                               (0.8, 1.2), 0.2, evidence)
+    for setting, margin in ((chains, MIN_GAIN), (full, 0.2)):
+      loaded = as_tuple(json.loads(json.dumps(setting)))
+      assert len(loaded) == 10 and setting_evidence(loaded) == evidence
+      assert (policy_of(loaded).evidence, policy_of(loaded).min_gain) == (evidence, margin)
+  assert adaptive_setting((0, 1), (1.0, 1.4), evidence="accepted") != adaptive_setting(
+      (0, 1), (1.0, 1.4), evidence="expected")
+  _, old = adaptive_setting((0, 1), (1.0, 1.4), min_gain=0.05)
+  assert setting_evidence(old) is None and policy_of(old).evidence == "expected"
+  assert setting_evidence(None) is None and setting_evidence((2, 0, -1)) is None
+  with pytest.raises(ValueError, match="evidence must be one of"):
+    adaptive_setting((0, 1), (1.0, 1.4), evidence="outcomes")
+  assert "β" in evidence_words(["expected"]) and "outcomes" in evidence_words(["accepted"])
+  assert "not recorded" in evidence_words([None, "expected"])
+
+
 def test_batched_adaptive_rows_price_for_the_slowest_row(monkeypatch):
   """At batch > 1 the chains-only adaptive row measures the chains' rate and spread on the
   calibration prompts (as deep as its deepest γ) and its policy carries both; at batch 1 it
@@ -1031,7 +1063,7 @@ def test_batched_adaptive_rows_price_for_the_slowest_row(monkeypatch):
     policy = policy_of(setting)
     assert policy.gammas == (0, 1, 3) and policy.prior_alpha == 0.6
     assert policy.prompt_ease == (0.5, 1.0, 1.5)
-    assert policy.min_gain == 0.05
+    assert policy.min_gain == 0.05 and setting[9] == policy.evidence == "expected"
   asked.clear(), settings.clear()
   sweeps.adaptive(Bench(1), draft)
   assert asked == [] and len(settings) == 2

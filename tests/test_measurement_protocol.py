@@ -208,7 +208,9 @@ def test_progress_log_ignores_a_line_cut_off_mid_write(tmp_path):
 def test_a_resumed_run_reuses_its_logged_calibrations(tmp_path, monkeypatch):
   """Bench.calibrate and Bench.chain_rates log what they measure; a Bench started from the
   resumed log returns the same values (JSON-normalised, as the first Bench returned them)
-  without decoding again, while another temperature, prompt set or depth is measured."""
+  without decoding again, while another temperature, prompt set or depth is measured, and so
+  is another evidence (a log whose calibrations were counted otherwise is not reused)."""
+  import dataclasses
   from experiments import measure, progress
   from experiments.measure import Bench
   from experiments.models import load_draft, load_target
@@ -223,11 +225,11 @@ def test_a_resumed_run_reuses_its_logged_calibrations(tmp_path, monkeypatch):
   for name in ("measure_chain_alphas", "measure_tree_prices"):
     real = getattr(measure, name)
     monkeypatch.setattr(measure, name, lambda *a, real=real, name=name, **k:
-                        calls.append(name) or real(*a, **k))
+                        calls.append((name, k.get("evidence"))) or real(*a, **k))
   head = progress.header(config, "abc")
   first = Bench(target, batches, config, progress.ProgressLog(str(tmp_path), head))
   rates, prices = first.chain_rates(draft, 1.0, prompts, 2), first.calibrate(draft, 1.0, prompts)
-  assert calls == ["measure_chain_alphas", "measure_tree_prices"]
+  assert calls == [("measure_chain_alphas", "expected"), ("measure_tree_prices", "expected")]
   assert isinstance(rates[0], float) and len(rates[1]) == 2
   assert isinstance(prices["table"], list) and len(prices["table"]) == 2  # depth of (2, 1)
   json.dumps(prices)  # all of it goes to the log as it is
@@ -238,9 +240,14 @@ def test_a_resumed_run_reuses_its_logged_calibrations(tmp_path, monkeypatch):
   resumed.chain_rates(draft, 0.0, prompts, 2)           # another temperature,
   resumed.chain_rates(draft, 1.0, prompts[:1], 2)       # other prompts,
   resumed.chain_rates(draft, 1.0, prompts, 3)           # a deeper chain: measured
-  assert calls[2:] == ["measure_chain_alphas"] * 3
+  assert calls[2:] == [("measure_chain_alphas", "expected")] * 3
   lines = [json.loads(line) for line in open(first.log.path)]
   assert sum("calibration" in line for line in lines) == 5 and resumed.reused == 0
+  # The same log read by a run that counts outcomes: its calibrations are measured again.
+  outcomes = dataclasses.replace(config, evidence="accepted")
+  counted = Bench(target, batches, outcomes, progress.ProgressLog(str(tmp_path), head))
+  counted.chain_rates(draft, 1.0, prompts, 2), counted.calibrate(draft, 1.0, prompts)
+  assert calls[5:] == [("measure_chain_alphas", "accepted"), ("measure_tree_prices", "accepted")]
 
 
 def test_untimed_greedy_runs_are_replayed_with_the_real_runs_tokens_and_counters(tmp_path):
