@@ -23,9 +23,9 @@ from specjax.generate import prefill
 from specjax.sampling import Greedy, Sampling
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import EVIDENCE, MIN_GAIN, AdaptiveGamma, PolicyState
-from specjax.speculative.calibration import (calibrate, measure_chain_alpha, measure_chain_alphas,
-                                             measure_rank_accept, measure_step_costs,
-                                             measure_tree_prices)
+from specjax.speculative.calibration import (calibrate, chain_alphas, measure_chain_alpha,
+                                             measure_chain_alphas, measure_rank_accept,
+                                             measure_step_costs, measure_tree_prices)
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree, expected_tokens_per_step
@@ -472,6 +472,44 @@ def test_sampled_chain_steps_feed_the_policy_their_betas_and_greedy_ones_their_o
   np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
   for name in ("choice_steps", "choice_estimate"):
     np.testing.assert_array_equal(runs[0].per_row[name], runs[1].per_row[name], err_msg=name)
+
+
+def test_recursive_rejection_steps_feed_the_policy_their_first_chains_betas(models):
+  """Trees (and chains of point-mass drafts), verified by recursive rejection, weigh their
+  first-ranked chain's βs (``tree_acceptance.first_chain_beta``): with nothing forgotten, a
+  policy that always takes a tree has under ``"expected"`` at T = 1 the trees' successes the
+  loop's Σβ of those chains and their trials its count of their scored nodes; under
+  ``"accepted"`` its successes are outcomes, which differ; at T = 0 nothing is weighed. A
+  point-mass chain's calibrated rate is the same Σβ over the same count."""
+  target, draft = models
+  cfg, params = target
+  drafter, dp = _drafter("model", target, draft)
+  trees = AdaptiveGamma(gammas=(1,), step_costs=(5.0,), trees=WITH_TREES.trees,
+                        tree_costs=(1.0, 1.0), rank_accept=TABLE, prior_alpha=0.6, decay=1.0,
+                        min_gain=0.0)
+  t1 = dict(sampler=Sampling(temperature=1.0), eos_ids=())
+  st = _policy_after(SpeculativeDecoder(cfg, drafter, policy=trees, **t1), params, dp, 24)
+  c = st.counters
+  assert np.all(np.asarray(c.choice_steps)[:, 0] == 0)  # never the chain
+  assert float(jnp.sum(c.lead_beta_count)) > 0 and float(jnp.sum(c.beta_count)) == 0
+  np.testing.assert_allclose(st.policy.tree_successes, c.lead_beta_sum, rtol=1e-5)
+  np.testing.assert_allclose(st.policy.tree_successes + st.policy.tree_failures,
+                             c.lead_beta_count, rtol=1e-5)
+  counted = dataclasses.replace(trees, evidence="accepted")
+  st = _policy_after(SpeculativeDecoder(cfg, drafter, policy=counted, **t1), params, dp, 24)
+  assert not np.allclose(st.policy.tree_successes, st.counters.lead_beta_sum, atol=1e-3)
+  st = _policy_after(SpeculativeDecoder(cfg, drafter, policy=trees, eos_ids=()), params, dp, 24)
+  assert float(jnp.sum(st.counters.lead_beta_count)) == 0  # greedy: the outcomes
+  # A chain of point-mass drafts (Medusa's) is priced by the same count: two prompts' counters
+  # as ``decode_each`` gives them, one weighed by lead βs, one by none (greedy: outcomes).
+  counts = dict(accept_len_hist=np.array([[2, 1, 3], [1, 1, 1]]),
+                beta_sum=np.zeros(2), beta_count=np.zeros(2, np.int32),
+                lead_beta_sum=np.array([3.5, 0.0]), lead_beta_count=np.array([10, 0]))
+  template = SpeculativeDecoder(cfg, drafter, sampler=Sampling(temperature=1.0), eos_ids=())
+  alpha, ease = chain_alphas(counts, template)
+  assert alpha == pytest.approx((3.5 + 3) / (10 + 5))  # outcomes: 3 accepted, 2 short steps
+  assert ease == pytest.approx((0.35 / alpha, 0.6 / alpha))
+  assert chain_alphas(counts, template, "accepted")[0] == pytest.approx((7 + 3) / (10 + 5))
 
 
 def test_a_policy_that_never_drafts_decodes_plainly_with_the_loops_tokens_and_counters(

@@ -28,7 +28,8 @@ from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import TreeTopology
 from specjax.speculative.tree_acceptance import (TreeAcceptance, accept_greedy, accept_tree,
-                                                 accepted_tokens)
+                                                 accepted_tokens, first_chain_beta,
+                                                 node_ranks)
 from specjax.testing import chi_square_pvalue
 
 V, ROWS, X0 = 8, 100_000, 3
@@ -467,6 +468,63 @@ def test_per_row_parents_match_the_static_rule_row_by_row(draw, greedy):
     d = topo.max_depth + 1
     np.testing.assert_array_equal(acc.path[rows, :d], static.path[rows])
     assert np.all(np.asarray(acc.path[rows, d:]) == -1)
+
+
+def _leading(prop, acc, topo) -> np.ndarray:
+  """[B] the first-ranked chain's nodes accepted from the root (rank-0 nodes along the path)."""
+  rank = np.asarray(node_ranks(prop, topo))
+  path = np.asarray(acc.path)[:, 1:]
+  on = (path > 0) & (np.take_along_axis(rank, np.maximum(path - 1, 0), axis=1) == 0)
+  return np.cumprod(on, axis=1).sum(axis=1)
+
+
+@pytest.mark.parametrize("draw", ["point_mass", "sampled", "without_replacement"])
+def test_first_chain_betas_are_its_nodes_chances_of_acceptance(draw):
+  """``first_chain_beta``: the root's rank-0 child, its rank-0 child, ... (nodes 0, 2, 5 of
+  "depth3") each carry β = min(1, p(x) / q(x)) at their parent's entry (point mass: p(x));
+  over 100k rows the Σβ of the nodes a step scores (up to the chain's first rejected node or
+  its end) has the mean of the rank-0 nodes accepted from the root, and the rest of those
+  nodes the mean of the rejections: what an adaptive policy counts in place of the flips. β
+  read at the node's own entry instead of its parent's misses both (the test has power)."""
+  topo = TOPOLOGIES["depth3"]
+  prop, p, _ = _random_tree_inputs(11, ROWS, topo, draw)
+  beta, length = first_chain_beta(prop, p, topo)
+  beta, p_np, tok = np.asarray(beta), np.asarray(p), np.asarray(prop.tokens)
+  rows = np.arange(ROWS)
+  chain, parent_entry = [0, 2, 5], [0, 1, 3]
+  own = np.stack([p_np[rows, e, tok[:, j]] for j, e in zip(chain, parent_entry)], axis=1)
+  wrong = np.stack([p_np[rows, j + 1, tok[:, j]] for j in chain], axis=1)
+  if draw != "point_mass":
+    q_t = np.stack([np.asarray(prop.q)[rows, j, tok[:, j]] for j in chain], axis=1)
+    own, wrong = np.minimum(own / q_t, 1.0), np.minimum(wrong / q_t, 1.0)
+  np.testing.assert_allclose(beta, own, rtol=1e-5, atol=1e-7)
+  assert np.all(np.asarray(length) == 3)
+  acc = accept_tree(jax.random.PRNGKey(12), prop, p, topo)
+  leading = _leading(prop, acc, topo)
+  scored = np.arange(3)[None, :] < np.minimum(leading + 1, 3)[:, None]
+  rejected = (leading < 3).astype(np.float64)
+  for b, ok in ((beta, True), (wrong, False)):
+    successes, failures = (np.where(scored, b, 0).sum(1),
+                           scored.sum(1) - np.where(scored, b, 0).sum(1))
+    for est, outcome in ((successes, leading), (failures, rejected)):
+      gap, sigma = abs(est.mean() - outcome.mean()), np.std(est - outcome) / np.sqrt(ROWS)
+      assert (gap < 4.5 * sigma) == ok, (draw, ok, gap, sigma)
+
+
+def test_first_chain_betas_of_per_row_parents_follow_each_rows_tree():
+  """Dynamic trees: each row's first-ranked chain is its own tree's, β and length as the
+  static tree's row by row; rows whose tree is shallower read 0 past their chain's end."""
+  shallow, deep = TreeTopology((-1, -1, 0, 0, 1)), TreeTopology((-1, 0, 0, 1, 2))
+  prop, p, _ = _random_tree_inputs(8, 64, deep, "point_mass", per_row=[shallow, deep])
+  beta, length = first_chain_beta(prop, p, deep)
+  for start, topo in ((0, shallow), (1, deep)):
+    static, static_len = first_chain_beta(prop.replace(parents=None), p, topo)
+    rows = slice(start, None, 2)
+    d = topo.max_depth
+    np.testing.assert_allclose(beta[rows, :d], static[rows], rtol=1e-6)
+    assert np.all(np.asarray(beta[rows, d:]) == 0)
+    np.testing.assert_array_equal(length[rows], static_len[rows])
+  assert np.asarray(length).tolist() == [2, 3] * 32  # nodes 0 → 2, and 0 → 1 → 3
 
 
 @pytest.mark.parametrize("draw,greedy", RULES)

@@ -94,11 +94,16 @@ the tables' α = E[β]; but the expected count drops the flips' own noise, which
 of about ten steps sent the outcome-counting policy into dips it did not need: at T = 1,
 priced with Zen 3's costs, it took 135 plain steps of 2,310 against 1 of 2,234, for 96.1%
 of the best fixed γ's modelled speedup against 98.9%
-(``benchmarks/results/policy_evidence_avx2.md``). A step that cannot weigh its flips counts
-outcomes either way: a greedy chain (at T = 0 β is 0 or 1, the flip itself), a tree (its
-drafts are point masses, ``tree_acceptance``) and a chain verified otherwise than token by
-token (block verification accepts with other probabilities than β; typical acceptance
-draws none).
+(``benchmarks/results/policy_evidence_avx2.md``). A sampled tree step (and a chain of
+point-mass drafts), verified by recursive rejection, counts the same way along its
+first-ranked chain, the path its estimate follows: each of that chain's nodes is its
+parent's first child tried, so once the walk reaches the parent it is accepted with
+probability β = min(1, p(x) / q(x)) (p(x) for point-mass drafts), fixed before its flip
+(``tree_acceptance.first_chain_beta``); the step counts Σβ over the chain's nodes up to its
+first rejected one (or its end) and the rest of those nodes as failures. A step that cannot
+weigh its flips counts outcomes either way: a greedy step (at T = 0 β is 0 or 1, the flip
+itself) and a chain verified otherwise than token by token (block verification accepts with
+other probabilities than β; typical acceptance draws none).
 
 The decoder (``SpeculativeDecoder(policy=...)``) runs each choice's steps in
 an inner while loop of its own, inside the one jitted loop: no recompilation
@@ -508,8 +513,9 @@ class AdaptiveGamma:
     its first-ranked chain (a chain's: all it accepted) into its kind's counts (chains or
     trees; both feed ``ease``); every count decays. Rows not ``active`` keep their counts.
 
-    ``beta_sum`` and ``beta_count`` [B]: Σβ over the positions a sampled chain step scored
-    and their number (0 where the step weighed none: plain, greedy or tree steps). Under
+    ``beta_sum`` and ``beta_count`` [B]: Σβ over the positions a sampled step scored (a
+    chain's, or recursive rejection's first-ranked chain's) and their number (0 where the
+    step weighed none: plain or greedy steps). Under
     ``evidence="expected"`` a row with a count takes Σβ successes and count − Σβ failures
     in place of its outcomes (the module docstring)."""
     if (beta_sum is None) != (beta_count is None):

@@ -127,8 +127,9 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
   The rate is successes over successes plus failures, counted as the policy of that
   ``evidence`` (``AdaptiveGamma.evidence``) counts them: drafts accepted and steps that
   stopped before γ; or, under "expected" where the chain's drafts are sampled and verified
-  token-wise, Σβ over the positions the steps scored and the rest of those positions (the
-  same expectation, less noise). A prompt with no β (greedy drafts) counts outcomes."""
+  token-wise (or point-mass, verified by recursive rejection), Σβ over the positions the
+  steps scored and the rest of those positions (the same expectation, less noise). A prompt
+  with no β (a greedy target) counts outcomes."""
   if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an integer >= 1, got {gamma}")
   check_evidence(evidence)  # before anything decodes
@@ -143,7 +144,8 @@ def chain_decoder(template: SpeculativeDecoder, gamma: int) -> SpeculativeDecode
   return _tree_decoder(template, TreeTopology.chain(gamma))
 
 
-CHAIN_COUNTERS = ("accept_len_hist", "beta_sum", "beta_count")  # what ``chain_alphas`` reads
+CHAIN_COUNTERS = ("accept_len_hist", "beta_sum", "beta_count", "lead_beta_sum",
+                  "lead_beta_count")  # what ``chain_alphas`` reads
 
 
 def chain_alphas(counts: dict[str, np.ndarray], template: SpeculativeDecoder,
@@ -157,7 +159,9 @@ def chain_alphas(counts: dict[str, np.ndarray], template: SpeculativeDecoder,
   successes = (hists @ np.arange(gamma + 1)).astype(np.float64)
   failures = hists[:, :gamma].sum(axis=1).astype(np.float64)
   if evidence == "expected" and template.verification == "tokenwise":  # as the policy weighs
-    beta, scored = counts["beta_sum"].astype(np.float64), counts["beta_count"]
+    # (sampled drafts' βs, or point-mass drafts' under recursive rejection: one or the other)
+    beta = (counts["beta_sum"] + counts.get("lead_beta_sum", 0.0)).astype(np.float64)
+    scored = counts["beta_count"] + counts.get("lead_beta_count", 0)
     weighed = scored > 0
     successes = np.where(weighed, beta, successes)
     failures = np.where(weighed, scored - beta, failures)

@@ -57,7 +57,8 @@ from specjax.speculative.state import SpecCounters, SpecState
 from specjax.speculative.tree import (DynamicTree, TreeTopology, block_mask_from_parents,
                                       depth_from_parents)
 from specjax.speculative.tree_acceptance import (AcceptedPath, TreeAcceptance, accept_tree,
-                                                 accepted_tokens)
+                                                 accepted_tokens, first_chain_beta,
+                                                 node_ranks)
 from specjax.speculative.typical_acceptance import (TYPICAL_LOSSY, TypicalAcceptance,
                                                     accept_typical)
 
@@ -303,13 +304,15 @@ class SpeculativeDecoder:
     return new, n_emit
 
   def count(self, counters: SpecCounters, active: jax.Array, proposal: Proposal,
-            acc: TreeAcceptance, n_emit: jax.Array) -> SpecCounters:
+            acc: TreeAcceptance, n_emit: jax.Array, p: jax.Array) -> SpecCounters:
+    """``counters`` after this step's verification ``acc`` of ``proposal`` against the
+    target's warped distributions ``p`` [B, N + 1, V] (rows not ``active`` unchanged)."""
     # The counters' depth is the state's (an adaptive policy's largest γ), at least the tree's.
     d, depth = counters.accepted_at.shape[1], self.tree.max_depth
     a = active.astype(jnp.int32)
     levels = jnp.arange(d)[None, :]
     accepted_at = (levels < acc.num_accepted[:, None]) & active[:, None]  # [B, D]
-    rank = _node_ranks(proposal, self.tree)  # [B, N]
+    rank = node_ranks(proposal, self.tree)  # [B, N]
     path_rank = jnp.take_along_axis(rank, jnp.maximum(acc.path[:, 1:] - 1, 0), axis=1)
     path_rank = jnp.pad(path_rank, ((0, 0), (0, d - depth)))  # [B, D]
     rank_hit = jax.nn.one_hot(path_rank, counters.accepted_rank.shape[-1], dtype=jnp.int32)
@@ -322,9 +325,19 @@ class SpeculativeDecoder:
         accept_len_hist=counters.accept_len_hist + hist(acc.num_accepted),
         depth_hist=counters.depth_hist + hist(jnp.full_like(a, depth)),
         accepted_rank=counters.accepted_rank + rank_hit * accepted_at[:, :, None])
-    if not (self.tree.is_chain and proposal.draw == "sampled") or isinstance(
-        self.verification, TypicalAcceptance):  # which computes no β (its zeros would read α 0)
-      return counters  # β = Σ min(p, q) is defined for chains of sampled drafts only
+    if isinstance(self.verification, TypicalAcceptance):
+      return counters  # which computes no β (its zeros would read α 0)
+    if not (self.tree.is_chain and proposal.draw == "sampled"):  # recursive rejection
+      if isinstance(self.sampler, Greedy) or self.verification == "block":
+        return counters  # a greedy node's β is its outcome; block verification's is no β
+      beta, length = first_chain_beta(proposal, p, self.tree)  # [B, depth], [B]
+      leading = jnp.sum(jnp.cumprod((path_rank[:, :depth] == 0) & accepted_at[:, :depth],
+                                    axis=1), axis=1)  # rank-0 nodes accepted from the root
+      scored = ((jnp.arange(depth)[None, :] < jnp.minimum(leading + 1, length)[:, None])
+                & active[:, None])
+      return counters.replace(
+          lead_beta_sum=counters.lead_beta_sum + jnp.sum(jnp.where(scored, beta, 0.0), axis=1),
+          lead_beta_count=counters.lead_beta_count + jnp.sum(scored, axis=1))
     levels = jnp.arange(acc.beta.shape[1])[None, :]
     scored = (levels <= acc.num_accepted[:, None]) & active[:, None]
     return counters.replace(
@@ -357,8 +370,11 @@ class SpeculativeDecoder:
     counters = after.counters.add_choices(hit, self.policy.estimate(before.policy, index))
     weighed = {}
     if self.verification == "tokenwise":  # β is then each draft's acceptance probability
-      weighed = dict(beta_sum=after.counters.beta_sum - before.counters.beta_sum,
-                     beta_count=after.counters.beta_count - before.counters.beta_count)
+      delta = lambda *names: sum(getattr(after.counters, k) - getattr(before.counters, k)
+                                 for k in names)
+      # (a step adds to one pair: a sampled chain's βs, or recursive rejection's first chain's)
+      weighed = dict(beta_sum=delta("beta_sum", "lead_beta_sum"),
+                     beta_count=delta("beta_count", "lead_beta_count"))
     return after.replace(counters=counters, policy=self.policy.observe(
         before.policy, index, leading, active, **weighed))
 
@@ -405,7 +421,7 @@ class SpeculativeDecoder:
     """Accept, commit and count: the rest of a step once the target has scored the block."""
     acc = self.accept(key, proposal, scores)
     new, n_emit = self.commit(state, proposal, acc, scores, draft_state)
-    counters = self.count(state.counters, ~state.done, proposal, acc, n_emit)
+    counters = self.count(state.counters, ~state.done, proposal, acc, n_emit, scores.p)
     # Under a mesh (sharding.use_mesh) every step's state, whichever loop runs it, is pinned.
     return sharding.constrain(new.replace(rng=rng, steps=state.steps + 1, counters=counters),
                               state.seq_lens.shape[0])
@@ -588,16 +604,6 @@ class SpeculativeDecoder:
         state = jax.block_until_ready(observed(state, new, jnp.int32(index)))
         timing["other"] += (t1 - t0) + (time.perf_counter() - t2)
       yield state, timing
-
-
-def _node_ranks(proposal: Proposal, tree: TreeTopology) -> jax.Array:
-  """[B, N] each node's rank among its siblings (static trees: the topology's)."""
-  b, n = proposal.tokens.shape
-  if proposal.parents is None:
-    return jnp.broadcast_to(jnp.asarray(tree.ranks, jnp.int32), (b, n))
-  par = proposal.parents
-  earlier = jnp.tril(jnp.ones((n, n), bool), -1)[None]  # earlier[i, j]: j < i
-  return jnp.sum(earlier & (par[:, :, None] == par[:, None, :]), axis=-1).astype(jnp.int32)
 
 
 @functools.lru_cache(maxsize=32)

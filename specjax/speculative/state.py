@@ -34,6 +34,11 @@ class SpecCounters:
     beta_sum: [B] Σ β over scored positions (positions up to the first
       rejection, whose prefix is a target sample — the paper's E[β] protocol).
     beta_count: [B] number of such positions.
+    lead_beta_sum: [B] for steps verified by recursive rejection (trees, chains of point-mass
+      drafts; sampled, not greedy): Σ β over the first-ranked chain's scored nodes (up to its
+      first rejected node, its end, or the step's path leaving it), β a node's chance of
+      acceptance when its parent is reached (``tree_acceptance.first_chain_beta``).
+    lead_beta_count: [B] number of such nodes.
     choice_steps: [B, K] steps of each of an adaptive policy's K choices (its order:
       the sorted gammas, then the trees) that served the row; K = 0 without a policy.
     choice_estimate: [B, K] the sum, over those steps, of the running acceptance estimate
@@ -51,6 +56,8 @@ class SpecCounters:
   accepted_rank: jax.Array
   beta_sum: jax.Array
   beta_count: jax.Array
+  lead_beta_sum: jax.Array
+  lead_beta_count: jax.Array
   choice_steps: jax.Array
   choice_estimate: jax.Array
 
@@ -64,6 +71,8 @@ class SpecCounters:
                depth_hist=z(batch_size, max_depth + 1),
                accepted_rank=z(batch_size, max_depth, max_rank),
                beta_sum=jnp.zeros((batch_size,), jnp.float32), beta_count=z(batch_size),
+               lead_beta_sum=jnp.zeros((batch_size,), jnp.float32),
+               lead_beta_count=z(batch_size),
                choice_steps=z(batch_size, num_choices),
                choice_estimate=jnp.zeros((batch_size, num_choices), jnp.float32))
 

@@ -347,6 +347,59 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
   return _accept_sampled(key, proposal, p, topology)
 
 
+def node_ranks(proposal: Proposal, topology: TreeTopology) -> jax.Array:
+  """[B, N] each node's rank among its siblings, the order recursive rejection tries them
+  in (static trees: the topology's)."""
+  b, n = proposal.tokens.shape
+  if proposal.parents is None:
+    return jnp.broadcast_to(jnp.asarray(topology.ranks, jnp.int32), (b, n))
+  par = proposal.parents
+  earlier = jnp.tril(jnp.ones((n, n), bool), -1)[None]  # earlier[i, j]: j < i
+  return jnp.sum(earlier & (par[:, :, None] == par[:, None, :]), axis=-1).astype(jnp.int32)
+
+
+def first_chain_beta(proposal: Proposal, p: jax.Array,
+                     topology: TreeTopology) -> tuple[jax.Array, jax.Array]:
+  """The first-ranked chain's acceptance probabilities under recursive rejection.
+
+  The first-ranked chain is the root's rank-0 child, its rank-0 child, and so on. Each of
+  its nodes is its parent's first child tried, so when the walk reaches its parent it is
+  accepted with probability β = min(1, p(x) / q(x)) (point-mass q: p(x)), p the target's
+  distribution at the parent and x the node's token: a number fixed before its flip, which
+  an adaptive policy counts in place of the flip (``AdaptiveGamma.evidence``).
+
+  Args:
+    proposal: the drafter's nodes (point-mass or sampled).
+    p: [B, N + 1, V] the target's warped distributions at each block entry.
+    topology: the static topology (for dynamic trees: N and the maximum depth).
+
+  Returns:
+    (beta [B, D]: the chain's node at depth d + 1's β, 0 past the chain's end;
+    length [B]: the chain's depth in each row).
+  """
+  b, n = proposal.tokens.shape
+  d = topology.max_depth
+  p = finite_probs(p)
+  par, _, depth = _tree_arrays(proposal, topology)
+  first = node_ranks(proposal, topology) == 0
+  lead = first & (par == 0)
+  for _ in range(d - 1):  # down one level per pass (parents come before their children)
+    above = jnp.take_along_axis(lead, jnp.maximum(par - 1, 0), axis=1)
+    lead = first & ((par == 0) | ((par > 0) & above))
+  rows = jnp.arange(b)[:, None]
+  p_t = p[rows, par, proposal.tokens]  # [B, N] p at each node's parent, of its token
+  if proposal.q is None:  # accepted with probability p(x) over the parent's mass
+    mass = jnp.sum(p, axis=-1)[rows, par]
+    r = p_t / jnp.where(mass > 0, mass, 1.0)
+  else:  # with min(1, p(x) / q(x)); a node with q = 0 was never a draw (skipped)
+    q_t = finite_probs(proposal.q)[rows, jnp.arange(n)[None, :], proposal.tokens]
+    r = jnp.where(q_t > 0, p_t / jnp.where(q_t > 0, q_t, 1.0), 0.0)
+  beta = jnp.minimum(r, 1.0)
+  at = lead[:, None, :] & (depth[:, None, 1:] == jnp.arange(1, d + 1)[None, :, None])
+  return (jnp.sum(jnp.where(at, beta[:, None, :], 0.0), axis=-1),
+          jnp.sum(jnp.any(at, axis=-1), axis=-1).astype(jnp.int32))
+
+
 def accepted_tokens(proposal: Proposal, acc: TreeAcceptance) -> jax.Array:
   """[B, D + 1]: the accepted draft tokens in order, then ``next_token`` at index n.
 
