@@ -324,8 +324,8 @@ def margin_words(gains) -> str:
 
 
 EVIDENCE_WORDS = {
-    "expected": "a sampled chain step adds each scored draft's β, its chance of acceptance, "
-                "not the outcome",
+    "expected": "a sampled step adds each scored draft's β, its chance of acceptance, not "
+                "the outcome (a chain's drafts; a tree's first-ranked chain's since d36ca86)",
     "accepted": "a sampled chain step adds its drafts' outcomes (`--evidence=accepted`)",
     None: "a sampled chain step's count not recorded (its outcomes before git 3d3668c, each "
           "scored draft's β after)"}

@@ -36,7 +36,7 @@ class SpecCounters:
     beta_count: [B] number of such positions.
     lead_beta_sum: [B] for steps verified by recursive rejection (trees, chains of point-mass
       drafts; sampled, not greedy): Σ β over the first-ranked chain's scored nodes (up to its
-      first rejected node, its end, or the step's path leaving it), β a node's chance of
+      first rejected node or its end), β a node's chance of
       acceptance when its parent is reached (``tree_acceptance.first_chain_beta``).
     lead_beta_count: [B] number of such nodes.
     choice_steps: [B, K] steps of each of an adaptive policy's K choices (its order:
