@@ -189,10 +189,8 @@ class ExperimentConfig:
       raise ValueError(f"--phase_seconds must be a finite number > 0, got {self.phase_seconds}")
     from specjax.speculative.adaptive import check_min_gain  # the policy's own rule
     check_min_gain(self.min_gain, "--min_gain")
-    from specjax.speculative.adaptive import EVIDENCE
-    if self.evidence not in EVIDENCE:
-      raise ValueError(f"--evidence must be one of {', '.join(EVIDENCE)}, got "
-                       f"{self.evidence!r}")
+    from specjax.speculative.adaptive import check_evidence
+    check_evidence(self.evidence, "--evidence")
     if self.extra_rounds < 0:
       raise ValueError(f"--extra_rounds must be >= 0, got {self.extra_rounds}")
     if self.max_new_tokens < 2:

@@ -178,10 +178,11 @@ def check_min_gain(value, name: str = "min_gain") -> None:
     raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
-def check_evidence(value) -> None:
-  """Refuses an ``evidence`` (``AdaptiveGamma.evidence``) not in ``EVIDENCE``."""
+def check_evidence(value, name: str = "evidence") -> None:
+  """Refuses an ``evidence`` (``AdaptiveGamma.evidence``) not in ``EVIDENCE``, naming it
+  ``name`` (a flag's callers pass ``--evidence``)."""
   if value not in EVIDENCE:
-    raise ValueError(f"evidence must be one of {EVIDENCE}, got {value!r}")
+    raise ValueError(f"{name} must be one of {', '.join(EVIDENCE)}, got {value!r}")
 
 
 def _costs(costs: Sequence[float], name: str) -> tuple[float, ...]:
