@@ -24,7 +24,8 @@
 // the panel this thread will probably claim next and software-prefetch them into
 // L2 (on AVX2 a panel row is one line: all in the first pass). On AVX-512 the
 // attribute also makes the streaming pass (the first, from memory) prefetch the
-// panel kAhead rows ahead for any M > 1, which AVX2 always does. Whether either pays
+// panel kAhead rows ahead (into L2; AVX2's into L1) for any M > 1, which AVX2 always
+// does. Whether either pays
 // depends on the host (the next-panel prefetch was 12-22% faster on one AVX2 EPYC and
 // 5-40% slower on another, the streaming pass's 12-16% faster at M = 3-6 on an Intel
 // Xeon: benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
@@ -75,8 +76,11 @@ inline vf Zero() { return _mm512_setzero_ps(); }
 inline vf Fma(vf acc, vf w, float x) { return _mm512_fmadd_ps(w, _mm512_set1_ps(x), acc); }
 constexpr int kVecs = 4;  // vectors per panel row
 constexpr int kUnroll = 1;  // 2 and 4 measured the same on an Intel Xeon
-// With the prefetch attribute, the streaming pass prefetches 16 panel rows (4 KB) ahead.
-constexpr int kAhead = 16;
+// With the prefetch attribute, the streaming pass prefetches 32 panel rows (8 KB) ahead
+// into L2 (prefetcht1): into L1 at 16 rows, 0.87-0.92x of the pass without it at M = 4-6
+// on an Intel Xeon, into L2 at 24-64 rows 0.89-0.92x of that (kernel variants README).
+constexpr int kAhead = 32;
+constexpr int kAheadLocality = 2;  // __builtin_prefetch's: 2 = prefetcht1 (L2)
 constexpr bool kAheadByAttribute = true;
 #elif defined(SPECJAX_AVX2)
 constexpr const char* kIsa = "avx2";
@@ -91,6 +95,7 @@ constexpr int kVecs = 2;
 constexpr int kUnroll = 4;
 // A pass that streams a panel for several rows prefetches the line 16 rows (1 KB) ahead.
 constexpr int kAhead = 16;
+constexpr int kAheadLocality = 3;  // prefetcht0 (L1), as measured on AVX2 Zen 3
 constexpr bool kAheadByAttribute = false;  // always, for M > 1
 #else  // portable: GCC vector extensions (AVX pairs, NEON quads, ...)
 constexpr const char* kIsa = "portable";
@@ -103,6 +108,7 @@ inline vf Fma(vf acc, vf w, float x) { return acc + w * x; }  // FMA via -ffp-co
 constexpr int kVecs = 4;
 constexpr int kUnroll = 1;
 constexpr int kAhead = 0;
+constexpr int kAheadLocality = 3;
 constexpr bool kAheadByAttribute = false;
 #endif
 
@@ -163,7 +169,7 @@ inline void Tile(const float* __restrict x, int64_t K, const float* __restrict p
       for (int u = 0; u < U; ++u)
         if (k + u + kAhead < K)  // within the panel
           for (int l = 0; l < kLines; ++l)
-            __builtin_prefetch(panel + (k + u + kAhead) * kPanel + l * 16, 0, 3);
+            __builtin_prefetch(panel + (k + u + kAhead) * kPanel + l * 16, 0, kAheadLocality);
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) Step<R, C>(acc, x, K, panel + (k + u) * kPanel, k + u);
     for (int l = lo; l < hi; ++l)
