@@ -249,12 +249,15 @@ def test_prefetch_rows_says_from_which_m_the_flag_changes_the_kernel():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 # One pass over each panel up to 6 rows (AVX-512's flag then prefetches the streamed panel
-# ahead), then one per block of 6 rows: 2 passes at 7 and 12 rows, 5 at 30.
-@pytest.mark.parametrize("rows", [2, 6, 7, 12, 30])
-def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, variant):
-  w = _rand((200, 64 * 9 + 5), rows)
+# ahead), then one per block of 6 rows: 2 passes at 7, 9 and 12 rows, 3 at 17, 5 at 30 (on
+# AVX-512 taking turns over k-blocks of 32 panel rows: K = 200 ends in a partial block, 64
+# in whole ones, 20 is less than one).
+@pytest.mark.parametrize("k", [200, 64, 20])
+@pytest.mark.parametrize("rows", [2, 6, 7, 9, 12, 17, 30])
+def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, k, variant):
+  w = _rand((k, 64 * 9 + 5), rows)
   panels = jnp.asarray(sm.to_panels(w, variant))
-  x = jnp.asarray(_rand((rows, 200), rows + 1))
+  x = jnp.asarray(_rand((rows, k), rows + 1))
   a = np.asarray(sm.streaming_matmul(x, panels, variant))
   b = np.asarray(sm.streaming_matmul(x, panels, variant, prefetch=True))
   np.testing.assert_array_equal(a, b)

@@ -161,9 +161,11 @@ def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
   W must be the variant's ``panel_width``: pack with ``to_panels(w, variant)``.
 
   ``prefetch``: software-prefetch the next panel while one is computed from cache
-  (M > ONE_PASS_ROWS) and, on the AVX-512 path, the streamed panel ahead of the first pass
-  (M > 1; the AVX2 path always does that); below ``prefetch_rows(variant)`` rows it does
-  nothing. The same bits either way, only the speed differs by host.
+  (M > ONE_PASS_ROWS; on the AVX-512 path the row blocks then take turns over k-blocks of
+  32 panel rows, prefetching the next one) and, on the AVX-512 path, the streamed panel
+  ahead of the first pass (M > 1; the AVX2 path always does that); below
+  ``prefetch_rows(variant)`` rows it does nothing. The same bits either way, only the
+  speed differs by host.
   """
   reason = _register(variant)
   if reason is not None:
