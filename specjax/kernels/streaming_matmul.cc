@@ -45,6 +45,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -192,6 +193,23 @@ inline void Tile(const float* __restrict x, int64_t K, const float* __restrict p
 
 constexpr int B = 6;  // rows per register block: ONE_PASS_ROWS in streaming_matmul.py
 
+// Calls block(std::integral_constant<int, R>(), m) for the row blocks [m, m + R) of [0, M):
+// blocks of B rows, then one of the M % B rows left (R is a template argument of the tiles).
+template <typename F>
+inline void ForRowBlocks(int64_t M, F&& block) {
+  static_assert(B == 6, "the remainders below are 1 to B - 1");
+  int64_t m = 0;
+  for (; m + B <= M; m += B) block(std::integral_constant<int, B>(), m);
+  switch (M - m) {
+    case 1: block(std::integral_constant<int, 1>(), m); break;
+    case 2: block(std::integral_constant<int, 2>(), m); break;
+    case 3: block(std::integral_constant<int, 3>(), m); break;
+    case 4: block(std::integral_constant<int, 4>(), m); break;
+    case 5: block(std::integral_constant<int, 5>(), m); break;
+    default: break;
+  }
+}
+
 constexpr int64_t kKBlock = 32;  // panel rows per k-block of PanelBlocked (8 KB on AVX-512)
 
 // Rows [0, R) over panel rows [k0, k1): the accumulators start from y (zero at k0 = 0) and go
@@ -234,25 +252,12 @@ void PanelBlocked(const float* x, int64_t M, int64_t K, const float* panel, floa
     else if (next != nullptr) { pre = next; pre_rows = std::min(kKBlock, K); }
     const int64_t per = (pre_rows + passes - 1) / passes;
     int pass = 0;
-    int64_t m = 0;
-#define SPECJAX_RANGE(R)                                                                \
-  {                                                                                     \
-    const int64_t lo = std::min(pre_rows, pass * per);                                  \
-    TileRange<R, kVecs>(x + m * K, K, panel, y + m * ldy, ldy, k0, k1,                  \
-                        pre == nullptr ? nullptr : pre + lo * kPanel,                   \
-                        std::min(pre_rows, lo + per) - lo);                             \
-    ++pass;                                                                             \
-  }
-    for (; m + B <= M; m += B) SPECJAX_RANGE(B);
-    switch (M - m) {
-      case 1: SPECJAX_RANGE(1); break;
-      case 2: SPECJAX_RANGE(2); break;
-      case 3: SPECJAX_RANGE(3); break;
-      case 4: SPECJAX_RANGE(4); break;
-      case 5: SPECJAX_RANGE(5); break;
-      default: break;
-    }
-#undef SPECJAX_RANGE
+    ForRowBlocks(M, [&](auto rows, int64_t m) {
+      const int64_t lo = std::min(pre_rows, pass++ * per);
+      TileRange<decltype(rows)::value, kVecs>(x + m * K, K, panel, y + m * ldy, ldy, k0, k1,
+                                              pre == nullptr ? nullptr : pre + lo * kPanel,
+                                              std::min(pre_rows, lo + per) - lo);
+    });
   }
 }
 
@@ -266,18 +271,9 @@ void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, i
   pf.next = next;
   pf.ahead = M > 1 && (prefetch || !kAheadByAttribute);
   pf.passes = (M + B - 1) / B;
-  int64_t m = 0;
-#define SPECJAX_ROWS(R) Tile<R, kVecs, kUnroll>(x + m * K, K, panel, y + m * ldy, ldy, pf)
-  for (; m + B <= M; m += B) SPECJAX_ROWS(B);
-  switch (M - m) {
-    case 1: SPECJAX_ROWS(1); break;
-    case 2: SPECJAX_ROWS(2); break;
-    case 3: SPECJAX_ROWS(3); break;
-    case 4: SPECJAX_ROWS(4); break;
-    case 5: SPECJAX_ROWS(5); break;
-    default: break;
-  }
-#undef SPECJAX_ROWS
+  ForRowBlocks(M, [&](auto rows, int64_t m) {
+    Tile<decltype(rows)::value, kVecs, kUnroll>(x + m * K, K, panel, y + m * ldy, ldy, pf);
+  });
 }
 
 ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
