@@ -22,9 +22,9 @@
 // Prefetch (the ``prefetch`` attribute): for M > 6 a panel is read several
 // times (one pass per row block); the passes share out the lines of each row of
 // the panel this thread will probably claim next and software-prefetch them into
-// L2 (on AVX2 a panel row is one line: all in the first pass). On AVX-512 the
+// L2 (on AVX2 a panel row is one line: all in the first pass); on AVX-512 the
 // row blocks instead take turns over k-blocks of the panel (32 rows, 8 KB, in L1),
-// sharing out the next k-block's prefetch (PanelBlocked). On AVX-512 the
+// sharing out the next k-block's prefetch (PanelBlocked). There the
 // attribute also makes the streaming pass (the first, from memory) prefetch the
 // panel kAhead rows ahead (into L2; AVX2's into L1) for any M > 1, which AVX2 always
 // does. Whether either pays
@@ -262,8 +262,9 @@ void PanelBlocked(const float* x, int64_t M, int64_t K, const float* panel, floa
 }
 
 // Rows [0, M) of one panel: blocks of B rows and a remainder block, each one pass
-// over the whole panel (the first from memory, the others from cache). ``next``: the
-// panel to prefetch during the passes from cache, or null.
+// over the whole panel (the first from memory, the others from cache), or with
+// ``prefetch`` past B rows on AVX-512 PanelBlocked's turns. ``next``: the panel to
+// prefetch during the passes from cache, or null.
 void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
            const float* next, bool prefetch) {
   if (kBlocked && prefetch && M > B) return PanelBlocked(x, M, K, panel, y, ldy, next);
