@@ -65,6 +65,9 @@
 #include <immintrin.h>
 #endif
 
+// __builtin_prefetch's locality for the L2 cache (prefetcht1 on x86).
+constexpr int kPrefetchL2 = 2;
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -80,12 +83,13 @@ inline vf Fma(vf acc, vf w, float x) { return _mm512_fmadd_ps(w, _mm512_set1_ps(
 constexpr int kVecs = 4;  // vectors per panel row
 constexpr int kUnroll = 1;  // 2 and 4 measured the same on an Intel Xeon
 // With the prefetch attribute, the streaming pass prefetches 32 panel rows (8 KB) ahead
-// into L2 (prefetcht1): into L1 at 16 rows, 0.87-0.92x of the pass without it at M = 4-6
-// on an Intel Xeon, into L2 at 24-64 rows 0.89-0.92x of that (kernel variants README).
+// into L2 (prefetcht1): into L1 at 16 rows it took 0.84-0.88x the pass without it at
+// M = 3-6 on an Intel Xeon, into L2 at 24-64 rows 0.88-0.93x of that at M = 4-6
+// (benchmarks/kernel_variants/README.md).
 constexpr int kAhead = 32;
-constexpr int kAheadLocality = 2;  // __builtin_prefetch's: 2 = prefetcht1 (L2)
+constexpr int kAheadLocality = kPrefetchL2;
 constexpr bool kAheadByAttribute = true;
-// With the prefetch attribute, more than B rows run in k-blocks (PanelBlocked): 0.91-0.94x
+// With the prefetch attribute, more than B rows run in k-blocks (PanelBlocked): 0.90-0.95x
 // the per-panel passes at M = 7-17 and 0.84x at M = 32 on an Intel Xeon.
 constexpr bool kBlocked = true;
 #elif defined(SPECJAX_AVX2)
@@ -101,9 +105,9 @@ constexpr int kVecs = 2;
 constexpr int kUnroll = 4;
 // A pass that streams a panel for several rows prefetches the line 16 rows (1 KB) ahead.
 constexpr int kAhead = 16;
-constexpr int kAheadLocality = 3;  // prefetcht0 (L1), as measured on AVX2 Zen 3
+constexpr int kAheadLocality = 3;  // prefetcht0 (L1): the only hint measured on AVX2 (Zen 3)
 constexpr bool kAheadByAttribute = false;  // always, for M > 1
-constexpr bool kBlocked = false;  // passes over whole panels, the next one prefetched (Zen 3)
+constexpr bool kBlocked = false;  // whole-panel passes, as measured on Zen 3 (k-blocks unmeasured)
 #else  // portable: GCC vector extensions (AVX pairs, NEON quads, ...)
 constexpr const char* kIsa = "portable";
 constexpr int kLanes = 16;
@@ -182,7 +186,7 @@ inline void Tile(const float* __restrict x, int64_t K, const float* __restrict p
     for (int u = 0; u < U; ++u) Step<R, C>(acc, x, K, panel + (k + u) * kPanel, k + u);
     for (int l = lo; l < hi; ++l)
       for (int u = 0; u < U; ++u)
-        __builtin_prefetch(pf.next + (k + u) * kPanel + l * 16, 0, 2);
+        __builtin_prefetch(pf.next + (k + u) * kPanel + l * 16, 0, kPrefetchL2);
   }
   for (; k < K; ++k) Step<R, C>(acc, x, K, panel + k * kPanel, k);
 #pragma GCC unroll 8
@@ -214,7 +218,8 @@ constexpr int64_t kKBlock = 32;  // panel rows per k-block of PanelBlocked (8 KB
 
 // Rows [0, R) over panel rows [k0, k1): the accumulators start from y (zero at k0 = 0) and go
 // back to it, so each output is still one FMA per k in k order (float32 stores and loads are
-// exact). Meanwhile it prefetches ``rows`` panel rows from ``pre`` into L2, one per k step.
+// exact). Meanwhile it prefetches ``rows`` panel rows from ``pre`` into L2, one per k step
+// (into L1 instead: 1.00-1.04x the per-panel passes at M = 7-17, against 0.90-0.95x).
 template <int R, int C>
 inline void TileRange(const float* __restrict x, int64_t K, const float* __restrict panel,
                       float* __restrict y, int64_t ldy, int64_t k0, int64_t k1,
@@ -227,7 +232,8 @@ inline void TileRange(const float* __restrict x, int64_t K, const float* __restr
   for (int64_t k = k0; k < k1; ++k) {
     const int64_t i = k - k0;
     if (i < rows)
-      for (int l = 0; l < kLines; ++l) __builtin_prefetch(pre + i * kPanel + l * 16, 0, 2);
+      for (int l = 0; l < kLines; ++l)
+        __builtin_prefetch(pre + i * kPanel + l * 16, 0, kPrefetchL2);
     Step<R, C>(acc, x, K, panel + k * kPanel, k);
   }
 #pragma GCC unroll 8
@@ -239,8 +245,8 @@ inline void TileRange(const float* __restrict x, int64_t K, const float* __restr
 // Rows [0, M) of one panel, M > B, in k-blocks of kKBlock panel rows: every row block's pass
 // over a k-block reads it from L1, and the passes share out the prefetch of the next k-block
 // (of this panel, or the first of ``next``) into L2, so the stream from memory goes on while
-// the later row blocks compute. Per k-block, not per panel: without it each pass after the
-// first re-read the whole panel from L2 while nothing streamed.
+// the later row blocks compute (per panel, each pass after the first re-reads the whole panel
+// from L2, and only the next-panel prefetch streams meanwhile).
 void PanelBlocked(const float* x, int64_t M, int64_t K, const float* panel, float* y,
                   int64_t ldy, const float* next) {
   const int passes = (M + B - 1) / B;
