@@ -3,13 +3,24 @@
 The streaming kernel (``streaming_matmul.py``) is much faster than XLA's dot
 for decode and verify shapes on some CPUs and was 2-16x slower on others
 before it had an AVX2 path: no fixed rule holds everywhere. So on first use
-``policy_for`` times both on the model's own projection shapes for a grid of
-row counts M (decode M = batch, verify M = batch x (γ + 1), prefill chunks
-M = batch x 64), keeps the kernel exactly where it was faster, with its
-software prefetch on where that was faster still, and caches the
-decision on disk, keyed by CPU model and flags, jaxlib version, kernel source
-and the weight shapes (``cache_key``). ``SPECJAX_MATMUL=xla|kernel|auto``
-overrides it (default ``auto``).
+``policy_for`` times both on the model's own projection weights (every layer's:
+the whole stream a forward reads) for a grid of row counts M (decode M = batch,
+verify M = batch x (γ + 1), prefill chunks M = batch x 64), keeps the kernel
+exactly where it was faster, with its software prefetch on where that was faster
+still, and caches the decision on disk, keyed by CPU model and flags, jaxlib
+version, kernel source and the weight shapes (``cache_key``).
+``SPECJAX_MATMUL=xla|kernel|auto`` overrides it (default ``auto``).
+
+Timed over the first four layers only (32 MB for SmolLM2, which a large
+last-level cache holds when timed over and over: the 2-core Intel Xeon VM reports
+480 MB), the one-row decision flipped between timings of the same code on a quiet
+machine: kernel/XLA 0.54 in one, 1.06 in another, which put plain decoding on the
+slower path for every later run. Over all thirty layers (240 MB, streamed from
+memory as in a forward) it read 0.79-0.82, as a decode step does (kernel 22 ms,
+XLA 25-27 ms). A timing taken while other work runs (a test suite's workers)
+times that work too, so a measurement during which other threads were runnable
+(``other_work``, other processes' only) is cached only provisionally (``MatmulPolicy.contended``) and
+timed again by the first process that finds the machine quiet.
 
 The decoder layers' projections and the output head are measured and decided
 apart (``PARTS``), each the way the model runs it (a tied head: XLA's dot against
@@ -49,7 +60,9 @@ ENV = "SPECJAX_MATMUL"
 CHOICES = ("auto", "xla", "kernel")
 # Decode and verify widths, then prefill-sized calls (batch x 64-token chunks).
 ROW_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128, 256)
-_MEASURED_LAYERS = 4  # the first layers' projections: tens of MB, past the caches
+# Other runnable threads per CPU, sampled before and after a timing, from which it counts as
+# contended: one other busy thread on a 2-core host.
+BUSY = 0.5
 LAYERS, HEAD = "layers", "head"
 PARTS = (LAYERS, HEAD)  # measured and decided apart (the module's docstring says why)
 
@@ -69,6 +82,8 @@ class MatmulPolicy:
       kernel's two modes (empty if not measured).
     prefetch: per grid point, whether the kernel software-prefetches there
       (``streaming_matmul(prefetch=)``); empty: never.
+    contended: measured while other work ran on the machine (``other_work``): cached
+      provisionally, and timed again by the next process that starts on a quiet machine.
   """
 
   grid: tuple[int, ...]
@@ -76,6 +91,7 @@ class MatmulPolicy:
   source: str = ""
   ratios: tuple[float, ...] = ()
   prefetch: tuple[bool, ...] = ()
+  contended: bool = False
 
   def __post_init__(self):
     if not self.grid or len(self.grid) != len(self.kernel) or list(self.grid) != sorted(
@@ -118,7 +134,7 @@ class MatmulPolicy:
     prefetching = [str(m) for m, k, p in zip(self.grid, self.kernel, self.prefetch) if k and p]
     if prefetching:
       what += "; prefetching at M = " + ", ".join(prefetching)
-    text = f"{what} ({self.source})"
+    text = f"{what} ({self.source}{', under load: provisional' if self.contended else ''})"
     if self.ratios:
       text += "; kernel/XLA time at M = " + ", ".join(
           f"{m}: {r:.2f}" for m, r in zip(self.grid, self.ratios))
@@ -131,7 +147,8 @@ class MatmulPolicy:
   def from_json(cls, d: dict) -> "MatmulPolicy":
     return cls(grid=tuple(d["grid"]), kernel=tuple(bool(k) for k in d["kernel"]),
                source=d.get("source", ""), ratios=tuple(d.get("ratios", ())),
-               prefetch=tuple(bool(p) for p in d.get("prefetch", ())))
+               prefetch=tuple(bool(p) for p in d.get("prefetch", ())),
+               contended=bool(d.get("contended", False)))
 
 
 XLA = MatmulPolicy(grid=(1,), kernel=(False,), source="XLA's dot")
@@ -156,10 +173,10 @@ def choose(timings: dict[int, tuple[float, ...]], source: str = "measured",
                       prefetch=prefetch if any(prefetch) else ())
 
 
-def projection_weights(params: dict, tie_embeddings: bool, num_layers: int = _MEASURED_LAYERS,
+def projection_weights(params: dict, tie_embeddings: bool, num_layers: Optional[int] = None,
                        part: Optional[str] = None) -> list[np.ndarray]:
   """The [K, N] matrices a forward multiplies by, in order: the first ``num_layers`` layers'
-  projections (``part`` "layers"), the head ("head"), or both (None)."""
+  projections (default every layer's; ``part`` "layers"), the head ("head"), or both (None)."""
   if part not in (None,) + PARTS:
     raise ValueError(f"part must be one of {PARTS} or None, got {part!r}")
   names = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -244,6 +261,45 @@ def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repea
   return timed(close_calls(medians), retime * repeats)
 
 
+def _runnable_elsewhere() -> Optional[int]:
+  """Threads of other processes in state R (running or runnable) now, from /proc; None where
+  there is no /proc (not Linux)."""
+  me = str(os.getpid())
+  try:
+    pids = [p for p in os.listdir("/proc") if p.isdigit() and p != me]
+  except OSError:
+    return None
+  count = 0
+  for pid in pids:
+    try:
+      tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+      continue  # gone, or not ours to read
+    for tid in tasks:
+      try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+          count += f.read().rpartition(")")[2].split()[0] == "R"
+      except (OSError, IndexError):
+        continue
+  return count
+
+
+def other_work(samples: int = 5, interval_s: float = 0.02,
+               runnable: Callable[[], Optional[int]] = _runnable_elsewhere) -> float:
+  """Other processes' runnable threads per CPU: the median of ``samples`` readings of
+  ``runnable()`` ``interval_s`` apart (this process's own threads, XLA's pool among them, do
+  not count); 0.0 where the system does not say."""
+  counts = []
+  for i in range(samples):
+    n = runnable()
+    if n is None:
+      return 0.0
+    counts.append(n)
+    if i + 1 < samples:
+      time.sleep(interval_s)
+  return float(np.median(counts)) / (os.cpu_count() or 1)
+
+
 def _code_fingerprint(code: types.CodeType) -> tuple:
   """What a function computes, as a value stable across processes: its bytecode, names and
   constants, nested code objects (comprehensions, lambdas) by their own fingerprint, since a
@@ -272,11 +328,16 @@ def _cache_path(key: str) -> str:
 
 
 def policy_for(params: dict, tie_embeddings: bool,
-               measure_fn: Callable[..., dict] = measure, part: str = LAYERS) -> MatmulPolicy:
+               measure_fn: Callable[..., dict] = measure, part: str = LAYERS,
+               load_fn: Optional[Callable[[], float]] = None) -> MatmulPolicy:
   """The matmul policy for ``part`` of this model here (its decoder layers' projections or its
   output head, ``PARTS``): ``SPECJAX_MATMUL``, else the cached or new measurement
   (``measure_fn(weights, xla_transposed=...)``). Logs the decision (a warning when it
-  measures: once per machine and part, 28 s for both measured on a slow 2-core host)."""
+  measures: once per machine and part, about 35 s for both on a 2-core Intel Xeon).
+
+  A measurement during which ``load_fn()`` (default ``other_work``: other processes' runnable
+  threads per CPU, read before and after) reached ``BUSY`` is cached as ``contended``; a cached contended one is used while
+  the machine is still busy and measured again once it is quiet."""
   if part not in PARTS:
     raise ValueError(f"part must be one of {PARTS}, got {part!r}")
   choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -302,18 +363,27 @@ def policy_for(params: dict, tie_embeddings: bool,
   path = _cache_path(cache_key([w.shape for w in weights], xla_transposed=transposed))
   try:
     with open(path) as f:
-      policy = MatmulPolicy.from_json(json.load(f))
-    _log.info("specjax matmul, %s (%s, kernel %s): %s", part, sm.cpu_model(), sm.isa(),
-              policy.describe())
-    return policy
+      cached = MatmulPolicy.from_json(json.load(f))
   except (OSError, ValueError, KeyError, TypeError):
-    pass
+    cached = None
+  load_fn = load_fn or other_work
+  load = load_fn() if cached is None or cached.contended else 0.0
+  if cached is not None and (not cached.contended or load >= BUSY):
+    _log.info("specjax matmul, %s (%s, kernel %s): %s", part, sm.cpu_model(), sm.isa(),
+              cached.describe())
+    return cached
   _log.warning("specjax: timing the streaming kernel against XLA's dot on this CPU (%s, "
-               "kernel path %s) for the %s; once per machine, cached in %s", sm.cpu_model(),
-               sm.isa(), part, path)
-  policy = choose(measure_fn(weights, xla_transposed=transposed),
-                  source=f"measured on {sm.cpu_model()}, {sm.isa()}",
-                  prefetch_rows=sm.prefetch_rows())
+               "kernel path %s) for the %s%s; once per machine, cached in %s", sm.cpu_model(),
+               sm.isa(), part, " again, on a quiet machine" if cached else "", path)
+  timings = measure_fn(weights, xla_transposed=transposed)
+  load = max(load, load_fn())
+  policy = dataclasses.replace(
+      choose(timings, source=f"measured on {sm.cpu_model()}, {sm.isa()}",
+             prefetch_rows=sm.prefetch_rows()), contended=load >= BUSY)
   files.write_text(path, json.dumps(policy.to_json()))  # concurrent processes: whole files
   _log.warning("specjax matmul, %s: %s", part, policy.describe())
+  if policy.contended:
+    _log.warning("specjax matmul, %s: timed while %.1f other threads per CPU were runnable; "
+                 "kept provisionally, timed again by the next process to start on a quiet "
+                 "machine", part, load)
   return policy
