@@ -386,3 +386,136 @@ def test_other_work_counts_other_processes_runnable_threads(monkeypatch):
   finally:
     child.kill()
     child.wait()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_layers_and_head_are_measured_apart_the_head_as_the_model_multiplies_by_it(
+    tmp_path, monkeypatch, tied):
+  """One chain of both weighed 4 layers against the head (a model runs all of its layers) and
+  timed a tied head's XLA path against embed.T, where the model contracts against embed."""
+  monkeypatch.setattr(sm, "cache_dir", lambda: str(tmp_path))
+  monkeypatch.setattr(pol, "other_work", lambda: 0.0)  # a quiet machine: final decisions
+  monkeypatch.delenv(pol.ENV, raising=False)
+  cfg, params = tiny_model(seed=0, tie_embeddings=tied)
+  if not tied:
+    params = dict(params, lm_head=jnp.asarray(_rand((cfg.dim, cfg.vocab_size), 5)))
+  calls = []
+
+  def fake_measure(weights, xla_transposed):
+    calls.append(([w.shape for w in weights], xla_transposed))
+    head = len(weights) == 1
+    return {1: (2.0, 1.0) if head else (1.0, 2.0)}  # the kernel only on the head
+
+  layers, head = (pol.policy_for(params, cfg.tie_embeddings, measure_fn=fake_measure, part=p)
+                  for p in pol.PARTS)
+  assert calls == [([w.shape for w in pol.projection_weights(params, tied, part="layers")],
+                    False), ([(cfg.dim, cfg.vocab_size)], tied)]
+  assert layers.never and head.always
+  assert pol.policy_for(params, tied, measure_fn=fake_measure, part="head") == head  # cached
+  assert len(calls) == 2
+  both = pol.projection_weights(params, tied)
+  parts = sum((pol.projection_weights(params, tied, part=p) for p in pol.PARTS), [])
+  assert [w.shape for w in both] == [w.shape for w in parts]
+  with pytest.raises(ValueError, match="part"):
+    pol.policy_for(params, tied, measure_fn=fake_measure, part="embed")
+  with pytest.raises(ValueError, match="part"):
+    pol.projection_weights(params, tied, part="all")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("layers_kernel", [True, False])
+def test_layers_and_head_packed_under_their_own_policies_match_the_plain_model(tied,
+                                                                              layers_kernel):
+  cfg, params = tiny_model(seed=0, tie_embeddings=tied)
+  if not tied:
+    params = dict(params, lm_head=jnp.asarray(_rand((cfg.dim, cfg.vocab_size), 5)))
+  policy, head = (pol.KERNEL, pol.XLA) if layers_kernel else (pol.XLA, pol.KERNEL)
+  packed = pk.pack_params(params, cfg.tie_embeddings, policy, head_policy=head)
+  assert isinstance(packed["layers"][0]["wqkv"], pk.PackedWeight) == layers_kernel
+  if layers_kernel:  # the head stays plain: absent when tied (it contracts against embed)
+    assert ("lm_head" in packed) == (not tied)
+    assert not isinstance(packed.get("lm_head"), pk.PackedWeight)
+  else:
+    assert isinstance(packed["lm_head"], pk.PackedWeight) and packed["lm_head"].policy.always
+  assert pk.policy_of(packed) == policy
+  for t in (1, 3):
+    tokens = jnp.asarray([[1, 5, 9][:t]])
+    pos = jnp.arange(t)[None]
+    a = forward(params, cfg, tokens, pos, kvc.init_cache(cfg, 1, 8))
+    b = forward(packed, cfg, tokens, pos, kvc.init_cache(cfg, 1, 8))
+    np.testing.assert_allclose(np.asarray(b.logits), np.asarray(a.logits), rtol=1e-4, atol=1e-4)
+  again = pk.pack_params(packed, cfg.tie_embeddings, policy, head_policy=head)  # idempotent
+  assert again["layers"][0]["wqkv"] is packed["layers"][0]["wqkv"]
+  assert again.get("lm_head") is packed.get("lm_head")
+
+
+def test_close_calls_are_the_row_counts_the_kernel_neither_clearly_wins_nor_loses():
+  timings = {1: (20.0, 21.0, 22.0), 2: (20.0, 14.0, 15.0), 4: (20.0, 25.0, 17.5),
+             8: (20.0, 30.0, 24.0), 16: (20.0, 10.0, 20.0)}
+  # 1: 1.05 (the Xeon's flip); 4: the prefetching mode at 0.875; 8: 1.2, a clear loss
+  assert pol.close_calls(timings) == [1, 4]
+  assert pol.close_calls({1: (2.0, 1.0)}) == [] and pol.close_calls({1: (1.0, 1.1)}) == [1]
+
+
+@pytest.mark.parametrize("xla_transposed", [False, True])
+def test_real_measurement_covers_the_grid(xla_transposed):
+  w = [_rand((64, 128), 0), _rand((128, 64), 1)]
+  t = pol.measure(w, grid=(1, 3), repeats=1, xla_transposed=xla_transposed)
+  assert set(t) == {1, 3} and all(len(v) == 3 and min(v) > 0 for v in t.values())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_mixed_policy_model_matches_plain_on_both_sides_of_the_split(tied):
+  """Kernel for up to 2 rows, XLA's dot (on the plain copy, or ``embed`` for a tied head)
+  beyond: decode-sized and verify-sized forwards agree with the plain model."""
+  cfg, params = tiny_model(seed=0, tie_embeddings=tied)
+  if not tied:
+    params = dict(params, lm_head=jnp.asarray(_rand((cfg.dim, cfg.vocab_size), 5)))
+  mixed = pol.MatmulPolicy(grid=(2, 3), kernel=(True, False))
+  packed = pk.pack_params(params, cfg.tie_embeddings, mixed)
+  w = packed["layers"][0]["wqkv"]
+  assert w.plain is not None and pk.uses_kernel(w, 2) and not pk.uses_kernel(w, 5)
+  assert packed["lm_head"].plain is None if tied else packed["lm_head"].plain is not None
+  for t in (1, 2, 5):
+    tokens = jnp.asarray([[1, 5, 9, 2, 7][:t]])
+    pos = jnp.arange(t)[None]
+    a = forward(params, cfg, tokens, pos, kvc.init_cache(cfg, 1, 8))
+    b = forward(packed, cfg, tokens, pos, kvc.init_cache(cfg, 1, 8))
+    np.testing.assert_allclose(np.asarray(b.logits), np.asarray(a.logits), rtol=1e-4, atol=1e-4)
+  assert pk.pack_params(packed, cfg.tie_embeddings, mixed)["layers"][0]["wqkv"] is w
+  plain = pk.pack_params(packed, cfg.tie_embeddings, pol.XLA)
+  assert not isinstance(plain["layers"][0]["wqkv"], pk.PackedWeight)
+
+
+def test_eagle_drafter_of_a_packed_target_is_packed_and_decodes_like_the_plain_one():
+  """``eagle_drafter`` packs the draft like its target; proposals match the plain draft's
+  logits to float tolerance, greedy decoding stays plain greedy, and ``split_params``
+  (training, teacher-forced eval) gets the plain arrays back."""
+  from specjax.drafters.eagle import (eagle_drafter, head_rows, random_eagle_weights,
+                                      split_params)
+  cfg, params = tiny_model(seed=0)
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
+  vocab_map = np.arange(0, cfg.vocab_size, 2)
+  layers = (0, cfg.num_layers - 1)
+  drafter, plain_dp = eagle_drafter(cfg, params, weights, vocab_map, layers)
+  packed_target = pk.pack_params(params, cfg.tie_embeddings)
+  _, dp = eagle_drafter(cfg, packed_target, weights, vocab_map, layers)
+  assert all(isinstance(dp[k], pk.PackedWeight) for k in ("fc", "fuse", "head"))
+  assert isinstance(dp["layers"][0]["wqkv"], pk.PackedWeight)
+  assert not isinstance(plain_dp["head"], pk.PackedWeight)
+  assert head_rows(dp) == head_rows(plain_dp) == len(vocab_map)
+  for a, b in zip(jax.tree.leaves(split_params(dp)), jax.tree.leaves(split_params(plain_dp))):
+    np.testing.assert_array_equal(a, b)
+  h = jax.random.normal(jax.random.PRNGKey(1), (2, 3, cfg.dim))
+  np.testing.assert_allclose(drafter.head_logits(dp, h), drafter.head_logits(plain_dp, h),
+                             rtol=1e-5, atol=1e-5)
+  feats = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 2 * cfg.dim))
+  np.testing.assert_allclose(drafter.fuse(dp, feats), drafter.fuse(plain_dp, feats),
+                             rtol=1e-5, atol=1e-5)
+  prompts = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9]]
+  want = specjax.generate(packed_target, cfg, prompts, 12, eos_ids=())
+  for tree in (TreeTopology.chain(3), DynamicTree(depth=3, top_k=2, num_nodes=5)):
+    out = SpeculativeDecoder(cfg, drafter, tree=tree, eos_ids=()).generate(
+        packed_target, dp, prompts, 12)
+    for row in range(len(prompts)):
+      assert out.generated(row) == want.generated(row)

@@ -16,11 +16,11 @@ last-level cache holds when timed over and over: the 2-core Intel Xeon VM report
 480 MB), the one-row decision flipped between timings of the same code on a quiet
 machine: kernel/XLA 0.54 in one, 1.06 in another, which put plain decoding on the
 slower path for every later run. Over all thirty layers (240 MB, streamed from
-memory as in a forward) it read 0.79-0.82, as a decode step does (kernel 22 ms,
+memory as in a forward) it read 0.79-0.85, as a decode step does (kernel 22 ms,
 XLA 25-27 ms). A timing taken while other work runs (a test suite's workers)
-times that work too, so a measurement during which other threads were runnable
-(``other_work``, other processes' only) is cached only provisionally (``MatmulPolicy.contended``) and
-timed again by the first process that finds the machine quiet.
+times that work too, so a measurement during which other processes' threads were
+runnable (``other_work``) is cached only provisionally (``MatmulPolicy.contended``)
+and timed again by the first process that finds the machine quiet.
 
 The decoder layers' projections and the output head are measured and decided
 apart (``PARTS``), each the way the model runs it (a tied head: XLA's dot against
@@ -333,11 +333,12 @@ def policy_for(params: dict, tie_embeddings: bool,
   """The matmul policy for ``part`` of this model here (its decoder layers' projections or its
   output head, ``PARTS``): ``SPECJAX_MATMUL``, else the cached or new measurement
   (``measure_fn(weights, xla_transposed=...)``). Logs the decision (a warning when it
-  measures: once per machine and part, about 35 s for both on a 2-core Intel Xeon).
+  measures: once per machine and part, about 30 s for both on a 2-core Intel Xeon).
 
-  A measurement during which ``load_fn()`` (default ``other_work``: other processes' runnable
-  threads per CPU, read before and after) reached ``BUSY`` is cached as ``contended``; a cached contended one is used while
-  the machine is still busy and measured again once it is quiet."""
+  A measurement during which ``load_fn()`` (default ``other_work``: other processes'
+  runnable threads per CPU, read before and after) reached ``BUSY`` is cached as
+  ``contended``; a cached contended one is used while the machine is still busy and measured
+  again once it is quiet."""
   if part not in PARTS:
     raise ValueError(f"part must be one of {PARTS}, got {part!r}")
   choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
