@@ -174,6 +174,19 @@ def make_sampler(temperature: float = 0.0, top_k: Optional[int] = None,
   return Greedy() if temperature == 0 else sampling
 
 
+def scale_temperature(sampler: Sampler, ratio: float) -> Sampler:
+  """``sampler``'s warping at ``ratio`` × its temperature: a draft law of the same top-k and
+  top-p, sharper below 1 (``SpeculativeDecoder.draft_sampler``). Ratio 0 gives Greedy (the
+  argmax, the T → 0 limit), as does a Greedy sampler at any ratio.
+
+  Example: scale_temperature(Sampling(1.0, top_k=50), 0.8) == Sampling(0.8, top_k=50).
+  """
+  ratio = as_float(ratio, "ratio", 0.0, MAX_TEMPERATURE)
+  if isinstance(sampler, Greedy) or ratio == 0:
+    return Greedy()
+  return dataclasses.replace(sampler, temperature=sampler.temperature * ratio)
+
+
 def sample_subset(sampler: Sampler, key: jax.Array, logits: jax.Array, ids: jax.Array,
                   vocab_size: int) -> tuple[jax.Array, jax.Array]:
   """Samples from logits [..., Vd] over the vocabulary subset ``ids`` [Vd].

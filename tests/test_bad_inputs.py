@@ -288,6 +288,9 @@ def _decoder(cfg, **kw):
     (dict(eos_ids="2"), TypeError, "eos_ids must be a sequence"),
     (dict(sampler="greedy"), TypeError, "sampler must be Greedy"),
     (dict(sampler=0.0), TypeError, "sampler must be Greedy"),
+    (dict(sampler=Sampling(temperature=1.0), draft_sampler=0.5), TypeError,
+     "sampler must be Greedy"),
+    (dict(draft_sampler=Sampling(temperature=0.5)), ValueError, "under a greedy sampler"),
 ])
 def test_bad_decoder_parameter_is_named_at_construction(model, kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import Greedy, Sampling, make_sampler, sample_from
+from specjax.sampling import Greedy, Sampling, make_sampler, sample_from, scale_temperature
 
 V = 50
 
@@ -215,3 +215,14 @@ def test_sampling_a_vocabulary_subset_equals_sampling_its_lifted_logits(sampler)
   freq = np.bincount(draws.ravel(), minlength=v) / draws.size
   np.testing.assert_allclose(freq, np.asarray(q[0]), atol=0.03)
   assert set(np.unique(draws)) <= set(np.asarray(ids).tolist())
+
+
+def test_scale_temperature_keeps_the_warping_at_a_new_temperature():
+  s = Sampling(temperature=1.5, top_k=5, top_p=0.9)
+  assert scale_temperature(s, 0.5) == Sampling(temperature=0.75, top_k=5, top_p=0.9)
+  assert scale_temperature(s, 1) == s
+  assert scale_temperature(s, 0) == Greedy() and scale_temperature(Greedy(), 0.8) == Greedy()
+  with pytest.raises(ValueError, match="ratio must be a finite number"):
+    scale_temperature(s, -1.0)
+  with pytest.raises(ValueError, match="temperature must be a finite number"):
+    scale_temperature(s, 1e-6)  # 1.5e-6 is below MIN_TEMPERATURE

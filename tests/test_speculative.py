@@ -1,5 +1,7 @@
 """The speculative loop on tiny models: greedy equality, batching, EOS, cache limits, metrics."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -51,6 +53,24 @@ def test_target_as_draft_has_alpha_one_when_sampling(target):
   assert m["acceptance_rate"] > 0.99
 
 
+def test_the_drafter_draws_from_the_draft_sampler(target):
+  """Target as draft: its own law gives α = 1; a sharper draft law (or point masses) gives
+  α = E[Σ min(p, q)] < 1, so the drafter drew from ``draft_sampler``, not the target's."""
+  cfg, params = target
+  sampler = Sampling(temperature=1.0)
+  alphas = {}
+  for name, ds in [("own", None), ("same", Sampling(temperature=1.0)),
+                   ("sharp", Sampling(temperature=0.5)), ("greedy", Greedy())]:
+    dec = SpeculativeDecoder(cfg, ModelDrafter(cfg), gamma=3, sampler=sampler,
+                             draft_sampler=ds, eos_ids=())
+    assert dec.proposal_sampler == (sampler if ds is None else ds)
+    out = dec.generate(params, dec.drafter.make_params(params), PROMPTS, 24, seed=3)
+    alphas[name] = out.metrics()["alpha"]
+  assert alphas["own"] == pytest.approx(1.0, abs=1e-5)
+  assert alphas["same"] == pytest.approx(1.0, abs=1e-5)
+  assert alphas["sharp"] < 0.99 and alphas["greedy"] < 0.99
+
+
 def test_eos_inside_accepted_block_stops_the_row(target):
   cfg, params = target
   ref = specjax.generate(params, cfg, PROMPTS[:2], 24, eos_ids=())
@@ -80,6 +100,8 @@ def test_no_recompilation_across_prompts_and_acceptance_patterns(target, draft):
   cfg, params = target
   dec = _decoder(cfg, draft[0], 2, Sampling(temperature=1.0))
   assert new_compiles_across_batches(dec, params, dec.drafter.make_params(draft[1])) == 0
+  sharp = dataclasses.replace(dec, draft_sampler=Sampling(temperature=0.5))
+  assert new_compiles_across_batches(sharp, params, dec.drafter.make_params(draft[1])) == 0
 
 
 def test_one_prefill_program_serves_every_gamma_and_sampler(target, draft):

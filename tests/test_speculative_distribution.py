@@ -17,8 +17,9 @@ from specjax.drafters import ModelDrafter
 from specjax.kernels import packed as pk
 from specjax.kernels import streaming_matmul as sm
 from specjax.model import cast_params
-from specjax.sampling import Sampling, sample_from
+from specjax.sampling import Greedy, Sampling, sample_from
 from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.tree import TreeTopology
 from specjax.testing import (DRAFTER_KINDS, chi_square_pvalue, empirical_joint,
                              exact_joint, make_drafter, tiny_model)
 
@@ -72,6 +73,24 @@ def test_packed_models_on_the_streaming_kernel_match_target(models):
   _assert_matches_target(dec, target,
                          dec.drafter.make_params(pk.pack_params(dparams, dcfg.tie_embeddings)),
                          sampler)
+
+
+# A draft law of its own (``draft_sampler``): sharper, point masses, or warped otherwise.
+# Verification reads the q the drafts came from, so the output keeps the target's law.
+@pytest.mark.parametrize("draft_sampler, tree", [
+    (Sampling(temperature=0.5), None), (Greedy(), None),
+    (Sampling(temperature=1.6, top_k=3), None),
+    (Sampling(temperature=0.6), TreeTopology.from_choices([(0,), (1,), (0, 0), (1, 0)]))],
+    ids=["t0.5", "greedy", "t1.6_topk3", "t0.6_tree"])
+def test_a_draft_sampler_of_its_own_keeps_the_targets_law(models, draft_sampler, tree):
+  target, draft = models
+  sampler = Sampling(temperature=1.0, top_k=6)
+  # A tree's siblings drawn without replacement from the draft law (point-mass children
+  # would not read it).
+  drafter = ModelDrafter(draft[0], tree_draw="without_replacement" if tree else "point_mass")
+  dec = SpeculativeDecoder(target[0], drafter, gamma=None if tree else 3, tree=tree,
+                           sampler=sampler, draft_sampler=draft_sampler, eos_ids=())
+  _assert_matches_target(dec, target, drafter.make_params(draft[1]), sampler)
 
 
 def _bf16(models):
@@ -144,15 +163,29 @@ class _ArgmaxDrafter(ModelDrafter):
     return super().propose_chain(draft_params, state, tokens, seq_lens, key, wrong, gamma)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SharpDrawSoftQ(Sampling):
+  """Wrong: draws at half its temperature but reports q at its own (a draft sampler whose
+  q is not the law its drafts came from)."""
+
+  def sample(self, key, logits):
+    sharp = Sampling(self.temperature / 2, self.top_k, self.top_p)
+    return sample_from(key, sharp.probs(logits)), self.probs(logits)
+
+
 # bfloat16's argmax-draft variant is rejected by the chi-square test only, as float32's is
 # (heavy); its no-residual variant is the one the rounding bound above must also reject.
 @pytest.mark.parametrize("variant, dtype", [
-    ("no_residual", "float32"), ("argmax_draft_soft_q", "float32"), ("no_residual", "bfloat16"),
+    ("no_residual", "float32"), ("argmax_draft_soft_q", "float32"),
+    ("draft_sampler_q_mislabelled", "float32"), ("no_residual", "bfloat16"),
     pytest.param("argmax_draft_soft_q", "bfloat16", marks=pytest.mark.heavy)])
 def test_wrong_variants_are_rejected(models, variant, dtype):
   target, draft = models if dtype == "float32" else _bf16(models)
   sampler = Sampling(temperature=1.0)
-  if variant == "no_residual":
+  if variant == "draft_sampler_q_mislabelled":
+    dec = SpeculativeDecoder(target[0], ModelDrafter(draft[0]), gamma=2, sampler=sampler,
+                             draft_sampler=_SharpDrawSoftQ(temperature=1.0), eos_ids=())
+  elif variant == "no_residual":
     dec = _ResampleFromTarget(target[0], ModelDrafter(draft[0]), gamma=2, sampler=sampler,
                               eos_ids=())
   else:

@@ -125,7 +125,7 @@ class SpeculativeDecoder:
     drafter: builds proposals (see ``specjax.drafters``); must support ``tree``.
     gamma: draft length γ >= 1 of a chain (static); with ``tree`` given it
       defaults to, and must equal, the tree's depth D.
-    sampler: Greedy() or Sampling(...), applied identically to target and draft.
+    sampler: Greedy() or Sampling(...), the target's: what the output follows.
     eos_ids: stop tokens (any sequence of ints, stored as a tuple); default the target's.
     tree: the static topology (``TreeTopology``), default the chain of γ (or, with
       neither gamma nor tree given, the drafter's ``default_tree()`` where it has one);
@@ -143,6 +143,11 @@ class SpeculativeDecoder:
       static set inside the jitted loop (γ = 0 is a plain decoding step); give it instead
       of gamma and tree. ``tree`` is then the chain of its deepest choice's depth (the
       state's depth); ``cache_headroom`` and ``max_children`` cover every choice.
+    draft_sampler: the law the drafter draws from (None: ``sampler``, the usual rule). Any
+      draft law is lossless, since verification reads the q the drafts were drawn from;
+      a sharper draft (a lower temperature, or Greedy: point-mass drafts) can raise the
+      acceptance Σ min(p, q) of a drafter whose q is broader than the target's p. Only
+      with a sampled ``sampler``: a greedy target's drafts are its argmax guesses.
 
   Example::
 
@@ -160,6 +165,7 @@ class SpeculativeDecoder:
   attention_impl: str = "auto"
   verification: str | TypicalAcceptance = "tokenwise"
   policy: Optional[AdaptiveGamma] = None
+  draft_sampler: Optional[Sampler] = None
 
   def __post_init__(self):
     if self.policy is not None:
@@ -178,6 +184,12 @@ class SpeculativeDecoder:
                        f"{self.tree.max_depth}; leave gamma unset with a tree")
     object.__setattr__(self, "gamma", self.tree.max_depth)
     check_sampler(self.sampler)
+    if self.draft_sampler is not None:
+      check_sampler(self.draft_sampler)
+      if isinstance(self.sampler, Greedy) and not isinstance(self.draft_sampler, Greedy):
+        raise ValueError(f"draft_sampler={self.draft_sampler!r} under a greedy sampler: "
+                         f"greedy decoding drafts the drafter's argmax; give a draft sampler "
+                         f"only with a sampled (temperature > 0) sampler")
     if self.verification == TYPICAL_LOSSY:
       object.__setattr__(self, "verification", TypicalAcceptance())
     if not isinstance(self.verification, TypicalAcceptance) and (
@@ -201,6 +213,11 @@ class SpeculativeDecoder:
     resolve_impl(self.attention_impl)  # unknown names fail here, not at trace time
     eos = self.target_cfg.eos_token_ids if self.eos_ids is None else self.eos_ids
     object.__setattr__(self, "eos_ids", validation.token_ids(eos, "eos_ids"))
+
+  @property
+  def proposal_sampler(self) -> Sampler:
+    """The sampler the drafter draws with: ``draft_sampler``, else the target's."""
+    return self.sampler if self.draft_sampler is None else self.draft_sampler
 
   @property
   def cache_headroom(self) -> int:
@@ -244,7 +261,7 @@ class SpeculativeDecoder:
     draft_state = (SharedCache(state.target_cache, state.draft_state)
                    if self.drafter.shares_target_cache() else state.draft_state)
     return self.drafter.propose(draft_params, draft_state, state.tokens, state.seq_lens,
-                                key, self.sampler, self.tree)
+                                key, self.proposal_sampler, self.tree)
 
   def verify(self, target_params: Params, state: SpecState, proposal: Proposal) -> TargetScores:
     """One target forward over the root (the last committed token) and the tree's nodes."""
