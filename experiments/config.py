@@ -101,6 +101,10 @@ class ExperimentConfig:
       sampled chain step (``AdaptiveGamma.evidence``): "expected" (each scored draft's
       acceptance chance β, the default) or "accepted" (the outcomes); their settings carry
       it.
+    draft_temperature: the drafts' temperature as a multiple of the target's in sampled runs
+      (``sampling.scale_temperature``: the same top-k and top-p; 0 drafts the drafter's
+      argmax): 1, the default, is the usual rule; lossless at any value
+      (``SpeculativeDecoder.draft_sampler``; benchmarks/results/draft_temperature.md).
   """
 
   experiments: tuple[str, ...] = DEFAULT_EXPERIMENTS
@@ -133,6 +137,7 @@ class ExperimentConfig:
   dtype: str = "auto"
   min_gain: float = 0.05  # specjax.speculative.adaptive.MIN_GAIN (a test holds them equal)
   evidence: str = "expected"  # AdaptiveGamma.evidence's default (a test holds them equal)
+  draft_temperature: float = 1.0
 
   def __post_init__(self):
     unknown = [e for e in self.experiments if e not in EXPERIMENTS]
@@ -191,6 +196,16 @@ class ExperimentConfig:
     check_min_gain(self.min_gain, "--min_gain")
     from specjax.speculative.adaptive import check_evidence
     check_evidence(self.evidence, "--evidence")
+    if not (math.isfinite(self.draft_temperature) and self.draft_temperature >= 0):
+      raise ValueError(f"--draft_temperature must be a finite number >= 0 (a multiple of the "
+                       f"target's temperature), got {self.draft_temperature}")
+    from specjax.sampling import scale_temperature
+    for t in self.temperatures:
+      try:
+        scale_temperature(make_sampler(t), self.draft_temperature)
+      except ValueError as e:
+        raise ValueError(f"--draft_temperature={self.draft_temperature:g} at T = {t:g}: "
+                         f"{e}") from None
     if self.extra_rounds < 0:
       raise ValueError(f"--extra_rounds must be >= 0, got {self.extra_rounds}")
     if self.max_new_tokens < 2:

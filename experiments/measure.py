@@ -61,7 +61,7 @@ from absl import logging
 
 import specjax
 from specjax import compile_cache
-from specjax.sampling import make_sampler
+from specjax.sampling import make_sampler, scale_temperature
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma, check_evidence
 from specjax.speculative.calibration import (loop_step_seconds, measure_chain_alphas,
@@ -407,14 +407,18 @@ class Bench:
   def decoder(self, draft: Draft, gamma: int, temperature: float,
               tree: Optional[tuple] = None) -> SpeculativeDecoder:
     policy = policy_of(tree)
+    sampler = make_sampler(temperature)
+    ratio = self.config.draft_temperature
+    common = dict(sampler=sampler, eos_ids=self.eos_ids,
+                  draft_sampler=None if temperature == 0 or ratio == 1
+                  else scale_temperature(sampler, ratio))
     if policy is not None:
-      return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
-                                eos_ids=self.eos_ids, policy=policy,
+      return SpeculativeDecoder(self.target.cfg, draft.drafter, policy=policy,
                                 verification="tokenwise" if policy.trees
-                                else self.config.verification)
-    return SpeculativeDecoder(self.target.cfg, draft.drafter, sampler=make_sampler(temperature),
-                              eos_ids=self.eos_ids, tree=tree_shape(tree, gamma),
-                              verification="tokenwise" if tree else self.config.verification)
+                                else self.config.verification, **common)
+    return SpeculativeDecoder(self.target.cfg, draft.drafter, tree=tree_shape(tree, gamma),
+                              verification="tokenwise" if tree else self.config.verification,
+                              **common)
 
   def spec_many(self, draft: Draft, settings: Sequence[tuple[int, Optional[tuple]]],
                 temperature: float, timed: bool = True) -> list[SpecRun]:

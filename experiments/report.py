@@ -201,7 +201,8 @@ def tables_markdown(results: dict) -> str:
       f"{cfg['max_new_tokens']} new tokens each, batches of {cfg['batch_size']} "
       f"(one category per batch), {'stopping at EOS' if cfg['stop_at_eos'] else 'EOS ignored'}; "
       f"chains verified {cfg.get('verification', 'tokenwise').replace('tokenwise', 'token-wise')}"
-      f"{' (Sun et al. 2024)' if cfg.get('verification') == 'block' else ''}.",
+      f"{' (Sun et al. 2024)' if cfg.get('verification') == 'block' else ''}"
+      f"{_draft_temperature_words(cfg.get('draft_temperature', 1.0))}.",
       "",
       "Conventions: α = E[β] with β = Σₓ min(p, q) over positions up to the first rejection; "
       "accept rate = accepted / drafted; tokens/call = emitted tokens (accepted + corrected or "
@@ -502,6 +503,14 @@ def _draft_free_section(results: dict) -> list[str]:
           if d in cells else "–" for d in dict.fromkeys(r["draft"] for r in rows)) + " |")
     lines.append("")
   return lines
+
+
+def _draft_temperature_words(ratio: float) -> str:
+  """How sampled runs drew their drafts, when not at the target's temperature."""
+  if ratio == 1:
+    return ""
+  law = "at the drafter's argmax" if ratio == 0 else f"at {ratio:g} × the target's temperature"
+  return f"; sampled runs draw their drafts {law} (lossless)"
 
 
 def _resumed(results: dict) -> str:

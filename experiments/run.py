@@ -96,6 +96,9 @@ flags.DEFINE_enum("evidence", DEFAULT.evidence, ["expected", "accepted"], "What 
                   "adaptive policies and their calibrations count of a sampled chain step: "
                   "each scored draft's acceptance chance β (expected) or the outcomes "
                   "(accepted).")
+flags.DEFINE_float("draft_temperature", DEFAULT.draft_temperature, "The drafts' temperature "
+                   "as a multiple of the target's in sampled runs (same top-k / top-p; 0: the "
+                   "drafter's argmax; 1: the usual rule). Lossless at any value.")
 flags.DEFINE_bool("compilation_cache", True, "Keep compiled XLA programs on disk "
                   "(specjax.compile_cache: $SPECJAX_CACHE/xla) so a rerun or a resumed run "
                   "skips most compiling; outputs are unchanged.")
@@ -120,7 +123,8 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),
       calibration_tree=config_lib.parse_ints(FLAGS.calibration_tree, "calibration_tree"),
       calibration_prompts=FLAGS.calibration_prompts, verification=FLAGS.verification,
-      dtype=FLAGS.dtype, min_gain=FLAGS.min_gain, evidence=FLAGS.evidence)
+      dtype=FLAGS.dtype, min_gain=FLAGS.min_gain, evidence=FLAGS.evidence,
+      draft_temperature=FLAGS.draft_temperature)
 
 
 def main(argv):

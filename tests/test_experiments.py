@@ -346,6 +346,9 @@ def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, 
     (dict(min_gain=float("nan")), "--min_gain must be a finite number >= 0"),
     (dict(min_gain=True), "--min_gain must be a finite number >= 0"),
     (dict(evidence="outcomes"), "--evidence must be one of expected, accepted, got 'outcomes'"),
+    (dict(draft_temperature=-0.5), "--draft_temperature must be a finite number >= 0"),
+    (dict(draft_temperature=float("nan")), "--draft_temperature must be a finite number >= 0"),
+    (dict(draft_temperature=1e-6), r"--draft_temperature=1e-06 at T = 0.5: temperature must be"),
     (dict(draft="lookahead"), "--draft=lookahead verifies its own tree, so it has no γ for "
                               "adaptive, gamma_sweep, temperature_sweep"),
     (dict(sweep_trees=((4, 4, 3),)), "--sweep_trees: 4:4:3: DynamicTree num_nodes=3 < depth=4"),
@@ -410,6 +413,8 @@ def test_unwritable_out_fails_before_any_model_loads(tmp_path, monkeypatch):
     (["--draft=early_exit:0"], "K of early_exit:K must be an integer >= 1"),
     (["--min_gain=-0.5"], "--min_gain must be a finite number >= 0, got -0.5"),
     (["--evidence=beta"], "--evidence"),
+    (["--draft_temperature=-1"], "--draft_temperature must be a finite number >= 0 (a multiple of "
+                                 "the target's temperature), got -1.0"),
 ])
 def test_cli_rejects_bad_flags_before_loading_models(tmp_path, args, message):
   (tmp_path / "file").write_text("")
@@ -435,6 +440,15 @@ def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path):
   _refuses("peer", (["--gamma", "0"], "flag --gamma=0"),
            (["--num_prompts", "0"], "flag --num_prompts=0"),
            ([f"--out={tmp_path}"], "is a directory"))
+
+
+def test_draft_temperature_benchmark_rejects_bad_flags_before_loading(tmp_path):
+  (tmp_path / "file").write_text("")
+  _refuses("draft_temperature", (["--temperatures=0,1"], "--temperatures must be > 0"),
+           (["--ratios=-1"], "--ratios must list numbers >= 0"),
+           (["--ratios=1e-6"], "--ratios=1e-06 at T = 0.5: temperature must be"),
+           (["--gamma=0"], "--gamma must be >= 1"),
+           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
 def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():

@@ -286,3 +286,22 @@ def test_a_draft_phase_timed_at_or_below_zero_is_flagged_and_predicts_nothing(tm
   assert row["speedup"] is not None and row["alpha"] is not None
   assert row["c"] is None and row["predicted_speedup"] is None
   assert row["remeasured"] and any("draft-phase spread" in f for f in row["flags"])
+
+
+def test_the_bench_draws_sampled_drafts_at_the_configured_draft_temperature(tmp_path):
+  """``--draft_temperature`` reaches every decoder the experiments build: sampled runs draw
+  their drafts at that multiple of T (the target's sampler unchanged), greedy runs and the
+  default ratio 1 keep the usual rule."""
+  from experiments.measure import Bench
+  from experiments.models import load_draft, load_target
+  from experiments.prompts import default_prompts, make_batches
+  from specjax.sampling import Greedy, Sampling
+  target = load_target("tiny")
+  batches = make_batches(default_prompts(2), target.encode, 1)
+  draft = load_draft("tiny", target, lambda: [])
+  for ratio, t, want in [(0.5, 1.0, Sampling(0.5)), (0.5, 0.0, None), (1.0, 1.0, None),
+                         (0.0, 0.5, Greedy())]:
+    config = ExperimentConfig(target="tiny", draft="tiny", out=str(tmp_path),
+                              draft_temperature=ratio)
+    dec = Bench(target, batches, config).decoder(draft, 2, t)
+    assert dec.draft_sampler == want and dec.sampler == (Sampling(t) if t else Greedy())
