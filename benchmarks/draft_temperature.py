@@ -41,13 +41,14 @@ DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_dr
 OUT = flags.DEFINE_string("out", "benchmarks/results/draft_temperature.md", "markdown output")
 
 
-def _floats(flag, low: float) -> list[float]:
+def _floats(flag) -> list[float]:
+  """A non-empty list flag of numbers, or a usage error naming the flag."""
   try:
     values = [float(x) for x in flag.value]
   except ValueError as e:
     raise app.UsageError(f"--{flag.name} takes numbers: {e}") from None
-  if not values or min(values) < low:
-    raise app.UsageError(f"--{flag.name} must list numbers >= {low}, got {flag.value}")
+  if not values:
+    raise app.UsageError(f"--{flag.name} must list at least one number")
   return values
 
 
@@ -69,9 +70,11 @@ def measure(dec: SpeculativeDecoder, target, draft, prompts, new: int, seeds: in
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  temps, ratios = _floats(TEMPS, 0.0), _floats(RATIOS, 0.0)
+  temps, ratios = _floats(TEMPS), _floats(RATIOS)
   if min(temps) <= 0:
     raise app.UsageError("--temperatures must be > 0: greedy decoding drafts the argmax")
+  if min(ratios) < 0:
+    raise app.UsageError(f"--ratios must list numbers >= 0, got {RATIOS.value}")
   for flag in (GAMMA, PROMPTS, SEEDS, NEW):
     if flag.value < 1:
       raise app.UsageError(f"--{flag.name} must be >= 1")
