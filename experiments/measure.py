@@ -32,10 +32,14 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
      ``SpeculativeDecoder.stream`` times the rest (accept, commit, bookkeeping)
      over ``cost_steps`` steps after a warm one (medians). c = draft seconds /
      (γ t₁), with the t₁ of those rounds; the verify cost of every γ is then
-     step/t₁ − γc;
-  5. the settings flagged by ``checks.setting_flags`` are measured once more,
-     together (with a plain baseline of their own), and the second measurement
-     is kept (with the flags that caused it).
+     step/t₁ − γc. A draft phase whose timings spread more than
+     ``checks.DRAFT_SPREAD_BOUND`` is timed once more and the second kept
+     (``first_draft_spread`` in the costs): that flag is about c alone, so it
+     re-measures c, not the settings' rounds;
+  5. the settings flagged by ``checks.setting_flags`` for their rounds (speedup
+     spread, an impossible verify cost) are measured once more, together (with a
+     plain baseline of their own), and the second measurement is kept (with the
+     flags that caused it).
 Every finished setting goes to the progress log at once (``progress.py``), and so does
 every calibration of a policy (``Bench.calibrate``, ``Bench.chain_rates``), so a resumed run
 prices its policies as the first did instead of measuring their rates again (at T = 1,
@@ -108,7 +112,7 @@ class SpecRun:
     costs: the draft's phase costs (``Bench.draft_cost``), timed runs.
     compile_seconds: the first (compiling) speculative call, when timed.
     load_average: the load averages (``load_average()``) before and after the setting.
-    first_flags: why the setting was measured twice (empty: measured once).
+    first_flags: why the setting's rounds were measured twice (empty: measured once).
     replayed: an untimed greedy run replayed against the target's greedy continuations
       (``specjax.speculative.replay``: the outputs and counters of a real run, without its
       verification forwards).
@@ -340,13 +344,16 @@ def own_tree_costs(run: SpecRun) -> Optional[tuple[float, float]]:
   return run.costs["verify"] / run.costs["t1"], run.costs["draft"] / run.costs["t1"]
 
 
-def run_flags(run: SpecRun, indices: Optional[Sequence[int]] = None) -> list[str]:
+def run_flags(run: SpecRun, indices: Optional[Sequence[int]] = None,
+              draft_phase: bool = True) -> list[str]:
   """``checks.setting_flags`` of a timed run, its speedup taken over the given batches
-  (default: all)."""
+  (default: all); without the draft phase's (c's) flag when ``draft_phase`` is False:
+  what measuring the setting's rounds again could mend."""
   _, verify = costs(run)
   sel = range(len(run.seconds[0])) if indices is None else indices
+  draft_spread = run.costs.get("draft_spread") if run.costs and draft_phase else None
   return checks.setting_flags(run.gamma, verify, checks.spread(round_speedups(run, sel)),
-                              run.costs.get("draft_spread") if run.costs else None)
+                              draft_spread)
 
 
 def cache_size_for(batches: Sequence[Batch], config: ExperimentConfig,
@@ -501,16 +508,13 @@ class Bench:
     runs = self._rounds(draft, temperature, plain, settings)
     self._add_costs(draft, temperature, runs)
     for run in runs:
-      run.first_flags = run_flags(run)
+      run.first_flags = run_flags(run, draft_phase=False)
     flagged = [i for i, run in enumerate(runs) if run.first_flags]
     if flagged:
       for i in flagged:
         logging.warning("re-measuring %s γ=%d T=%g%s: %s", draft.name, runs[i].gamma,
                         temperature, " (tree)" if runs[i].tree else "",
                         "; ".join(runs[i].first_flags))
-      cost = self._draft_costs.get((draft.name, temperature))
-      if cost and (cost.get("draft_spread") or 0) > checks.DRAFT_SPREAD_BOUND:
-        del self._draft_costs[(draft.name, temperature)]  # c itself was disturbed: redo it
       again = self._rounds(draft, temperature, plain, [settings[i] for i in flagged])
       self._add_costs(draft, temperature, again)
       for i, run in zip(flagged, again):
@@ -522,9 +526,22 @@ class Bench:
     return runs
 
   def _add_costs(self, draft: Draft, temperature: float, runs: Sequence[SpecRun]) -> None:
+    """Gives ``runs`` the draft's phase costs, measured now (with the t₁ of their rounds)
+    unless already known; a first measurement whose draft phase spreads more than
+    ``checks.DRAFT_SPREAD_BOUND`` is replaced by a second (``first_draft_spread``)."""
     t1 = median_known(runs[0].plain_step_seconds)
+    key = (draft.name, temperature)
+    fresh = key not in self._draft_costs
+    cost = self.draft_cost(draft, temperature, t1)
+    spread = cost.get("draft_spread")
+    if fresh and spread is not None and spread > checks.DRAFT_SPREAD_BOUND:
+      logging.warning("re-measuring the draft phase of %s at T=%g (c): spread %.0f%% > %.0f%%",
+                      draft.name, temperature, 100 * spread, 100 * checks.DRAFT_SPREAD_BOUND)
+      del self._draft_costs[key]
+      cost = self._draft_costs[key] = dict(self.draft_cost(draft, temperature, t1),
+                                           first_draft_spread=spread)
     for run in runs:
-      run.costs = self.draft_cost(draft, temperature, t1)
+      run.costs = cost
 
   def _rounds(self, draft: Draft, temperature: float, plain: Callable,
               settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:

@@ -21,7 +21,7 @@ from specjax.model import compute_dtype
 CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "prompts", "alpha",
                "acceptance_rate", "tokens_per_call", "expected_tokens_per_call", "speedup",
                "speedup_spread", "decode_speedup", "ar_prefill_share", "prefill_ratio",
-               "rounds", "flags", "remeasured", "predicted_speedup",
+               "rounds", "flags", "remeasured", "c_remeasured", "predicted_speedup",
                "calibrated_speedup", "calibrated_call_speedup", "c", "verify_cost", "spec_seconds",
                "ar_seconds", "step_seconds", "target_calls", "drafted", "accepted", "emitted",
                "generated_tokens", "steps", "greedy_match")
@@ -91,8 +91,10 @@ def _speed_table(rows: Sequence[dict], key: str, key_name: str) -> list[str]:
 
 
 def _check(row: dict) -> str:
-  """"ok", or ⚠ and what ``checks`` found; "(re-measured)" when it took a second try."""
-  again = " (re-measured)" if row.get("remeasured") else ""
+  """"ok", or ⚠ and what ``checks`` found; "(re-measured)" when its rounds took a second
+  try, "(c re-measured)" when the draft phase behind c did."""
+  again = (" (re-measured)" if row.get("remeasured") else "") + (
+      " (c re-measured)" if row.get("c_remeasured") else "")
   return ("⚠ " + "; ".join(row["flags"]) if row["flags"] else "ok") + again
 
 
@@ -170,12 +172,17 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
            f"(impossible), when its speedup varies by more than {checks.SPREAD_BOUND:.0%} "
            "((max − min) / median) over the interleaved rounds, or when the draft-phase "
            f"timings behind c vary by more than {checks.DRAFT_SPREAD_BOUND:.0%} ((q75 − q25) / "
-           "median over the fused loop's timed slopes). A flagged setting is measured a second "
-           "time and the second measurement is reported.", ""]
+           "median over the fused loop's timed slopes). A setting flagged for its rounds "
+           "(speedup spread, verify cost) is measured a second time, and a draft phase flagged "
+           "for its spread is timed a second time (c is shared by the settings of one draft "
+           "and temperature); the second measurement is reported.", ""]
   remeasured = sum(r["remeasured"] for r in settings.values())
+  c_again = len({(r["draft"], r["temperature"]) for r in settings.values()
+                 if r.get("c_remeasured")})
+  again = f"{remeasured} re-measured, c re-measured for {c_again} draft/temperature pair(s)"
   if not flagged:
-    return lines + [f"No setting is flagged ({remeasured} re-measured).", ""]
-  lines += [f"**{len(flagged)} setting(s) flagged** ({remeasured} re-measured); treat their "
+    return lines + [f"No setting is flagged ({again}).", ""]
+  lines += [f"**{len(flagged)} setting(s) flagged** ({again}); treat their "
             "timing figures with caution:", ""]
   lines += [f"- draft {r['draft']}, {_shape(r)}, T = "
             f"{r['temperature']:g}: {'; '.join(r['flags'])}" for r in flagged]

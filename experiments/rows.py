@@ -135,7 +135,9 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
       spec_seconds=None, ar_seconds=None, speedup=None, speedup_spread=None, rounds=None,
       decode_speedup=None, ar_prefill_share=None, prefill_ratio=None,
       step_seconds=None, c=None, verify_cost=None, predicted_speedup=None,
-      calibrated_speedup=None, calibrated_call_speedup=None, greedy_match=None, flags=[], remeasured=bool(run.first_flags),
+      calibrated_speedup=None, calibrated_call_speedup=None, greedy_match=None, flags=[],
+      remeasured=bool(run.first_flags),
+      c_remeasured=bool(run.costs and run.costs.get("first_draft_spread") is not None),
       replayed=run.replayed, min_gain=_min_gain(run.tree),
       evidence=setting_evidence(None if run.tree is None else as_tuple(run.tree)))
   if not run.timed:
