@@ -125,6 +125,16 @@ def setting_flags(gamma: int, verify_cost: Optional[float], speedup_spread: Opti
     out.append(f"verify cost {verify_cost:.2f} outside (0, γ+1 = {gamma + 1}]")
   if speedup_spread is not None and speedup_spread > bound:
     out.append(f"speedup spread {speedup_spread:.0%} > {bound:.0%}")
-  if draft_spread is not None and draft_spread > draft_bound:
-    out.append(f"draft-phase spread {draft_spread:.0%} > {draft_bound:.0%} (c)")
+  draft_flag = draft_phase_flag(draft_spread, draft_bound)
+  if draft_flag:
+    out.append(draft_flag)
   return out
+
+
+def draft_phase_flag(draft_spread: Optional[float],
+                     bound: float = DRAFT_SPREAD_BOUND) -> Optional[str]:
+  """Why the draft-phase timings behind c are not to be trusted (None: they are): their
+  ``quartile_spread`` above ``bound``."""
+  if draft_spread is not None and draft_spread > bound:
+    return f"draft-phase spread {draft_spread:.0%} > {bound:.0%} (c)"
+  return None

@@ -526,22 +526,9 @@ class Bench:
     return runs
 
   def _add_costs(self, draft: Draft, temperature: float, runs: Sequence[SpecRun]) -> None:
-    """Gives ``runs`` the draft's phase costs, measured now (with the t₁ of their rounds)
-    unless already known; a first measurement whose draft phase spreads more than
-    ``checks.DRAFT_SPREAD_BOUND`` is replaced by a second (``first_draft_spread``)."""
     t1 = median_known(runs[0].plain_step_seconds)
-    key = (draft.name, temperature)
-    fresh = key not in self._draft_costs
-    cost = self.draft_cost(draft, temperature, t1)
-    spread = cost.get("draft_spread")
-    if fresh and spread is not None and spread > checks.DRAFT_SPREAD_BOUND:
-      logging.warning("re-measuring the draft phase of %s at T=%g (c): spread %.0f%% > %.0f%%",
-                      draft.name, temperature, 100 * spread, 100 * checks.DRAFT_SPREAD_BOUND)
-      del self._draft_costs[key]
-      cost = self._draft_costs[key] = dict(self.draft_cost(draft, temperature, t1),
-                                           first_draft_spread=spread)
     for run in runs:
-      run.costs = cost
+      run.costs = self.draft_cost(draft, temperature, t1)
 
   def _rounds(self, draft: Draft, temperature: float, plain: Callable,
               settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
@@ -603,13 +590,21 @@ class Bench:
   def draft_cost(self, draft: Draft, temperature: float, t1: float) -> dict[str, float]:
     """Median draft / verify / other seconds per step at γ = alpha_gamma, from ``stream``
     (first step dropped), with ``t1`` (the plain step measured just before) and the spread
-    of the draft phase; measured once per (draft, temperature)."""
+    of the draft phase; measured once per (draft, temperature), and once more when the
+    first's draft phase is flagged (``checks.draft_phase_flag``): the second is kept, the
+    first's spread recorded as ``first_draft_spread``."""
     key = (draft.name, temperature)
     if key not in self._draft_costs:
       gamma, own = self.config.alpha_gamma, draft.drafter.default_tree()
       tree = None if own is None else own.parents  # where the phases were timed
-      costs_ = self._phase_costs(self.decoder(draft, gamma, temperature, tree), draft)
-      self._draft_costs[key] = dict(costs_, gamma=gamma, t1=t1, tree=tree)
+      dec = self.decoder(draft, gamma, temperature, tree)
+      cost = self._phase_costs(dec, draft)
+      flag = checks.draft_phase_flag(cost["draft_spread"])
+      if flag:
+        logging.warning("re-measuring the draft phase of %s at T=%g: %s", draft.name,
+                        temperature, flag)
+        cost = dict(self._phase_costs(dec, draft), first_draft_spread=cost["draft_spread"])
+      self._draft_costs[key] = dict(cost, gamma=gamma, t1=t1, tree=tree)
     return self._draft_costs[key]
 
   def _phase_costs(self, dec: SpeculativeDecoder, draft: Draft) -> dict[str, float]:
