@@ -59,10 +59,13 @@ class ExperimentConfig:
       measured speedup (mean of T=0 and T=1) in the γ sweep.
     alpha_gamma: γ used to measure α of the Table-3 drafts.
     early_exit_layers: K of the early-exit row of Table 3 (0 = num_layers // 5).
-    alpha_drafts: the other drafts whose α is measured beside --draft
-      ("early_exit" means early_exit:K with K = early_exit_layers); the draft_free
-      experiment times those of them in DRAFT_FREE. A drafter with its own tree
-      (lookahead, Medusa) is measured on that tree, not on a chain of alpha_gamma.
+    alpha_drafts: the other drafts whose α drafts_alpha measures beside --draft
+      ("early_exit" means early_exit:K with K = early_exit_layers). A drafter with its own
+      tree (lookahead, Medusa) is measured on that tree, not on a chain of alpha_gamma.
+      Lookahead is not among the defaults: its 29-node tree alone took 77 of the default
+      run's 15.4 min on Zen 4 (experiments/results/avx512_zen4/); draft_free times it.
+    draft_free_drafts: the methods without a draft model that the draft_free experiment
+      times (each in DRAFT_FREE; default all of them), and --draft too when it is one.
     cost_steps: speculative steps timed phase by phase (after one warm step)
       for the bookkeeping phase and the per-call figures; c and the verify phase
       are timed in a fused loop (``phase_timing``).
@@ -122,7 +125,8 @@ class ExperimentConfig:
   alpha_gamma: int = 4
   early_exit_layers: int = 0
   alpha_drafts: tuple[str, ...] = ("default", "medusa", "unigram", "bigram", "early_exit",
-                                   "trained_exit", "prompt_lookup", "jacobi", "lookahead")
+                                   "trained_exit", "prompt_lookup", "jacobi")
+  draft_free_drafts: tuple[str, ...] = DRAFT_FREE
   cost_steps: int = 8
   phase_seconds: float = 0.1
   repeats: int = 2
@@ -167,7 +171,8 @@ class ExperimentConfig:
         DynamicTree(*spec)
       except ValueError as e:
         raise ValueError(f"--sweep_trees: {':'.join(map(str, spec))}: {e}") from None
-    for name in ("gammas", "temperatures", "tree_budgets", "sweep_trees"):
+    for name in ("gammas", "temperatures", "tree_budgets", "sweep_trees", "alpha_drafts",
+                 "draft_free_drafts"):
       values = getattr(self, name)
       if len(set(values)) != len(values):
         raise ValueError(f"--{name} lists a value twice: {values}")
@@ -179,6 +184,16 @@ class ExperimentConfig:
                        f"{', '.join(sweeps)}; measure it with --experiment=drafts_alpha,draft_free")
     for spec in self.alpha_drafts:
       check_draft(spec, "alpha_drafts")
+    not_free = [s for s in self.draft_free_drafts if s not in DRAFT_FREE]
+    if not_free:
+      raise ValueError(f"--draft_free_drafts: {', '.join(map(repr, not_free))} "
+                       f"{'is' if len(not_free) == 1 else 'are'} not among the methods without "
+                       f"a draft model ({', '.join(DRAFT_FREE)}); measure a draft's α with "
+                       "--alpha_drafts")
+    if ("draft_free" in self.experiments and not self.draft_free_drafts
+        and self.draft not in DRAFT_FREE):
+      raise ValueError("--experiment=draft_free has nothing to time: --draft_free_drafts is "
+                       f"empty and --draft={self.draft} has a draft model")
     for name in ("num_prompts", "max_new_tokens", "batch_size", "alpha_gamma", "cost_steps",
                  "repeats", "calibration_prompts"):
       if getattr(self, name) < 1:
@@ -251,12 +266,16 @@ def check_draft(spec: str, flag: str) -> None:
 
 
 def parse_experiments(value: str) -> tuple[str, ...]:
-  names = [v.strip() for v in value.split(",") if v.strip()]
+  names = list(parse_names(value))
   if names == ["all"]:
     return EXPERIMENTS
   if names == ["default"]:
     return DEFAULT_EXPERIMENTS
   return tuple(names)
+
+
+def parse_names(value: str) -> tuple[str, ...]:
+  return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def parse_ints(value: str, name: str) -> tuple[int, ...]:

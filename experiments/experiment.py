@@ -22,25 +22,34 @@ class DraftError(ValueError):
 
 
 def load_drafts(config: ExperimentConfig, target: Target,
-                corpus: Callable[[], list]) -> tuple[Draft, list[Draft]]:
-  """--draft, and the Table-3 drafts when drafts_alpha runs (the draft-free ones of them
-  when only draft_free does): all built before anything is timed, so a bad one stops the
-  run before it measures."""
+                corpus: Callable[[], list]) -> tuple[Draft, list[Draft], list[Draft]]:
+  """--draft; the drafts whose α drafts_alpha measures beside it (--alpha_drafts); and the
+  methods draft_free times (--draft_free_drafts, and --draft when it is one of them). Each
+  is loaded once, and all before anything is timed, so a bad one stops the run before it
+  measures. An experiment that does not run gets no drafts."""
   def load(spec: str, flag: str) -> Draft:
     try:
       return load_draft(spec, target, corpus)
     except ValueError as e:
       raise DraftError(f"--{flag}={spec}: {e}") from None
 
-  draft = load(config.draft, "draft")
-  if "drafts_alpha" not in config.experiments and "draft_free" not in config.experiments:
-    return draft, []
   k = config.early_exit_layers or default_early_exit_layers(target.cfg)
-  wanted = [s for s in config.alpha_drafts if s != config.draft]  # (--draft has its row)
-  if "drafts_alpha" not in config.experiments:  # draft_free alone: those it times
-    wanted = [s for s in wanted if s in DRAFT_FREE]
-  return draft, [load(f"early_exit:{k}" if s == "early_exit" else s, "alpha_drafts")
-                 for s in wanted]
+  loaded = {config.draft: load(config.draft, "draft")}
+
+  def drafts(experiment: str, specs: tuple[str, ...], flag: str) -> list[Draft]:
+    if experiment not in config.experiments:
+      return []
+    for s in specs:
+      if s not in loaded:
+        loaded[s] = load(f"early_exit:{k}" if s == "early_exit" else s, flag)
+    return [loaded[s] for s in specs]
+
+  table3 = drafts("drafts_alpha", tuple(s for s in config.alpha_drafts if s != config.draft),
+                  "alpha_drafts")
+  free = drafts("draft_free", config.draft_free_drafts, "draft_free_drafts")
+  if "draft_free" in config.experiments and config.draft in DRAFT_FREE:
+    free = [d for d in free if d is not loaded[config.draft]] + [loaded[config.draft]]
+  return loaded[config.draft], table3, free
 
 
 def run(config: ExperimentConfig, command: str = "") -> dict:
@@ -64,9 +73,9 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
       built["corpus"] = ngram_corpus.load_or_build(target)
     return list(built["corpus"].seqs)
 
-  draft, others = load_drafts(config, target, corpus)
+  draft, table3, free = load_drafts(config, target, corpus)
   logging.info("draft %s: %s", draft.name, draft.note)
-  every = list({d.name: d for d in others + [draft]}.values())  # each draft once
+  every = list({id(d): d for d in [draft] + table3 + free}.values())  # each draft once
   own_trees = [d.drafter.default_tree() for d in every]
   bench = Bench(target, batches, config, log,
                 draft_nodes=max([t.num_nodes for t in own_trees if t is not None], default=0))
@@ -88,14 +97,13 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
   notes = {draft.name: draft.note}
   if "drafts_alpha" in config.experiments:
     t = time.perf_counter()
-    notes.update({d.name: d.note for d in every if d.name != draft.name})
-    rows += sweeps.drafts_alpha(bench, every)
+    notes.update({d.name: d.note for d in table3})
+    rows += sweeps.drafts_alpha(bench, list({d.name: d for d in table3 + [draft]}.values()))
     timings["drafts_alpha"] = time.perf_counter() - t
   if "draft_free" in config.experiments:
     t = time.perf_counter()
-    drafts = [d for d in every if d.name in DRAFT_FREE]
-    notes.update({d.name: d.note for d in drafts})
-    rows += sweeps.draft_free(bench, drafts)
+    notes.update({d.name: d.note for d in free})
+    rows += sweeps.draft_free(bench, free)
     timings["draft_free"] = time.perf_counter() - t
   calibration = {}
   if "tree_sweep" in config.experiments:

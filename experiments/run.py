@@ -23,7 +23,7 @@ DEFAULT = config_lib.ExperimentConfig()  # the flags' defaults are the config's 
 _ints = lambda values: ",".join(str(v) for v in values)
 flags.DEFINE_string("experiment", "default", f"{', '.join(config_lib.EXPERIMENTS)}, default ("
                     f"{', '.join(config_lib.DEFAULT_EXPERIMENTS)}) or all, or a comma-separated "
-                    "list (draft_free times prompt lookup, Jacobi and lookahead).")
+                    "list (draft_free times the methods of --draft_free_drafts).")
 flags.DEFINE_string("target", "smollm2", "smollm2 | tiny | .gguf path | HF directory.")
 flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafter) | default "
                     "(the shipped distilled token draft) | early_exit:K | trained_exit | "
@@ -55,7 +55,11 @@ flags.DEFINE_integer("alpha_gamma", DEFAULT.alpha_gamma, "γ at which the drafts
 flags.DEFINE_integer("early_exit_layers", 0, "K of the early-exit draft in drafts_alpha "
                      "(0: num_layers // 5).")
 flags.DEFINE_string("alpha_drafts", ",".join(DEFAULT.alpha_drafts),
-                    "Drafts whose α is measured beside --draft in drafts_alpha.")
+                    "Drafts whose α is measured beside --draft in drafts_alpha (lookahead, "
+                    "slow to run, is not among the defaults; draft_free times it).")
+flags.DEFINE_string("draft_free_drafts", ",".join(DEFAULT.draft_free_drafts),
+                    "Methods without a draft model that draft_free times (and --draft when "
+                    "it is one).")
 flags.DEFINE_integer("cost_steps", DEFAULT.cost_steps,
                      "Steps timed phase by phase (bookkeeping; c is timed in a fused loop).")
 flags.DEFINE_float("phase_seconds", DEFAULT.phase_seconds,
@@ -115,7 +119,8 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size, seed=FLAGS.seed,
       out=FLAGS.out, temperature_gamma=FLAGS.temperature_gamma, alpha_gamma=FLAGS.alpha_gamma,
       early_exit_layers=FLAGS.early_exit_layers,
-      alpha_drafts=tuple(s.strip() for s in FLAGS.alpha_drafts.split(",") if s.strip()),
+      alpha_drafts=config_lib.parse_names(FLAGS.alpha_drafts),
+      draft_free_drafts=config_lib.parse_names(FLAGS.draft_free_drafts),
       cost_steps=FLAGS.cost_steps, phase_seconds=FLAGS.phase_seconds, repeats=FLAGS.repeats,
       extra_rounds=FLAGS.extra_rounds,
       stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh,

@@ -147,6 +147,7 @@ def _smoke_run(out: str) -> dict:
   from experiments.config import EXPERIMENTS, ExperimentConfig
   cfg = ExperimentConfig(experiments=EXPERIMENTS, target="tiny", draft="tiny", num_prompts=3,
                          gammas=(2,), temperatures=(0.0, 1.0), max_new_tokens=8, batch_size=2,
-                         alpha_gamma=2, alpha_drafts=("prompt_lookup",), cost_steps=2,
+                         alpha_gamma=2, alpha_drafts=("prompt_lookup",),
+                         draft_free_drafts=("prompt_lookup",), cost_steps=2,
                          phase_seconds=0.03, tree_budgets=(4,), calibration_prompts=2, out=out)
   return experiment.run(cfg, command="smoke test")

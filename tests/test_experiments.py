@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import prompts
-from experiments.config import ExperimentConfig, parse_trees
+from experiments.config import DRAFT_FREE, ExperimentConfig, parse_trees
 from experiments.measure import as_tuple, policy_of, tree_shape
 from specjax import theory
 
@@ -341,6 +341,13 @@ def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, 
     (dict(draft="early_exit:x"), "K of early_exit:K must be an integer >= 1"),
     (dict(draft="/no/such/draft"), "--draft: '/no/such/draft' is neither a draft name"),
     (dict(alpha_drafts=("trigram",)), "--alpha_drafts: 'trigram' is neither"),
+    (dict(alpha_drafts=("bigram", "bigram")), "--alpha_drafts lists a value twice"),
+    (dict(draft_free_drafts=("jacobi", "unigram", "eagle")),
+     "--draft_free_drafts: 'unigram', 'eagle' are not among the methods without a draft model"),
+    (dict(draft_free_drafts=("jacobi", "jacobi")), "--draft_free_drafts lists a value twice"),
+    (dict(experiments=("draft_free",), draft_free_drafts=()),
+     "--experiment=draft_free has nothing to time: --draft_free_drafts is empty and "
+     "--draft=eagle has a draft model"),
     (dict(verification="joint"), "--verification must be one of"),
     (dict(min_gain=-0.01), "--min_gain must be a finite number >= 0"),
     (dict(min_gain=float("nan")), "--min_gain must be a finite number >= 0"),
@@ -387,6 +394,36 @@ def test_early_exit_beyond_the_target_layers_names_the_flag(tmp_path):
     experiment.load_drafts(config, models.load_target("tiny"), lambda: [])
 
 
+def test_each_experiment_gets_its_own_drafts_each_loaded_once(tmp_path):
+  """drafts_alpha measures --alpha_drafts beside --draft; draft_free times
+  --draft_free_drafts and --draft when it has no draft model; a method in both is one object,
+  and an experiment that does not run loads nothing."""
+  from experiments import experiment, models
+  target = models.load_target("tiny")
+  config = ExperimentConfig(target="tiny", draft="jacobi", out=str(tmp_path),
+                            experiments=("drafts_alpha", "draft_free"),
+                            alpha_drafts=("prompt_lookup", "tiny", "jacobi"),
+                            draft_free_drafts=("lookahead", "prompt_lookup"))
+  draft, table3, free = experiment.load_drafts(config, target, lambda: [])
+  assert draft.name == "jacobi"
+  assert [d.name for d in table3] == ["prompt_lookup", "tiny"]  # --draft has its own row
+  assert [d.name for d in free] == ["lookahead", "prompt_lookup", "jacobi"]
+  assert free[1] is table3[0] and free[2] is draft
+  only_alpha = dataclasses.replace(config, experiments=("drafts_alpha",))
+  assert experiment.load_drafts(only_alpha, target, lambda: [])[2] == []
+  only_free = dataclasses.replace(config, experiments=("draft_free",), draft="tiny")
+  _, table3, free = experiment.load_drafts(only_free, target, lambda: [])
+  assert table3 == [] and [d.name for d in free] == ["lookahead", "prompt_lookup"]
+
+
+def test_lookahead_is_timed_by_draft_free_not_the_default_table3():
+  """Its 29-node tree is the default run's slowest α row (77 s of 15.4 min on Zen 4), so the
+  default Table 3 leaves it out; draft_free times every method without a draft model."""
+  config = ExperimentConfig()
+  assert "lookahead" not in config.alpha_drafts
+  assert set(config.draft_free_drafts) == set(DRAFT_FREE)
+
+
 # ------------------------------------------------------------------ checks (flagging rule)
 
 
@@ -413,6 +450,8 @@ def test_unwritable_out_fails_before_any_model_loads(tmp_path, monkeypatch):
     (["--draft=early_exit:0"], "K of early_exit:K must be an integer >= 1"),
     (["--min_gain=-0.5"], "--min_gain must be a finite number >= 0, got -0.5"),
     (["--evidence=beta"], "--evidence"),
+    (["--experiment=draft_free", "--draft_free_drafts=jacobi,bigram"],
+     "--draft_free_drafts: 'bigram' is not among the methods without a draft model"),
     (["--draft_temperature=-1"], "--draft_temperature must be a finite number >= 0 (a multiple of "
                                  "the target's temperature), got -1.0"),
 ])
@@ -709,7 +748,7 @@ def test_draft_free_methods_are_timed_on_their_own_shapes(tmp_path):
                             experiments=("drafts_alpha", "draft_free"), alpha_gamma=3,
                             cost_steps=2, phase_seconds=0.01, repeats=1, extra_rounds=0,
                             alpha_drafts=("jacobi", "prompt_lookup", "unigram"),
-                            out=str(tmp_path))
+                            draft_free_drafts=("jacobi", "prompt_lookup"), out=str(tmp_path))
   results = experiment.run(config, command="draft-free test")
   rows = [r for r in results["rows"] if r["category"] == "all"]
   free = {(r["draft"], r["temperature"]): r for r in rows if r["experiment"] == "draft_free"}
