@@ -167,6 +167,9 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
       settings.setdefault((r["draft"], r["gamma"], r["temperature"],
                            r["tree"] and as_tuple(r["tree"])), r)
   flagged = [r for r in settings.values() if r["flags"]]
+  groups = {(r["draft"], r["gamma"], r["temperature"], r["tree"] and as_tuple(r["tree"]),
+             r["category"]): r for r in rows
+            if r["category"] != ALL and r["speedup"] is not None and r["flags"]}
   lines = ["## Checks", "",
            f"A setting is flagged when its verify cost T(γ+1)/T(1) lies outside (0, γ+1] "
            f"(impossible), when its speedup varies by more than {checks.SPREAD_BOUND:.0%} "
@@ -180,13 +183,16 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
   c_again = len({(r["draft"], r["temperature"]) for r in settings.values()
                  if r.get("c_remeasured")})
   again = f"{remeasured} re-measured, c re-measured for {c_again} draft/temperature pair(s)"
+  by_category = ([f"{len(groups)} per-category figure(s) still flagged (⚠ in the per-category "
+                  "tables): a category's speedup rests on its own prompts' calls alone, so it "
+                  "spreads more than its setting's.", ""] if groups else [])
   if not flagged:
-    return lines + [f"No setting is flagged ({again}).", ""]
+    return lines + [f"No setting is flagged ({again}).", ""] + by_category
   lines += [f"**{len(flagged)} setting(s) flagged** ({again}); treat their "
             "timing figures with caution:", ""]
   lines += [f"- draft {r['draft']}, {_shape(r)}, T = "
             f"{r['temperature']:g}: {'; '.join(r['flags'])}" for r in flagged]
-  return lines + [""]
+  return lines + [""] + by_category
 
 
 def tables_markdown(results: dict) -> str:

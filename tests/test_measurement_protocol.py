@@ -133,6 +133,26 @@ def _two_gamma_config(out):
                           extra_rounds=0, out=str(out))
 
 
+def test_checks_count_the_category_figures_still_flagged_beside_the_settings():
+  """A setting that passed can have categories whose own rounds spread (each rests on fewer
+  calls); Checks says how many, once each, instead of only 'No setting is flagged'."""
+  from experiments import report
+  spread = ["speedup spread 12% > 10%"]
+
+  def row(category, flags, gamma=2, experiment="gamma_sweep"):
+    return dict(experiment=experiment, category=category, flags=flags, speedup=1.4,
+                draft="eagle", gamma=gamma, temperature=0.0, tree=None, remeasured=False)
+
+  rows = [row("all", []), row("qa", spread), row("chat", spread), row("code", []),
+          row("qa", spread, experiment="temperature_sweep")]  # the same figure, reused
+  text = "\n".join(report._flag_section(rows))
+  assert "No setting is flagged" in text and "2 per-category figure(s) still flagged" in text
+  assert "per-category" not in "\n".join(report._flag_section(rows[:1] + rows[3:4]))
+  rows[0]["flags"] = spread
+  text = "\n".join(report._flag_section(rows))
+  assert "1 setting(s) flagged" in text and "2 per-category figure(s)" in text
+
+
 def test_interrupted_run_keeps_finished_settings_and_resumes(tmp_path, monkeypatch):
   from experiments import experiment, progress
   from experiments.measure import Bench
