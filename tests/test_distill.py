@@ -107,6 +107,25 @@ def test_self_instructed_prompts_are_cleaned_and_split_by_topic():
   assert not {p.source for p in train_p} & {p.source for p in held_p} and held_p
 
 
+def test_prompt_sources_do_not_depend_on_what_the_caller_imported(monkeypatch):
+  """A library that replaces a module's function (importing torch replaces inspect.getfile)
+  makes the function foreign to the module in that process; the items are read in a fresh
+  interpreter, so the prompt set, and its held-out split, stay the same."""
+  import inspect
+
+  from specjax.distill import data
+
+  def getfile(obj):  # what torch.package installs, in miniature
+    return "patched"
+
+  getfile.__module__ = "somelib.patch"
+  monkeypatch.setattr(inspect, "getfile", getfile)
+  names = [name for _, name, _, _ in data.stdlib_items(("inspect", "fnmatch"))]
+  assert "inspect.getfile" in names and "fnmatch.fnmatch" in names
+  in_process = [name for _, name, _, _ in data._own_items(("inspect",))]  # the old reading
+  assert "inspect.getfile" not in in_process and "inspect.getsource" in in_process
+
+
 def test_prompt_batches_sort_by_length_keep_metadata_and_drop_short_batches():
   from specjax.distill import data
   prompts = [data.Prompt("chat", f"chat:{i % 3}", "w " * (10 - i)) for i in range(10)]

@@ -15,7 +15,11 @@ import hashlib
 import importlib
 import inspect
 import itertools
+import json
+import os
 import random
+import subprocess
+import sys
 from typing import Callable, Iterator, Sequence
 
 CATEGORIES = ("code", "summarise", "qa", "math", "chat")
@@ -173,8 +177,26 @@ def _first_paragraphs(doc: str, max_chars: int) -> str:
   return out[:max_chars].strip()
 
 
-def stdlib_items(modules: Sequence[str] = STDLIB_MODULES) -> Iterator[tuple[str, str, str, str]]:
-  """Yields (module, qualified name, docstring, source) for public stdlib functions/classes."""
+def stdlib_items(modules: Sequence[str] = STDLIB_MODULES) -> list[tuple[str, str, str, str]]:
+  """(module, qualified name, docstring, source) of the public functions and classes that
+  ``modules`` define (``_own_items``), read in a fresh interpreter (``python -I`` running this
+  file, which imports only the standard library).
+
+  Read in the caller's process, the list would depend on what that process imported first:
+  a library may replace a module's function with its own (importing torch replaces
+  ``inspect.getfile``), which then no longer counts as the module's, and every prompt drawn
+  after it, and so the held-out set, would come out different.
+  """
+  proc = subprocess.run([sys.executable, "-I", os.path.abspath(__file__), *modules],
+                        capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"reading the prompts' source modules failed:\n{proc.stderr[-2000:]}")
+  return [tuple(item) for item in json.loads(proc.stdout)]
+
+
+def _own_items(modules: Sequence[str]) -> Iterator[tuple[str, str, str, str]]:
+  """``stdlib_items``' work, in the interpreter that runs it; a module that does not import
+  (an optional one) is skipped."""
   for mod_name in modules:
     try:
       mod = importlib.import_module(mod_name)
@@ -357,3 +379,7 @@ def describe(prompts: Sequence[Prompt]) -> str:
 __all__ = ["CATEGORIES", "Prompt", "build_prompts", "chat_encoder", "clean_question", "describe",
            "interleave_categories", "is_heldout", "prompt_batches", "self_instruct_requests",
            "split_by_source", "stdlib_items"]
+
+
+if __name__ == "__main__":  # stdlib_items' fresh interpreter: the modules' items as JSON
+  json.dump(list(_own_items(sys.argv[1:])), sys.stdout)
