@@ -195,6 +195,17 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
   return lines + [""] + by_category
 
 
+def _phase_minutes(results: dict) -> str:
+  """" (γ sweep 6.4, adaptive 2.6, …; start-up and the rest 1.0)": where the run's minutes
+  went, each experiment's from ``experiment_seconds``."""
+  phases = results.get("experiment_seconds") or {}
+  if not phases:
+    return ""
+  rest = results["total_seconds"] - sum(phases.values())
+  parts = [f"{name.replace('_', ' ')} {seconds / 60:.1f}" for name, seconds in phases.items()]
+  return f" ({', '.join(parts)}; start-up, loading and writing {rest / 60:.1f})"
+
+
 def tables_markdown(results: dict) -> str:
   rows, cfg = results["rows"], results["config"]
   draft = results["draft"]
@@ -208,7 +219,7 @@ def tables_markdown(results: dict) -> str:
       f"weights, activations and KV cache in {results['machine'].get('dtype', 'float32')}; "
       f"attention: {results['machine'].get('attention', 'not recorded')}; "
       f"{_load_line(results)}; total {results['total_seconds'] / 60:.1f} min"
-      f"{_resumed(results)}.  ",
+      f"{_phase_minutes(results)}{_resumed(results)}.  ",
       f"Target `{cfg['target']}`; draft `{draft['name']}` ({draft['note']}); "
       f"{results['num_prompts']} prompts ({', '.join(results['categories'])}), "
       f"{cfg['max_new_tokens']} new tokens each, batches of {cfg['batch_size']} "

@@ -213,6 +213,11 @@ def test_csv_and_tables(smoke):
                   "The paper's numbers", "| CNNDM | T5-small | 0 | 5 | 0.65 | 3.1× |",
                   "## Checks", "| spread |", "load average before the run"):
     assert heading in text
+  minutes = results["experiment_seconds"]  # where the run's time went, each experiment's
+  assert set(minutes) == {"gamma_sweep", "adaptive", "temperature_sweep", "drafts_alpha",
+                          "draft_free", "tree_sweep"}
+  assert (f"gamma sweep {minutes['gamma_sweep'] / 60:.1f}, adaptive "
+          f"{minutes['adaptive'] / 60:.1f}") in text and "start-up, loading and writing" in text
   for r in results["rows"]:
     if r["category"] == "all" and r["flags"]:
       shape = (f"γ = {r['gamma']}" if r["tree"] is None
