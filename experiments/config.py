@@ -62,10 +62,11 @@ class ExperimentConfig:
     alpha_drafts: the other drafts whose α drafts_alpha measures beside --draft
       ("early_exit" means early_exit:K with K = early_exit_layers). A drafter with its own
       tree (lookahead, Medusa) is measured on that tree, not on a chain of alpha_gamma.
-      Lookahead is not among the defaults: its 29-node tree alone took 77 of the default
+      Lookahead is not among the defaults: its 29-node tree alone took 77 s of the default
       run's 15.4 min on Zen 4 (experiments/results/avx512_zen4/); draft_free times it.
     draft_free_drafts: the methods without a draft model that the draft_free experiment
-      times (each in DRAFT_FREE; default all of them), and --draft too when it is one.
+      times (each in DRAFT_FREE; default prompt lookup, Jacobi and lookahead: jacobi_random
+      on request), and --draft too when it is one.
     cost_steps: speculative steps timed phase by phase (after one warm step)
       for the bookkeeping phase and the per-call figures; c and the verify phase
       are timed in a fused loop (``phase_timing``).
@@ -126,7 +127,7 @@ class ExperimentConfig:
   early_exit_layers: int = 0
   alpha_drafts: tuple[str, ...] = ("default", "medusa", "unigram", "bigram", "early_exit",
                                    "trained_exit", "prompt_lookup", "jacobi")
-  draft_free_drafts: tuple[str, ...] = DRAFT_FREE
+  draft_free_drafts: tuple[str, ...] = ("prompt_lookup", "jacobi", "lookahead")
   cost_steps: int = 8
   phase_seconds: float = 0.1
   repeats: int = 2

@@ -18,7 +18,8 @@ from experiments.rows import verify_cost_curve
 
 
 class DraftError(ValueError):
-  """A --draft or --alpha_drafts value that names a draft this target cannot use."""
+  """A --draft, --alpha_drafts or --draft_free_drafts value that names a draft this target
+  cannot use."""
 
 
 def load_drafts(config: ExperimentConfig, target: Target,
@@ -34,22 +35,25 @@ def load_drafts(config: ExperimentConfig, target: Target,
       raise DraftError(f"--{flag}={spec}: {e}") from None
 
   k = config.early_exit_layers or default_early_exit_layers(target.cfg)
-  loaded = {config.draft: load(config.draft, "draft")}
+  spec_of = lambda s: f"early_exit:{k}" if s == "early_exit" else s  # one key per draft
+  main = spec_of(config.draft)
+  loaded = {main: load(main, "draft")}
 
   def drafts(experiment: str, specs: tuple[str, ...], flag: str) -> list[Draft]:
     if experiment not in config.experiments:
       return []
+    specs = list(dict.fromkeys(map(spec_of, specs)))
     for s in specs:
       if s not in loaded:
-        loaded[s] = load(f"early_exit:{k}" if s == "early_exit" else s, flag)
+        loaded[s] = load(s, flag)
     return [loaded[s] for s in specs]
 
-  table3 = drafts("drafts_alpha", tuple(s for s in config.alpha_drafts if s != config.draft),
+  table3 = drafts("drafts_alpha", tuple(s for s in config.alpha_drafts if spec_of(s) != main),
                   "alpha_drafts")
   free = drafts("draft_free", config.draft_free_drafts, "draft_free_drafts")
   if "draft_free" in config.experiments and config.draft in DRAFT_FREE:
-    free = [d for d in free if d is not loaded[config.draft]] + [loaded[config.draft]]
-  return loaded[config.draft], table3, free
+    free = [d for d in free if d is not loaded[main]] + [loaded[main]]
+  return loaded[main], table3, free
 
 
 def run(config: ExperimentConfig, command: str = "") -> dict:
@@ -98,7 +102,7 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
   if "drafts_alpha" in config.experiments:
     t = time.perf_counter()
     notes.update({d.name: d.note for d in table3})
-    rows += sweeps.drafts_alpha(bench, list({d.name: d for d in table3 + [draft]}.values()))
+    rows += sweeps.drafts_alpha(bench, table3 + [draft])
     timings["drafts_alpha"] = time.perf_counter() - t
   if "draft_free" in config.experiments:
     t = time.perf_counter()

@@ -183,9 +183,10 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
   c_again = len({(r["draft"], r["temperature"]) for r in settings.values()
                  if r.get("c_remeasured")})
   again = f"{remeasured} re-measured, c re-measured for {c_again} draft/temperature pair(s)"
-  by_category = ([f"{len(groups)} per-category figure(s) still flagged (⚠ in the per-category "
-                  "tables): a category's speedup rests on its own prompts' calls alone, so it "
-                  "spreads more than its setting's.", ""] if groups else [])
+  by_category = ([f"{len(groups)} per-category figure(s) of the measured settings still "
+                  "flagged (those of the best γ and of the temperature sweep are marked ⚠ in "
+                  "the per-category tables): a category's speedup rests on its own prompts' "
+                  "calls alone, so it spreads more than its setting's.", ""] if groups else [])
   if not flagged:
     return lines + [f"No setting is flagged ({again}).", ""] + by_category
   lines += [f"**{len(flagged)} setting(s) flagged** ({again}); treat their "
@@ -196,8 +197,8 @@ def _flag_section(rows: Sequence[dict]) -> list[str]:
 
 
 def _phase_minutes(results: dict) -> str:
-  """" (γ sweep 6.4, adaptive 2.6, …; start-up and the rest 1.0)": where the run's minutes
-  went, each experiment's from ``experiment_seconds``."""
+  """" (gamma sweep 6.4, adaptive 2.6, …; start-up, loading and writing 1.0)": where the
+  run's minutes went, each experiment's from ``experiment_seconds``."""
   phases = results.get("experiment_seconds") or {}
   if not phases:
     return ""

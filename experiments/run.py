@@ -58,8 +58,8 @@ flags.DEFINE_string("alpha_drafts", ",".join(DEFAULT.alpha_drafts),
                     "Drafts whose α is measured beside --draft in drafts_alpha (lookahead, "
                     "slow to run, is not among the defaults; draft_free times it).")
 flags.DEFINE_string("draft_free_drafts", ",".join(DEFAULT.draft_free_drafts),
-                    "Methods without a draft model that draft_free times (and --draft when "
-                    "it is one).")
+                    "Methods without a draft model that draft_free times (any of "
+                    f"{', '.join(config_lib.DRAFT_FREE)}; and --draft when it is one).")
 flags.DEFINE_integer("cost_steps", DEFAULT.cost_steps,
                      "Steps timed phase by phase (bookkeeping; c is timed in a fused loop).")
 flags.DEFINE_float("phase_seconds", DEFAULT.phase_seconds,

@@ -14,7 +14,6 @@ import functools
 import hashlib
 import importlib
 import inspect
-import itertools
 import json
 import os
 import random
@@ -179,15 +178,17 @@ def _first_paragraphs(doc: str, max_chars: int) -> str:
 
 def stdlib_items(modules: Sequence[str] = STDLIB_MODULES) -> list[tuple[str, str, str, str]]:
   """(module, qualified name, docstring, source) of the public functions and classes that
-  ``modules`` define (``_own_items``), read in a fresh interpreter (``python -I`` running this
-  file, which imports only the standard library).
+  ``modules`` define (``_own_items``), read in a fresh interpreter: ``python -P`` running this
+  file, which imports nothing but ``modules`` and the standard library (the caller's
+  ``sys.path`` otherwise, so the same packages are found).
 
   Read in the caller's process, the list would depend on what that process imported first:
   a library may replace a module's function with its own (importing torch replaces
   ``inspect.getfile``), which then no longer counts as the module's, and every prompt drawn
   after it, and so the held-out set, would come out different.
   """
-  proc = subprocess.run([sys.executable, "-I", os.path.abspath(__file__), *modules],
+  safe_path = "-P" if sys.version_info >= (3, 11) else "-I"  # no script dir on sys.path
+  proc = subprocess.run([sys.executable, safe_path, os.path.abspath(__file__), *modules],
                         capture_output=True, text=True, check=False)
   if proc.returncode != 0:
     raise RuntimeError(f"reading the prompts' source modules failed:\n{proc.stderr[-2000:]}")
@@ -267,9 +268,9 @@ def build_prompts(seed: int = 0, max_stdlib_items: int = 4000, math_per_template
   """
   rng = random.Random(seed)
   prompts: list[Prompt] = []
-  items = list(itertools.islice(stdlib_items(), max_stdlib_items))
+  items = stdlib_items()[:max_stdlib_items]
   if extended:
-    items += list(itertools.islice(stdlib_items(EXTRA_MODULES), 3 * max_stdlib_items))
+    items += stdlib_items(EXTRA_MODULES)[:3 * max_stdlib_items]
     math_per_template, chat_per_topic = max(math_per_template, 120), max(chat_per_topic, 12)
   for mod, name, doc, src in items:
     source = f"stdlib:{mod}" if mod in STDLIB_MODULES else f"pkg:{mod}"
@@ -382,4 +383,5 @@ __all__ = ["CATEGORIES", "Prompt", "build_prompts", "chat_encoder", "clean_quest
 
 
 if __name__ == "__main__":  # stdlib_items' fresh interpreter: the modules' items as JSON
-  json.dump(list(_own_items(sys.argv[1:])), sys.stdout)
+  _out, sys.stdout = sys.stdout, sys.stderr  # what a module prints on import stays off the JSON
+  json.dump(list(_own_items(sys.argv[1:])), _out)
