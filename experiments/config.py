@@ -62,8 +62,9 @@ class ExperimentConfig:
     alpha_drafts: the other drafts whose α drafts_alpha measures beside --draft
       ("early_exit" means early_exit:K with K = early_exit_layers). A drafter with its own
       tree (lookahead, Medusa) is measured on that tree, not on a chain of alpha_gamma.
-      Lookahead is not among the defaults: its 29-node tree alone took 77 s of the default
-      run's 15.4 min on Zen 4 (experiments/results/avx512_zen4/); draft_free times it.
+      Lookahead is not among the defaults (draft_free times it): with it the α runs of the
+      committed Zen 4 default run took 4.2 min (git dff762d), without it 3.0 (b7d5b81, on
+      another machine and prompt set; experiments/results/avx512_zen4/ and its history).
     draft_free_drafts: the methods without a draft model that the draft_free experiment
       times (each in DRAFT_FREE; default prompt lookup, Jacobi and lookahead: jacobi_random
       on request), and --draft too when it is one.

@@ -50,9 +50,8 @@ def load_drafts(config: ExperimentConfig, target: Target,
 
   table3 = drafts("drafts_alpha", tuple(s for s in config.alpha_drafts if spec_of(s) != main),
                   "alpha_drafts")
-  free = drafts("draft_free", config.draft_free_drafts, "draft_free_drafts")
-  if "draft_free" in config.experiments and config.draft in DRAFT_FREE:
-    free = [d for d in free if d is not loaded[main]] + [loaded[main]]
+  free = drafts("draft_free", config.draft_free_drafts
+                + ((config.draft,) if config.draft in DRAFT_FREE else ()), "draft_free_drafts")
   return loaded[main], table3, free
 
 

@@ -161,15 +161,16 @@ def _shape(row: dict) -> str:
 
 def _flag_section(rows: Sequence[dict]) -> list[str]:
   """Every setting still flagged after its re-measurement, with the rule."""
-  settings = {}  # one row per measured setting, whichever experiments reuse it
-  for r in rows:
-    if r["category"] == ALL and r["speedup"] is not None:
-      settings.setdefault((r["draft"], r["gamma"], r["temperature"],
-                           r["tree"] and as_tuple(r["tree"])), r)
+  def setting(r: dict) -> tuple:  # one measurement, whichever experiments reuse its rows
+    return r["draft"], r["gamma"], r["temperature"], r["tree"] and as_tuple(r["tree"])
+
+  timed = [r for r in rows if r["speedup"] is not None]
+  settings = {}
+  for r in timed:
+    if r["category"] == ALL:
+      settings.setdefault(setting(r), r)
   flagged = [r for r in settings.values() if r["flags"]]
-  groups = {(r["draft"], r["gamma"], r["temperature"], r["tree"] and as_tuple(r["tree"]),
-             r["category"]): r for r in rows
-            if r["category"] != ALL and r["speedup"] is not None and r["flags"]}
+  groups = {(*setting(r), r["category"]) for r in timed if r["category"] != ALL and r["flags"]}
   lines = ["## Checks", "",
            f"A setting is flagged when its verify cost T(γ+1)/T(1) lies outside (0, γ+1] "
            f"(impossible), when its speedup varies by more than {checks.SPREAD_BOUND:.0%} "

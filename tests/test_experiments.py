@@ -426,8 +426,8 @@ def test_each_experiment_gets_its_own_drafts_each_loaded_once(tmp_path):
 
 
 def test_lookahead_is_timed_by_draft_free_not_the_default_table3():
-  """Its 29-node tree is the default run's slowest α row (77 s of 15.4 min on Zen 4), so the
-  default Table 3 leaves it out; draft_free times it."""
+  """Its 29-node tree is the slowest of the default run's α rows, so the default Table 3
+  leaves it out; draft_free times it."""
   config = ExperimentConfig()
   assert "lookahead" not in config.alpha_drafts
   assert "lookahead" in config.draft_free_drafts and set(config.draft_free_drafts) <= set(DRAFT_FREE)

@@ -179,16 +179,16 @@ def _first_paragraphs(doc: str, max_chars: int) -> str:
 def stdlib_items(modules: Sequence[str] = STDLIB_MODULES) -> list[tuple[str, str, str, str]]:
   """(module, qualified name, docstring, source) of the public functions and classes that
   ``modules`` define (``_own_items``), read in a fresh interpreter: ``python -P`` running this
-  file, which imports nothing but ``modules`` and the standard library (the caller's
-  ``sys.path`` otherwise, so the same packages are found).
+  file (-P, Python >= 3.11 as jax needs: not the script's directory on ``sys.path``), which
+  imports nothing but ``modules`` and the standard library (the caller's ``sys.path``
+  otherwise, so the same packages are found).
 
   Read in the caller's process, the list would depend on what that process imported first:
   a library may replace a module's function with its own (importing torch replaces
   ``inspect.getfile``), which then no longer counts as the module's, and every prompt drawn
   after it, and so the held-out set, would come out different.
   """
-  safe_path = "-P" if sys.version_info >= (3, 11) else "-I"  # no script dir on sys.path
-  proc = subprocess.run([sys.executable, safe_path, os.path.abspath(__file__), *modules],
+  proc = subprocess.run([sys.executable, "-P", os.path.abspath(__file__), *modules],
                         capture_output=True, text=True, check=False)
   if proc.returncode != 0:
     raise RuntimeError(f"reading the prompts' source modules failed:\n{proc.stderr[-2000:]}")
