@@ -21,7 +21,8 @@ attention input (EAGLE-3's drafter layer: its ``wqkv`` is [P + D, (N+2K)H]).
 
 Any projection (and ``lm_head``, even with tied embeddings) may instead be a
 ``kernels.packed.PackedWeight`` (``load_model`` packs on CPU): every product
-goes through ``kernels.packed.dense``.
+goes through ``sharding.dense`` (``kernels.packed.dense``, and on a mesh a packed weight's
+kernel per device).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from specjax import kv_cache as kvc
 from specjax import param_layout
 from specjax.config import ModelConfig
 from specjax.kernels.accumulate import einsum_f32
-from specjax.kernels.packed import PackedWeight, dense, uses_kernel
+from specjax.kernels.packed import PackedWeight, uses_kernel
 from specjax.rope import apply_rope, inverse_frequencies
+from specjax.sharding import dense
 
 Params = dict[str, Any]
 

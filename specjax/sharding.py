@@ -32,10 +32,23 @@ Departures from maxtext/levanter, and why:
     head count K (not the K(G+2)H columns), "ffn" the feature count F, "vocab" the rows.
     A dimension the mesh axis does not divide is an error before anything compiles, unless
     ``ShardingRules(indivisible="replicate")``: then that dimension is replicated (logged),
-    e.g. SmolLM2-135M's 3 kv heads on a model axis of 2, 4 or 8. No padding.
-  * The CPU streaming matmul stays single-device: ``shard_params`` unpacks its packed
-    weights (``kernels.packed``) into plain arrays, whose products GSPMD partitions. The
-    attention kernels (CPU FFI, Pallas) are custom calls GSPMD would gather around, so
+    e.g. SmolLM2-135M's 3 kv heads on a model axis of 2, 4 or 8. No padding (but for
+    ``exact``'s panels, below).
+  * Two kinds of tensor parallelism. By default ``shard_params`` unpacks the CPU streaming
+    matmul's packed weights (``kernels.packed``) into plain arrays, whose products GSPMD
+    partitions Megatron-style; the partial sums over devices round differently from one
+    device, so sampled tokens may part from one device's where a uniform draw falls within
+    a last-bit difference of a boundary (greedy tokens agree wherever the argmax is no
+    near-tie). ``ShardingRules(exact=True)`` instead keeps the packed weights and splits
+    every one by output column panels: each device runs the kernel on its panels over the
+    whole contraction and the activations are all-gathered after each product (``dense``),
+    so every output element is computed as on one device, in the kernel's one summation
+    order, and every mesh gives one device's bits (sampled tokens included). It reads the
+    same weight bytes per device but all-gathers four activations a layer where Megatron
+    all-reduces two, and it needs the kernel at every row count (``load_model(packed=True)``).
+    Embedding tables stay split by rows (a lookup adds one row to zeros: exact), every other
+    leaf is replicated, and panels are padded with zeros until the axis divides them.
+  * The attention kernels (CPU FFI, Pallas) are custom calls GSPMD would gather around, so
     on a mesh they run under ``jax.shard_map`` on each device's rows and kv heads
     (``per_device``), and greedy tree verification's Pallas kernels on each device's rows.
 """
@@ -54,10 +67,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.kernels.packed import PackedWeight, unpack_params
+from specjax.kernels import streaming_matmul as sm
+from specjax.kernels.packed import PROJECTIONS, PackedWeight, unpack_params
+from specjax.kernels.packed import dense as packed_dense
 
 DATA, MODEL = "data", "model"
-LOGICAL_AXES = ("batch", "kv_heads", "ffn", "vocab", "embed")
+LOGICAL_AXES = ("batch", "kv_heads", "ffn", "vocab", "embed", "columns")
 INDIVISIBLE = ("error", "replicate")
 _log = logging.getLogger("specjax")
 
@@ -85,13 +100,19 @@ class ShardingRules:
       not named is replicated.
     indivisible: "error" (default): a dimension its mesh axis does not divide is refused
       before compiling; "replicate": it is replicated instead, and logged.
+    exact: False (default): Megatron-style tensor parallelism on plain weights (partial sums
+      over devices, so a mesh rounds differently from one device). True: every mesh computes
+      one device's bits (``shard_params`` keeps packed kernel weights, split by output
+      column panels over the mesh axis of the logical axis "columns"; see ``dense``).
 
   Example: ``ShardingRules().with_axes(vocab=None)`` keeps the embedding and head whole.
   """
 
   axes: tuple[tuple[str, Optional[str]], ...] = (
-      ("batch", DATA), ("kv_heads", MODEL), ("ffn", MODEL), ("vocab", MODEL), ("embed", None))
+      ("batch", DATA), ("kv_heads", MODEL), ("ffn", MODEL), ("vocab", MODEL), ("embed", None),
+      ("columns", MODEL))
   indivisible: str = "error"
+  exact: bool = False
 
   def __post_init__(self):
     names = [a for a, _ in self.axes]
@@ -217,11 +238,87 @@ def _unpack(params: Any, cfg: Optional[ModelConfig], drafter) -> Any:
 def shard_params(params: Any, cfg: Optional[ModelConfig], mesh,
                  rules: ShardingRules = ShardingRules(), *, drafter=None) -> Any:
   """``params`` placed on ``mesh`` by ``param_specs``. Packed CPU weights are unpacked first
-  (the streaming kernel is a single-device path): a target's by this module, a drafter's by
-  ``drafter.plain_params`` (pass ``drafter=`` for draft params)."""
+  (Megatron-style products on plain weights): a target's by this module, a drafter's by
+  ``drafter.plain_params`` (pass ``drafter=`` for draft params). With ``rules.exact`` they
+  stay packed instead, split by output column panels (``_shard_exact``)."""
+  if rules.exact:
+    return _shard_exact(params, mesh, rules, target=drafter is None)
   params = _unpack(params, cfg, drafter)
   specs = param_specs(params, cfg, mesh, rules)
   return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), params, specs)
+
+
+# Leaves ``rules.exact`` splits by rows: lookup tables, whose sharded gather adds each row to
+# zeros from the other devices (exact), never contracted against on that path.
+_LOOKUP_TABLES = ("embed", "input_embed")
+
+
+def _shard_exact(params: Any, mesh, rules: ShardingRules, target: bool = True) -> Any:
+  """``shard_params`` under ``rules.exact``: every packed weight's panels split over the mesh
+  axis of "columns" (zero panels appended until the axis divides them: extra output columns,
+  cut off by ``dense``), embedding tables by vocabulary rows, everything else replicated.
+
+  Raises ValueError for a packed weight whose policy takes XLA's dot at some row count, and
+  for a plain projection or output head of a ``target`` (``SPECJAX_MATMUL=xla``): it would
+  be replicated whole on every device, which is not tensor parallelism. A drafter's plain
+  leaves (a small draft model's, Medusa's blocks) are replicated: exact, at full size."""
+  rules.check_mesh(mesh)
+  axis = rules.mesh_axis("columns")
+  size = dict(mesh.shape).get(axis, 1) if axis else 1
+
+  def put(path, x):
+    where = jax.tree_util.keystr(path)
+    if isinstance(x, PackedWeight):
+      if not x.policy.always:
+        raise ValueError(f"{where}: exact sharding runs the streaming kernel at every row "
+                         f"count, but this weight was packed under {x.policy.describe()}; "
+                         "load the model with load_model(packed=True) (SPECJAX_MATMUL=kernel)")
+      panels = np.asarray(x.panels)
+      pad = -panels.shape[0] % size
+      if pad:
+        panels = np.concatenate([panels, np.zeros((pad,) + panels.shape[1:], panels.dtype)])
+      spec = P(axis if size > 1 else None, None, None)
+      return dataclasses.replace(x, panels=place(panels, NamedSharding(mesh, spec)), plain=None)
+    name = _key_name(path)
+    if target and name in PROJECTIONS + ("lm_head",) and np.ndim(x) == 2:
+      raise ValueError(f"{where}: exact sharding splits packed kernel weights, but this one "
+                       "is a plain matrix; load the model with load_model(packed=True) "
+                       "(not SPECJAX_MATMUL=xla), or use ShardingRules(exact=False)")
+    spec = P()
+    if name in _LOOKUP_TABLES and np.ndim(x) == 2 and np.issubdtype(x.dtype, np.floating):
+      spec = spec_for(x.shape, PARAM_AXES[name], dict(mesh.shape), rules, None, where)
+    return place(x, NamedSharding(mesh, spec))
+
+  return jax.tree_util.tree_map_with_path(put, params,
+                                          is_leaf=lambda x: isinstance(x, PackedWeight))
+
+
+def dense(x: jax.Array, w: Any) -> jax.Array:
+  """``kernels.packed.dense`` (x [..., K] @ w [K, N]), and on a mesh of more than one device
+  the streaming kernel of a packed weight per device: each device multiplies its rows (over
+  "batch") by its column panels (over "columns") with the kernel, over the whole K, and the
+  outputs are all-gathered over the columns' axis (inside ``jax.shard_map``, since GSPMD
+  would gather the weight itself around a custom call). Every output element is then
+  computed as on one device: the result does not depend on the mesh. Panels the axis does
+  not divide stay whole on each device. Plain weights and the row counts a packed weight's
+  policy gives to XLA's dot go to ``kernels.packed.dense`` (GSPMD partitions them)."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  rows = int(np.prod(lead))
+  if not (isinstance(w, PackedWeight) and multi_device() and w.policy.use_kernel(rows)):
+    return packed_dense(x, w)
+  mesh, rules = _active_or_abstract()
+  row_axis = _dividing_axis(mesh, rules, "batch", rows)
+  col_axis = _dividing_axis(mesh, rules, "columns", w.panels.shape[0])
+  prefetch = w.policy.prefetch_at(rows // (dict(mesh.shape)[row_axis] if row_axis else 1))
+
+  def local(xs, panels):
+    y = sm.streaming_matmul(xs, panels, prefetch=prefetch)
+    return jax.lax.all_gather(y, col_axis, axis=1, tiled=True) if col_axis else y
+
+  y = jax.shard_map(local, mesh=mesh, in_specs=(P(row_axis, None), P(col_axis, None, None)),
+                    out_specs=P(row_axis, None), check_vma=False)(
+                        x.reshape(rows, k).astype(w.panels.dtype), w.panels)
+  return y[:, :w.n].reshape(*lead, w.n)
 
 
 def place(x: Any, where: NamedSharding) -> jax.Array:
@@ -279,6 +376,19 @@ def multi_device() -> bool:
   return not mesh.empty and mesh.size > 1
 
 
+def _active_or_abstract() -> tuple[Any, ShardingRules]:
+  """(mesh, rules) of ``use_mesh``, else ``jax.set_mesh``'s abstract mesh and default rules."""
+  return active() or (jax.sharding.get_abstract_mesh(), ShardingRules())
+
+
+def _dividing_axis(mesh, rules: ShardingRules, logical: str, n: int) -> Optional[str]:
+  """The mesh axis ``rules`` give ``logical`` where it has more than one device and divides
+  ``n``; else None (whole on every device)."""
+  m = rules.mesh_axis(logical)
+  size = dict(mesh.shape).get(m, 1) if m else 1
+  return m if size > 1 and n % size == 0 else None
+
+
 def per_device(fn, args: Sequence[Any], logical: Sequence[Sequence[Optional[str]]],
                out_logical: Union[Sequence[Optional[str]], tuple[Sequence[Optional[str]], ...]],
                sizes: dict[str, int]) -> Any:
@@ -301,12 +411,8 @@ def per_device(fn, args: Sequence[Any], logical: Sequence[Sequence[Optional[str]
   """
   if not multi_device():
     return fn(*args)
-  mesh, rules = active() or (jax.sharding.get_abstract_mesh(), ShardingRules())
-  axis = {}
-  for name, n in sizes.items():
-    m = rules.mesh_axis(name)
-    size = dict(mesh.shape).get(m, 1) if m else 1
-    axis[name] = m if size > 1 and n % size == 0 else None
+  mesh, rules = _active_or_abstract()
+  axis = {name: _dividing_axis(mesh, rules, name, n) for name, n in sizes.items()}
   spec = lambda names: P(*(axis.get(n) for n in names))
   several = bool(out_logical) and isinstance(out_logical[0], (tuple, list))
   out_specs = tuple(spec(o) for o in out_logical) if several else spec(out_logical)

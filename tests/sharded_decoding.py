@@ -22,6 +22,7 @@ Prints (and writes) one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -36,6 +37,8 @@ from specjax import sharding, testing  # noqa: E402
 from specjax.attention import attention  # noqa: E402
 from specjax.drafters import JacobiDrafter, LookaheadDrafter, ModelDrafter  # noqa: E402
 from specjax.generate import _decode, _prefill, generate  # noqa: E402
+from specjax.kernels.packed import pack_params  # noqa: E402
+from specjax.kernels.policy import KERNEL  # noqa: E402
 from specjax.sampling import Greedy, Sampling  # noqa: E402
 from specjax.speculative import SpeculativeDecoder, serve  # noqa: E402
 from specjax.speculative.proposal import Proposal  # noqa: E402
@@ -52,14 +55,20 @@ _GATHER = re.compile(r"= (.*?) all-gather(?:-start)?\(")  # the result's shape(s
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 
 
-def _model(name: str):
+def _model(name: str, exact: bool = False):
+  """(cfg, params) and the rules: with ``exact``, the weights packed for the streaming
+  kernel at every row count and ``ShardingRules(exact=True)``."""
   if name == "tiny":  # every mesh axis up to 8 divides its kv heads, ffn and vocabulary
-    return testing.tiny_model(dim=64, num_heads=16, num_kv_heads=8, ffn_dim=64, vocab_size=64,
-                              scale=0.5), sharding.ShardingRules()
+    cfg, params = testing.tiny_model(dim=64, num_heads=16, num_kv_heads=8, ffn_dim=64,
+                                     vocab_size=64, scale=0.5)
+    if exact:
+      params = pack_params(params, cfg.tie_embeddings, KERNEL)
+    return (cfg, params), sharding.ShardingRules(exact=exact)
   from specjax.loaders import load_model
-  cfg, params = load_model(name)  # packed on CPU (SPECJAX_MATMUL=xla: plain, XLA's dot)
+  # Packed on CPU by the measured policy (SPECJAX_MATMUL=xla: plain, XLA's dot).
+  cfg, params = load_model(name, packed=True if exact else None)
   # SmolLM2-135M has 3 kv heads: on model axes of 2, 4, 8 its attention stays whole.
-  return (cfg, params), sharding.ShardingRules(indivisible="replicate")
+  return (cfg, params), sharding.ShardingRules(indivisible="replicate", exact=exact)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -74,13 +83,14 @@ def _gathered_shapes(text: str) -> list[tuple[int, ...]]:
 
 
 def _weight_shapes(params) -> set[tuple[int, ...]]:
-  return {tuple(x.shape) for x in jax.tree.leaves(params) if np.ndim(x) == 2}
+  """Shapes of the matrices (and packed panels [P, K, W] or per-head stacks) of params."""
+  return {tuple(x.shape) for x in jax.tree.leaves(params) if np.ndim(x) in (2, 3)}
 
 
 # The cases SmolLM2's heavy check runs (--cases=core): under load, the full set deadlocked
 # twice on it in XLA:CPU's in-process collectives (docs/sharding.md, "Not yet").
 CORE_CASES = ("plain_greedy", "plain_sampled", "chain_greedy", "chain_sampled", "tree_greedy",
-              "continuous_greedy")
+              "tree_sampled", "continuous_greedy")
 # Every other drafter family's chain (and lookahead's own tree): --cases=families, which the
 # default suite leaves to a heavy test (each family compiles its loop on every mesh: the
 # whole set made the tiny model's 2x4 check 850 s of an AVX2 host's suite), and
@@ -89,10 +99,11 @@ FAMILY_CASES = tuple(f"{kind}_chain_greedy" for kind in ("model", "jacobi") + OT
     "lookahead_greedy",)
 
 
-def run(model: str, meshes: list[tuple[int, int]], only=None, exclude=()) -> dict:
+def run(model: str, meshes: list[tuple[int, int]], only=None, exclude=(),
+        exact: bool = False) -> dict:
   """The report of every case (or of the cases named in ``only``), less those named in
-  ``exclude``, on each mesh."""
-  (cfg, params), rules = _model(model)
+  ``exclude``, on each mesh; ``exact``: under ``ShardingRules(exact=True)``."""
+  (cfg, params), rules = _model(model, exact)
   prompts = _prompts(min(cfg.vocab_size, 2000))
   eagle, eagle_params = testing.make_drafter("eagle", cfg, params, [])
   medusa, medusa_params = testing.make_drafter("medusa", cfg, params, [])
@@ -194,6 +205,8 @@ def run(model: str, meshes: list[tuple[int, int]], only=None, exclude=()) -> dic
       serve_state = initial_serve_state(dec, t, d["eagle"], queue, BATCH)
       serve_hlo = serve_loop.lower(dec, t, d["eagle"], queue, serve_state,
                                    chunk=4).compile().as_text()
+      # and as placed here (exact rules: packed panels), of the target and the drafts used
+      weights |= _weight_shapes(t) | _weight_shapes([d["eagle"], d["medusa"]])
       gathered = sorted(set().union(*(_gathered_shapes(h)
                                       for h in (plain_hlo, chain_hlo, tree_hlo, serve_hlo))))
       result["all_gather_shapes"] = [list(s) for s in gathered]
@@ -202,7 +215,8 @@ def run(model: str, meshes: list[tuple[int, int]], only=None, exclude=()) -> dic
       result["attention_kernels"] = _attention_kernels(mesh, kernels_single)
       result["tree_verify_kernels"] = _tree_verify_kernels(mesh, verify_single)
     report["meshes"][f"{data}x{model_axis}"] = result
-  report["detector_control"] = _control(cfg, params, rules)
+  report["exact"] = exact
+  report["detector_control"] = _control(cfg, params, dataclasses.replace(rules, exact=False))
   return report
 
 
@@ -400,12 +414,14 @@ def main():
   ap.add_argument("--meshes", default="1x8,2x4,4x2,8x1")
   ap.add_argument("--check", default="decode", choices=("decode", "train"))
   ap.add_argument("--cases", default="all", choices=("all", "core", "families", "no_families"))
+  ap.add_argument("--exact", action="store_true",
+                  help="ShardingRules(exact=True) on weights packed for the kernel")
   ap.add_argument("--out", default="")
   a = ap.parse_args()
   meshes = [tuple(int(x) for x in m.split("x")) for m in a.meshes.split(",")]
   only, exclude = {"all": (None, ()), "core": (CORE_CASES, ()), "families": (FAMILY_CASES, ()),
                    "no_families": (None, FAMILY_CASES)}[a.cases]
-  report = (run(a.model, meshes, only, exclude) if a.check == "decode"
+  report = (run(a.model, meshes, only, exclude, a.exact) if a.check == "decode"
             else train_check(meshes))
   text = json.dumps(report, indent=1)
   if a.out:

@@ -125,11 +125,11 @@ SIMULATED_DEVICES = ("--xla_force_host_platform_device_count=8 "
 
 
 def _run_simulated(model: str, meshes: str, timeout: int, check: str = "decode",
-                   cases: str = "all") -> dict:
+                   cases: str = "all", exact: bool = False) -> dict:
   env = dict(os.environ, XLA_FLAGS=SIMULATED_DEVICES, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_decoding.py"),
                          f"--model={model}", f"--meshes={meshes}", f"--check={check}",
-                         f"--cases={cases}"],
+                         f"--cases={cases}", *(["--exact"] if exact else [])],
                         env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -208,6 +208,36 @@ def test_simulated_meshes_tiny_model_other_meshes():
   assert "P(None, 'model')" in report["meshes"]["1x8"]["params_sharded"]
 
 
+CORE_GREEDY = ("plain_greedy", "chain_greedy", "tree_greedy", "continuous_greedy")
+
+
+def test_simulated_meshes_exact_rules():
+  """ShardingRules(exact=True) on the tiny model packed for the kernel: every core case,
+  sampled plain, chain and tree decoding included, gives one device's tokens on 2x4, with
+  every packed weight split by its column panels (two panels of wqkv padded to four), no
+  whole weight (nor panel stack) gathered."""
+  report = _run_simulated("tiny", "2x4", timeout=900, cases="core", exact=True)
+  assert report["exact"]
+  _check(report, "2x4", greedy=CORE_GREEDY)
+  assert "P('model', None, None)" in report["meshes"]["2x4"]["params_sharded"]
+
+
+def test_exact_rules_refuse_weights_they_cannot_split_exactly():
+  """Before anything compiles: a weight packed under a policy that takes XLA's dot at some
+  row count, and a plain target projection; packed KERNEL weights stay packed."""
+  from specjax.kernels.policy import KERNEL, MatmulPolicy
+  cfg, params = tiny_model()
+  mesh, exact = sharding.make_mesh(1, 1), sharding.ShardingRules(exact=True)
+  placed = sharding.shard_params(pack_params(params, cfg.tie_embeddings, KERNEL), cfg, mesh,
+                                 exact)
+  assert isinstance(placed["layers"][0]["wqkv"], PackedWeight)
+  mixed = MatmulPolicy(grid=(1, 8), kernel=(True, False), source="test")
+  with pytest.raises(ValueError, match="every row count"):
+    sharding.shard_params(pack_params(params, cfg.tie_embeddings, mixed), cfg, mesh, exact)
+  with pytest.raises(ValueError, match="plain matrix"):
+    sharding.shard_params(params, cfg, mesh, exact)
+
+
 def test_training_on_simulated_meshes_matches_one_device():
   """Distillation of a token draft, an EAGLE-3 drafter and Medusa heads with the teacher
   target sharded over "model" and batch rows over "data" gives one device's parameters and
@@ -229,8 +259,16 @@ def test_simulated_meshes_embedded_model():
   of the CPU streaming kernel, sharded partial sums), and a draw near a CDF boundary may part
   (docs/sharding.md has what was measured)."""
   report = _run_simulated("smollm2", "1x8,2x4,4x2,8x1", timeout=3000, cases="core")
-  _check(report, "1x8,2x4,4x2,8x1", sampled=False,
-         greedy=("plain_greedy", "chain_greedy", "tree_greedy", "continuous_greedy"))
+  _check(report, "1x8,2x4,4x2,8x1", sampled=False, greedy=CORE_GREEDY)
+
+
+@pytest.mark.heavy
+def test_simulated_meshes_embedded_model_exact():
+  """SmolLM2 under ShardingRules(exact=True) (the kernel at every row count, weights split by
+  column panels): sampled plain, chain and tree decoding with a fixed seed give one device's
+  tokens on every mesh, as greedy decoding does (the core cases)."""
+  report = _run_simulated("smollm2", "1x8,2x4,4x2,8x1", timeout=3000, cases="core", exact=True)
+  _check(report, "1x8,2x4,4x2,8x1", greedy=CORE_GREEDY)
 
 
 def _free_port() -> int:

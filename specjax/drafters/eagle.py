@@ -59,11 +59,12 @@ from specjax.drafters.residual_head import target_head
 from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
 from specjax.generate import over_backlog, over_chunks
 from specjax.kernels.accumulate import einsum_f32
-from specjax.kernels.packed import (PROJECTIONS, PackedWeight, dense, head_policy_of,
-                                    pack_under, policy_of, unpacked)
+from specjax.kernels.packed import (PROJECTIONS, PackedWeight, head_policy_of, pack_under,
+                                    policy_of, unpacked)
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, cast_params, compute_dtype, init_params, rms_norm, run_layers
 from specjax.sampling import Sampler, sample_subset
+from specjax.sharding import dense
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
