@@ -156,6 +156,8 @@ def _check(report: dict, meshes: str, sampled: bool = True, greedy=GREEDY_CASES)
     assert not r["whole_weights_gathered"], (name, r["whole_weights_gathered"])
     if not name.startswith("1x"):  # generate and the decoder refuse an odd batch
       assert r["odd_batch_refused"], name
+    if report["exact"]:
+      continue  # the kernels' checks below run once, under the default rules
     # The attention kernels under shard_map: one device's output, the cache not gathered.
     kernels = r["attention_kernels"]
     assert {"cpu", "pallas_gpu_interpret"} <= set(kernels), (name, kernels)
