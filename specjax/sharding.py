@@ -295,30 +295,30 @@ def _shard_exact(params: Any, mesh, rules: ShardingRules, target: bool = True) -
 
 def dense(x: jax.Array, w: Any) -> jax.Array:
   """``kernels.packed.dense`` (x [..., K] @ w [K, N]), and on a mesh of more than one device
-  the streaming kernel of a packed weight per device: each device multiplies its rows (over
-  "batch") by its column panels (over "columns") with the kernel, over the whole K, and the
-  outputs are all-gathered over the columns' axis (inside ``jax.shard_map``, since GSPMD
-  would gather the weight itself around a custom call). Every output element is then
-  computed as on one device: the result does not depend on the mesh. Panels the axis does
-  not divide stay whole on each device. Plain weights and the row counts a packed weight's
-  policy gives to XLA's dot go to ``kernels.packed.dense`` (GSPMD partitions them)."""
-  lead, k = x.shape[:-1], x.shape[-1]
-  rows = int(np.prod(lead))
-  if not (isinstance(w, PackedWeight) and multi_device() and w.policy.use_kernel(rows)):
-    return packed_dense(x, w)
+  a packed weight's kernel products per device (``_per_device_kernel``): the result does not
+  depend on the mesh. Plain weights and the row counts a packed weight's policy gives to
+  XLA's dot are partitioned by GSPMD."""
+  if isinstance(w, PackedWeight) and multi_device():
+    return packed_dense(x, w, kernel=_per_device_kernel)
+  return packed_dense(x, w)
+
+
+def _per_device_kernel(x: jax.Array, w: PackedWeight) -> jax.Array:
+  """x [M, K] @ packed ``w`` on the active mesh: each device multiplies its rows (over
+  "batch") by its column panels (over "columns") with the streaming kernel over the whole K,
+  and the outputs are all-gathered over the columns' axis (inside ``jax.shard_map``: GSPMD
+  would gather the weight itself around a custom call). Every output element is computed as
+  on one device. Rows or panels the axis does not divide stay whole on each device."""
   mesh, rules = _active_or_abstract()
-  row_axis = _dividing_axis(mesh, rules, "batch", rows)
+  row_axis = _dividing_axis(mesh, rules, "batch", x.shape[0])
   col_axis = _dividing_axis(mesh, rules, "columns", w.panels.shape[0])
-  prefetch = w.policy.prefetch_at(rows // (dict(mesh.shape)[row_axis] if row_axis else 1))
 
   def local(xs, panels):
-    y = sm.streaming_matmul(xs, panels, prefetch=prefetch)
+    y = sm.streaming_matmul(xs, panels, prefetch=w.policy.prefetch_at(xs.shape[0]))
     return jax.lax.all_gather(y, col_axis, axis=1, tiled=True) if col_axis else y
 
-  y = jax.shard_map(local, mesh=mesh, in_specs=(P(row_axis, None), P(col_axis, None, None)),
-                    out_specs=P(row_axis, None), check_vma=False)(
-                        x.reshape(rows, k).astype(w.panels.dtype), w.panels)
-  return y[:, :w.n].reshape(*lead, w.n)
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(row_axis, None), P(col_axis, None, None)),
+                       out_specs=P(row_axis, None), check_vma=False)(x, w.panels)
 
 
 def place(x: Any, where: NamedSharding) -> jax.Array:

@@ -13,7 +13,7 @@ plain ones.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -94,8 +94,18 @@ def uses_kernel(w: Any, rows: int) -> bool:
   return isinstance(w, PackedWeight) and w.policy.use_kernel(rows)
 
 
-def dense(x: jax.Array, w: Any) -> jax.Array:
+def streaming(x: jax.Array, w: PackedWeight) -> jax.Array:
+  """x [M, K] float32 @ a packed ``w`` -> [M, P * W]: the kernel, prefetching as ``w``'s
+  policy says for M rows (``dense``'s default ``kernel``)."""
+  return sm.streaming_matmul(x, w.panels, prefetch=w.policy.prefetch_at(x.shape[0]))
+
+
+def dense(x: jax.Array, w: Any,
+          kernel: Callable[[jax.Array, PackedWeight], jax.Array] = streaming) -> jax.Array:
   """x [..., K] @ w [K, N] -> [..., N], for a plain or packed ``w``.
+
+  ``kernel`` computes the products the policy gives the kernel, x [M, K] float32 by the
+  packed weight -> [M, P * W] (``sharding.dense`` passes one that runs it per device).
 
   Plain weights go through ``accumulate.einsum_f32``, which owns the precision rule: float32
   products in full float32 (not a GPU's TF32 or a TPU's one bfloat16 pass, which could flip
@@ -113,8 +123,7 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
     # No plain copy (a tied head, or a weight packed for the kernel only):
     # the reference contraction over the panels, correct if slower.
     return sm.reference(x.reshape(rows, k), w.panels)[:, :w.n].reshape(*lead, w.n)
-  y = sm.streaming_matmul(x.reshape(rows, k).astype(jnp.float32), w.panels,
-                         prefetch=w.policy.prefetch_at(rows))
+  y = kernel(x.reshape(rows, k).astype(jnp.float32), w)
   if y.shape[1] != w.n:
     y = y[:, :w.n]
   return y.reshape(*lead, w.n)
