@@ -191,8 +191,8 @@ def main(_):
   measured = {t: float(np.median(r)) for t, r in runs.items()}
   breakdown = {t: op_times(f, f.hlo_text()) for t, f in fns.items()} if PROFILE.value else {}
   # Measured again after the forwards: a shared host's bandwidth drifts (2-core Zen 4 hosts
-  # read 43.2 GB/s in one session, 27.8-29.8 in another), and a bound taken at another
-  # moment than the forwards would show as a gap that is not the forward's.
+  # read 43.2 GB/s at e3f9944 and 30.8-33.2 at f3a5c9d: benchmarks/results/roofline_*), and
+  # a bound taken at another moment than the forwards shows as a gap that is not theirs.
   after = measure_bandwidth(BANDWIDTH_MIB.value)
   drift = max(after.values()) / bandwidth
   bandwidth = max(bandwidth, max(after.values()))

@@ -430,7 +430,8 @@ def test_lookahead_is_timed_by_draft_free_not_the_default_table3():
   leaves it out; draft_free times it."""
   config = ExperimentConfig()
   assert "lookahead" not in config.alpha_drafts
-  assert "lookahead" in config.draft_free_drafts and set(config.draft_free_drafts) <= set(DRAFT_FREE)
+  assert "lookahead" in config.draft_free_drafts
+  assert set(config.draft_free_drafts) <= set(DRAFT_FREE)
 
 
 # ------------------------------------------------------------------ checks (flagging rule)

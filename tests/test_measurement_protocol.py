@@ -146,7 +146,8 @@ def test_checks_count_the_category_figures_still_flagged_beside_the_settings():
   rows = [row("all", []), row("qa", spread), row("chat", spread), row("code", []),
           row("qa", spread, experiment="temperature_sweep")]  # the same figure, reused
   text = "\n".join(report._flag_section(rows))
-  assert "No setting is flagged" in text and "2 per-category figure(s) of the measured settings still flagged" in text
+  assert "No setting is flagged" in text
+  assert "2 per-category figure(s) of the measured settings still flagged" in text
   assert "per-category" not in "\n".join(report._flag_section(rows[:1] + rows[3:4]))
   rows[0]["flags"] = spread
   text = "\n".join(report._flag_section(rows))
