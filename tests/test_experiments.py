@@ -526,6 +526,13 @@ def test_attention_dispatch_benchmark_rejects_bad_flags_before_building():
            (["--tokens=x"], "--tokens takes integers"))
 
 
+def test_exact_sharding_benchmark_rejects_bad_flags_before_loading():
+  _refuses("exact_sharding", (["--meshes=3x3"], "needs 9 devices"),
+           (["--meshes=2"], "want DATAxMODEL"),
+           (["--meshes=2x1", "--batch=3"], "does not divide"),
+           (["--repeats=0"], "--repeats must be >= 1"))
+
+
 def test_roofline_benchmark_rejects_bad_flags_before_loading():
   _refuses("roofline", (["--tokens=2,4"], "--tokens must include 1"),
            (["--tokens=0,1"], "--tokens must list integers >= 1"),
