@@ -80,6 +80,10 @@ class ExperimentConfig:
       setting's speedup (over all batches or one category's) spreads more than
       10% over the rounds so far (``checks.unsteady``); such a round times just
       those settings on just those groups' batches. 0 turns this off.
+    workers: programs compiled, or untimed runs made, at a time (threads): the first calls
+      of a group of timed settings, before any is timed, and the Table-3 drafts' untimed α
+      runs, whose compiling then overlaps another's decoding. Changes no measured figure
+      (a resumed run may change it); 1 runs them one after another.
     stop_at_eos: stop rows at EOS. Off by default: every row then generates
       exactly max_new_tokens with both methods, so speedups are plain time ratios.
     fresh: ignore a partial run of the same config in ``out`` and start over
@@ -133,6 +137,7 @@ class ExperimentConfig:
   phase_seconds: float = 0.1
   repeats: int = 2
   extra_rounds: int = 1
+  workers: int = 2
   stop_at_eos: bool = False
   fresh: bool = False
   sweep_trees: tuple[tuple[int, int, int], ...] = ((4, 4, 4),)
@@ -197,7 +202,7 @@ class ExperimentConfig:
       raise ValueError("--experiment=draft_free has nothing to time: --draft_free_drafts is "
                        f"empty and --draft={self.draft} has a draft model")
     for name in ("num_prompts", "max_new_tokens", "batch_size", "alpha_gamma", "cost_steps",
-                 "repeats", "calibration_prompts"):
+                 "repeats", "calibration_prompts", "workers"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
     from specjax.speculative.block_verification import VERIFICATIONS

@@ -4,7 +4,8 @@ Protocol, for a group of (draft, γ or tree) settings at one sampler (``Bench.sp
 the γ sweep at one temperature, the tree sweep's jobs at one temperature, or one setting):
   1. compile: one call with ``max_new_tokens=1`` on the first batch, for each
      method (budgets are arrays and every batch has the same shape and cache
-     size, so this is the program that is then timed);
+     size, so this is the program that is then timed), ``config.workers`` at a
+     time, all before the first timed call;
   2. ``repeats`` interleaved rounds, then one more at a time (``extra_rounds`` at
      most) for just the settings whose speedup over all batches or over one
      category's spreads more than ``checks.SPREAD_BOUND``, on just the batches of
@@ -47,11 +48,13 @@ sampled again on another machine or JAX version, they could differ, and the poli
 settings they enter with them, which would then be timed again).
 Runs that are not timed (α of the Table-3 drafts) use mixed-category batches
 of up to 16 rows: fewer sequential steps, and α needs no timing. At T = 0 they
-are replayed against the target's greedy continuations (``Bench._untimed``).
+are replayed against the target's greedy continuations (``Bench._untimed``). They run
+``config.workers`` at a time (``Bench.untimed_many``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -110,7 +113,8 @@ class SpecRun:
       None for an added round that left batches out).
     plain_step_seconds: [rounds] t₁, plain seconds per step (likewise).
     costs: the draft's phase costs (``Bench.draft_cost``), timed runs.
-    compile_seconds: the first (compiling) speculative call, when timed.
+    compile_seconds: the first (compiling) speculative call, when timed (the group's first
+      calls run ``config.workers`` at a time, so these overlap).
     load_average: the load averages (``load_average()``) before and after the setting.
     first_flags: why the setting's rounds were measured twice (empty: measured once).
     replayed: an untimed greedy run replayed against the target's greedy continuations
@@ -448,10 +452,43 @@ class Bench:
     else:
       runs = [self._untimed(draft, g, tree, temperature, calls[(g, tree)]) for g, tree in todo]
     for run in runs:
-      self._store(run)
-      if self.log is not None:
-        self.log.append({"run": run.to_record()})
+      self._store_and_log(run)
     return [self._specs[key(*s)] for s in settings]
+
+  def untimed_many(self, jobs: Sequence[tuple[Draft, int, Optional[tuple], float]],
+                   desc: str = "untimed runs") -> None:
+    """Runs the ``(draft, γ, tree, T)`` jobs that have no run yet, untimed,
+    ``config.workers`` at a time in threads, and stores (and logs) each in job order.
+
+    Nothing is timed, so nothing is lost by sharing the cores, and one job's compiling (XLA
+    releases the GIL) overlaps another's decoding. Each job's tokens and counters are those
+    of a run alone: its seeds are its own, and the kernels give one result whatever else
+    runs (``specjax/kernels/parallel_for.h``); tests/test_measurement_protocol.py compares
+    the records of one and two workers.
+    """
+    key = lambda job: (job[0].name, job[1], job[3], job[2])  # as ``_specs`` keys runs
+    todo = list({key(j): j for j in jobs if key(j) not in self._specs}.values())
+    if not todo:
+      return
+    replays = [self.decoder(d, g, t, tree).tree.max_depth for d, g, tree, t in todo
+               if self._replays(d, tree, t)]
+    if replays:  # computed here, once, not by racing threads
+      self.greedy_continuations(self.config.max_new_tokens + max(replays))
+    run = lambda job: self._untimed(*job, self._call(self.decoder(job[0], job[1], job[3],
+                                                                  job[2]), job[0]))
+    for result in tqdm.tqdm(_concurrently(run, todo, self.config.workers), total=len(todo),
+                            desc=desc, unit="run"):
+      self._store_and_log(result)
+
+  def _store_and_log(self, run: SpecRun) -> None:
+    self._store(run)
+    if self.log is not None:
+      self.log.append({"run": run.to_record()})
+
+  def _replays(self, draft: Draft, tree: Optional[tuple], temperature: float) -> bool:
+    """Whether an untimed run is replayed against the greedy continuations (``_untimed``)."""
+    return (temperature == 0 and not draft.drafter.reads_target_predictions()
+            and policy_of(tree) is None)
 
   def _untimed(self, draft: Draft, gamma: int, tree: Optional[tuple], temperature: float,
                call: Callable) -> SpecRun:
@@ -460,8 +497,7 @@ class Bench:
     ``call`` gives, at the drafter's cost, with no verification forwards (except for drafters
     that read the target's whole block, which run for real)."""
     budget, batches = self.config.max_new_tokens, self.untimed_batches
-    replay = (temperature == 0 and not draft.drafter.reads_target_predictions()
-              and policy_of(tree) is None)
+    replay = self._replays(draft, tree, temperature)
     if replay:
       dec = self.decoder(draft, gamma, temperature, tree)
       conts = self.greedy_continuations(budget + dec.tree.max_depth)
@@ -500,11 +536,12 @@ class Bench:
                    compile_cache.memory_mappings(), compile_cache.mapping_limit())
       plain(first, 1, self.config.seed)  # compiled again before anything is timed
     load_before = load_average()
-    compile_s = []
-    for _, _, call in settings:
+    def compile_one(call: Callable) -> float:
       start = time.perf_counter()
       call(first, 1, self.config.seed)
-      compile_s.append(time.perf_counter() - start)
+      return time.perf_counter() - start
+    compile_s = list(_concurrently(compile_one, [call for _, _, call in settings],
+                                   self.config.workers))
     runs = self._rounds(draft, temperature, plain, settings)
     self._add_costs(draft, temperature, runs)
     for run in runs:
@@ -693,6 +730,17 @@ class Bench:
 
   def runs(self) -> list[SpecRun]:
     return list(self._specs.values())
+
+
+def _concurrently(fn: Callable, items: Sequence[Any], workers: int):
+  """Yields ``fn(item)`` for each item, in order, computed ``workers`` at a time in threads
+  (XLA compiles and runs with the GIL released); the first exception is raised."""
+  if workers == 1 or len(items) <= 1:
+    yield from map(fn, items)
+    return
+  with concurrent.futures.ThreadPoolExecutor(min(workers, len(items))) as pool:
+    for future in [pool.submit(fn, item) for item in items]:
+      yield future.result()
 
 
 def _jsonable(x: Any) -> Any:

@@ -1,7 +1,7 @@
 """The run's log of finished measurements: written as it goes, reread to resume.
 
 ``--out/progress.jsonl`` holds one JSON object per line: first a header (the
-config, every field but ``out`` and ``fresh``, and the git commit), then one
+config, every field but ``out``, ``fresh`` and ``workers``, and the git commit), then one
 record per finished measurement, appended and flushed the moment it ends. A
 run that is interrupted keeps every setting it finished.
 
@@ -23,7 +23,7 @@ from absl import logging
 from experiments.config import ExperimentConfig
 
 LOG_NAME = "progress.jsonl"
-NOT_COMPARED = ("out", "fresh")  # fields that do not change what is measured
+NOT_COMPARED = ("out", "fresh", "workers")  # fields that do not change what is measured
 
 
 def header(config: ExperimentConfig, commit: Optional[str]) -> dict[str, Any]:

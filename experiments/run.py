@@ -69,6 +69,9 @@ flags.DEFINE_integer("repeats", DEFAULT.repeats,
                      "Interleaved timing rounds per setting (plain then "
                      "speculative on every batch); the median round is reported with the "
                      "spread.")
+flags.DEFINE_integer("workers", DEFAULT.workers,
+                     "Programs compiled (before anything is timed), or untimed α runs made, "
+                     "at a time; 1: one after another. Changes no measured figure.")
 flags.DEFINE_integer("extra_rounds", DEFAULT.extra_rounds,
                      "Up to this many rounds are added, one at a time, "
                      "while a setting's speedup (overall or one category's) spreads > 10% "
@@ -122,7 +125,7 @@ def config_from_flags() -> config_lib.ExperimentConfig:
       alpha_drafts=config_lib.parse_names(FLAGS.alpha_drafts),
       draft_free_drafts=config_lib.parse_names(FLAGS.draft_free_drafts),
       cost_steps=FLAGS.cost_steps, phase_seconds=FLAGS.phase_seconds, repeats=FLAGS.repeats,
-      extra_rounds=FLAGS.extra_rounds,
+      extra_rounds=FLAGS.extra_rounds, workers=FLAGS.workers,
       stop_at_eos=FLAGS.stop_at_eos, fresh=FLAGS.fresh,
       sweep_trees=config_lib.parse_trees(FLAGS.sweep_trees, "sweep_trees"),
       tree_budgets=config_lib.parse_ints(FLAGS.tree_budgets, "tree_budgets"),

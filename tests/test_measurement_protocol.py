@@ -3,6 +3,7 @@ unsteady settings and batches, one plain baseline per round, re-measurement, res
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -292,6 +293,52 @@ def test_untimed_greedy_runs_are_replayed_with_the_real_runs_tokens_and_counters
   for got, want in zip(greedy.counters, real["counters"]):
     for name in want:
       np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_untimed_runs_in_two_threads_log_what_one_thread_logs(tmp_path, monkeypatch):
+  """Bench.untimed_many (the Table-3 α runs, config.workers at a time) stores and logs each
+  job's run in job order, with the tokens and counters of one run at a time; the greedy
+  continuations the replayed jobs share are computed once, before the threads start; jobs
+  already run are skipped. --workers changes nothing a resumed run must match."""
+  import threading
+  from experiments import progress
+  from experiments.measure import Bench
+  from experiments.models import load_draft, load_target
+  from experiments.prompts import default_prompts, make_batches
+  target = load_target("tiny")
+  batches = make_batches(default_prompts(4), target.encode, 1)
+  drafts = [load_draft(n, target, lambda: [[1, 2, 3, 1, 2]]) for n in ("tiny", "bigram")]
+  jobs = [(d, g, None, t) for d in drafts for g in (2, 3) for t in (0.0, 1.0)]
+  logs, threads = {}, {}
+  for workers in (1, 2):
+    config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=4, max_new_tokens=6,
+                              out=str(tmp_path / str(workers)), workers=workers)
+    os.makedirs(config.out)
+    bench = Bench(target, batches, config, progress.ProgressLog(
+        config.out, progress.header(config, "abc")))
+    real = bench._untimed
+    seen = threads[workers] = set()
+    monkeypatch.setattr(bench, "_untimed", lambda *a: seen.add(threading.get_ident())
+                        or real(*a))
+    continuations = []
+    real_conts = bench.greedy_continuations
+    monkeypatch.setattr(bench, "greedy_continuations",
+                        lambda n: continuations.append(n) or real_conts(n))
+    bench.untimed_many(jobs[:3])
+    bench.untimed_many(jobs)  # the first three are not run again
+    # the longest is asked first (6 new tokens + the deepest replayed chain), so no thread
+    # asks for more and computes them again
+    assert continuations[0] == 6 + 3 and max(continuations) == 6 + 3
+    logs[workers] = [json.loads(line)["run"] for line in list(open(bench.log.path))[1:]]
+  assert len(threads[1]) == 1 and len(threads[2]) == 2
+  assert [(r["draft"], r["gamma"], r["temperature"]) for r in logs[2]] == [
+      (d.name, g, t) for d, g, _, t in jobs]
+  assert logs[1] == logs[2]
+  assert {r["replayed"] for r in logs[2]} == {True, False}
+  one = ExperimentConfig(target="tiny", workers=1)
+  assert progress.header(one, "abc") == progress.header(ExperimentConfig(target="tiny"), "abc")
+  with pytest.raises(ValueError, match="--workers must be >= 1"):
+    ExperimentConfig(target="tiny", workers=0)
 
 
 def test_a_draft_phase_timed_at_or_below_zero_is_flagged_and_predicts_nothing(tmp_path,
