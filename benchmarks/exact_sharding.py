@@ -4,8 +4,8 @@ Usage:
   python -m benchmarks.exact_sharding [--meshes=1x2,2x1,4x2] [--batch=8] [--new_tokens=32]
       [--sampled_tokens=24] [--repeats=3] [--out=benchmarks/results/exact_sharding.md]
 
-Runs on ``--devices`` simulated CPU devices (it sets
-``XLA_FLAGS=--xla_force_host_platform_device_count`` before jax loads, so run it in a
+Runs on 8 simulated CPU devices (it adds
+``--xla_force_host_platform_device_count=8`` to ``XLA_FLAGS`` before jax loads, so run it in a
 process of its own). SmolLM2 packed for the streaming kernel at every row count
 (``load_model(packed=True)``), on one device and on each mesh under the default rules
 (Megatron: unpacked weights, XLA's dot, partial sums across devices) and under
@@ -17,6 +17,7 @@ cores: the times say what a mesh costs on one CPU, not how a real mesh scales.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -71,37 +72,33 @@ def main(_):
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(1, 2000, size=PROMPT_TOKENS.value)) for _ in range(BATCH.value)]
 
-  def decode(p, n, sampler=None):
+  def decode(setting, n, sampler=None):
+    """Tokens of ``n`` new ones per prompt under a (mesh, rules, params) setting."""
+    mesh, rules, p = setting
     kw = dict(sampler=sampler, seed=3) if sampler else {}
-    return np.asarray(generate(p, cfg, prompts, n, eos_ids=(), **kw).tokens)
+    with contextlib.ExitStack() as stack:
+      if mesh is not None:
+        stack.enter_context(sharding.use_mesh(mesh, rules))
+      return np.asarray(generate(p, cfg, prompts, n, eos_ids=(), **kw).tokens)
 
-  reference = {"greedy": decode(params, SAMPLED_TOKENS.value),
-               "sampled": decode(params, SAMPLED_TOKENS.value, Sampling(1.0))}
-  settings = {("one device", "–"): (None, None, params)}
+  def compared(setting):
+    return {"greedy": decode(setting, SAMPLED_TOKENS.value),
+            "sampled": decode(setting, SAMPLED_TOKENS.value, Sampling(1.0))}
+
+  one_device = ("one device", "–")
+  settings = {one_device: (None, None, params)}
   for (data, model) in meshes:
     mesh = sharding.make_mesh(data, model)
     for name, rules in RULES.items():
       settings[(name, f"{data}x{model}")] = (mesh, rules,
                                              sharding.shard_params(params, cfg, mesh, rules))
-
-  def call(mesh, rules, p, fn):
-    if mesh is None:
-      return fn(p)
-    with sharding.use_mesh(mesh, rules):
-      return fn(p)
-
-  rows = []
-  for key, (mesh, rules, p) in settings.items():
-    if mesh is None:
-      continue
-    same = {kind: call(mesh, rules, p, lambda q: decode(
-        q, SAMPLED_TOKENS.value, Sampling(1.0) if kind == "sampled" else None))
-        for kind in reference}
-    rows.append((key, {k: int((v != reference[k]).sum()) for k, v in same.items()}))
-  times = interleaved_times({key: (lambda s=s: call(s[0], s[1], s[2], lambda q: decode(
-      q, NEW_TOKENS.value))) for key, s in settings.items()}, REPEATS.value)
+  reference = compared(settings[one_device])
+  rows = [(key, {k: int((v != reference[k]).sum()) for k, v in compared(s).items()})
+          for key, s in settings.items() if key != one_device]
+  times = interleaved_times({key: (lambda s=s: decode(s, NEW_TOKENS.value))
+                             for key, s in settings.items()}, REPEATS.value)
   median = {key: float(np.median(t)) for key, t in times.items()}
-  one = median[("one device", "–")]
+  one = median[one_device]
   tokens = BATCH.value * SAMPLED_TOKENS.value
   write_markdown(OUT.value, [
       "# Exact versus Megatron tensor parallelism on simulated CPU devices (SmolLM2-135M)",

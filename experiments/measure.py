@@ -439,10 +439,8 @@ class Bench:
     The timed settings that are not cached are measured together, in shared
     interleaved rounds (module docstring); each is logged as it is stored.
     """
-    key = lambda g, tree: (draft.name, g, temperature, tree)
-
     def cached(setting) -> bool:
-      run = self._specs.get(key(*setting))
+      run = self.stored(draft, *setting, temperature)
       return run is not None and (run.timed or not timed)
 
     todo = [s for s in dict.fromkeys(settings) if not cached(s)]
@@ -453,7 +451,7 @@ class Bench:
       runs = [self._untimed(draft, g, tree, temperature, calls[(g, tree)]) for g, tree in todo]
     for run in runs:
       self._store_and_log(run)
-    return [self._specs[key(*s)] for s in settings]
+    return [self.stored(draft, *s, temperature) for s in settings]
 
   def untimed_many(self, jobs: Sequence[tuple[Draft, int, Optional[tuple], float]],
                    desc: str = "untimed runs") -> None:
@@ -464,10 +462,11 @@ class Bench:
     releases the GIL) overlaps another's decoding. Each job's tokens and counters are those
     of a run alone: its seeds are its own, and the kernels give one result whatever else
     runs (``specjax/kernels/parallel_for.h``); tests/test_measurement_protocol.py compares
-    the records of one and two workers.
+    the records of one and two workers on the tiny model, and
+    experiments/results/avx512_zen4/README.md#workers-ab on SmolLM2 (with what it saves).
     """
-    key = lambda job: (job[0].name, job[1], job[3], job[2])  # as ``_specs`` keys runs
-    todo = list({key(j): j for j in jobs if key(j) not in self._specs}.values())
+    todo = list({(d.name, g, tree, t): (d, g, tree, t) for d, g, tree, t in jobs
+                 if self.stored(d, g, tree, t) is None}.values())
     if not todo:
       return
     replays = [self.decoder(d, g, t, tree).tree.max_depth for d, g, tree, t in todo
@@ -723,9 +722,14 @@ class Bench:
                    self.log.path if self.log is not None else "this run")
     return self._calibrations[key]
 
+  def stored(self, draft: Draft, gamma: int, tree: Optional[tuple],
+             temperature: float) -> Optional[SpecRun]:
+    """The run of a setting measured in this run or reused from its log, if any."""
+    return self._specs.get((draft.name, gamma, temperature, tree))
+
   def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
                 temperature: float) -> bool:
-    run = self._specs.get((draft.name, gamma, temperature, tree))
+    run = self.stored(draft, gamma, tree, temperature)
     return run is not None and run.timed
 
   def runs(self) -> list[SpecRun]:
