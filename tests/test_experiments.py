@@ -1212,3 +1212,27 @@ def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_ch
   assert default.prior_alpha == 0.5 and asked == [0.0, 1.0]  # not re-measured
   with pytest.raises(FileNotFoundError, match="no such file"):
     sweep_policies(str(tmp_path / "missing.json"), [1.0])
+
+
+def test_xla_flags_benchmark_refuses_bad_sets_and_counts_the_bits_that_differ(benchmark_module):
+  """benchmarks.xla_flags: a reference and at least one set, every flag an --xla_... one, no
+  set twice (before any process starts); its comparison counts arrays not bit for bit equal
+  (ints and floats), takes the largest float difference, treats -inf padding in the same
+  places as equal, and refuses workloads that wrote different arrays."""
+  bench = benchmark_module("xla_flags")
+  assert bench.parse_flag_sets(" ; --xla_a=1 --xla_b=2") == ["", "--xla_a=1 --xla_b=2"]
+  assert bench.parse_flag_sets(bench.FLAG_SETS.default)[0] == ""  # the default's reference
+  for bad, message in (("", "needs a reference"), (";-O2", "not an --xla_"),
+                       (";--xla_a=1;--xla_a=1", "repeats a set")):
+    with pytest.raises(SystemExit, match=message):
+      bench.parse_flag_sets(bad)
+  lp = np.array([[-0.5, -np.inf], [-1.0, -np.inf]], np.float32)
+  ref = dict(ids=np.array([3, 4]), logp=lp)
+  assert bench.compare(ref, dict(ids=np.array([3, 4]), logp=lp.copy())) == dict(
+      arrays=2, differ=0, max_diff=0.0)
+  moved = lp.copy()
+  moved[1, 0] = -0.75
+  d = bench.compare(ref, dict(ids=np.array([3, 5]), logp=moved))
+  assert d == dict(arrays=2, differ=2, max_diff=0.25)
+  with pytest.raises(ValueError, match="different arrays"):
+    bench.compare(ref, dict(ids=np.array([3, 4])))
