@@ -187,7 +187,7 @@ def main(_):
   from specjax.loaders import load_model  # builds the float32 weights cache if missing
   load_model()
   lines = ["# XLA flags: compile time and bit equality", "",
-           f"Command: `python -m benchmarks.xla_flags --flag_sets '{FLAG_SETS.value}'`  ",
+           f"Command: `{' '.join(['python -m benchmarks.xla_flags', *sys.argv[1:]])}`  ",
            provenance() + ".", "",
            "XLA's backend compile seconds of each part of one workload (benchmarks/xla_flags.py"
            "'s docstring), one fresh process per flag set; SmolLM2's first `generate` call "
