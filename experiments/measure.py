@@ -437,20 +437,21 @@ class Bench:
     (``tree``: None for a chain of γ, else see ``SpecRun.tree``).
 
     The timed settings that are not cached are measured together, in shared
-    interleaved rounds (module docstring); each is logged as it is stored.
+    interleaved rounds (module docstring); untimed ones go through ``untimed_many``. Each
+    is logged as it is stored.
     """
     def cached(setting) -> bool:
       run = self.stored(draft, *setting, temperature)
       return run is not None and (run.timed or not timed)
 
     todo = [s for s in dict.fromkeys(settings) if not cached(s)]
-    calls = {s: self._call(self.decoder(draft, s[0], temperature, s[1]), draft) for s in todo}
     if timed and todo:
-      runs = self._timed(draft, temperature, [(g, tree, calls[(g, tree)]) for g, tree in todo])
-    else:
-      runs = [self._untimed(draft, g, tree, temperature, calls[(g, tree)]) for g, tree in todo]
-    for run in runs:
-      self._store_and_log(run)
+      calls = [(g, tree, self._call(self.decoder(draft, g, temperature, tree), draft))
+               for g, tree in todo]
+      for run in self._timed(draft, temperature, calls):
+        self._store_and_log(run)
+    elif todo:
+      self.untimed_many([(draft, g, tree, temperature) for g, tree in todo])
     return [self.stored(draft, *s, temperature) for s in settings]
 
   def untimed_many(self, jobs: Sequence[tuple[Draft, int, Optional[tuple], float]],
@@ -473,9 +474,8 @@ class Bench:
                if self._replays(d, tree, t)]
     if replays:  # computed here, once, not by racing threads
       self.greedy_continuations(self.config.max_new_tokens + max(replays))
-    run = lambda job: self._untimed(*job, self._call(self.decoder(job[0], job[1], job[3],
-                                                                  job[2]), job[0]))
-    for result in tqdm.tqdm(_concurrently(run, todo, self.config.workers), total=len(todo),
+    for result in tqdm.tqdm(_concurrently(lambda job: self._untimed(*job), todo,
+                                          self.config.workers), total=len(todo),
                             desc=desc, unit="run"):
       self._store_and_log(result)
 
@@ -489,21 +489,22 @@ class Bench:
     return (temperature == 0 and not draft.drafter.reads_target_predictions()
             and policy_of(tree) is None)
 
-  def _untimed(self, draft: Draft, gamma: int, tree: Optional[tuple], temperature: float,
-               call: Callable) -> SpecRun:
+  def _untimed(self, draft: Draft, gamma: int, tree: Optional[tuple],
+               temperature: float) -> SpecRun:
     """An untimed run on the mixed batches. At T = 0 it is replayed against the target's
     greedy continuations (``specjax.speculative.replay``): the same tokens and counters as
-    ``call`` gives, at the drafter's cost, with no verification forwards (except for drafters
-    that read the target's whole block, which run for real)."""
+    decoding gives, at the drafter's cost, with no verification forwards (except for
+    drafters that read the target's whole block, which run for real)."""
     budget, batches = self.config.max_new_tokens, self.untimed_batches
     replay = self._replays(draft, tree, temperature)
+    dec = self.decoder(draft, gamma, temperature, tree)
     if replay:
-      dec = self.decoder(draft, gamma, temperature, tree)
       conts = self.greedy_continuations(budget + dec.tree.max_depth)
       outs = [replay_greedy(dec, self.target.params, draft.params, b.ids, c, budget,
                             seed=self.config.seed + i, cache_size=self.cache_size)
               for i, (b, c) in enumerate(zip(batches, conts))]
     else:
+      call = self._call(dec, draft)
       outs = [call(b, budget, self.config.seed + i) for i, b in enumerate(batches)]
     return SpecRun(draft.name, gamma, temperature, tree=tree, replayed=replay,
                    **_spec_outputs(outs, batches))

@@ -111,8 +111,7 @@ def drafts_alpha(bench: Bench, drafts: Sequence[Draft]) -> list[dict]:
   """α of each draft at T=0 and T=1 (the paper's Table 3); untimed unless already timed."""
   g = bench.config.alpha_gamma
   jobs = [(d, own_setting(d, g), t) for d in drafts for t in SWEEP_TEMPERATURES]
-  bench.untimed_many([(d, *s, t) for d, s, t in jobs if not bench.has_timed(d, *s, t)],
-                     desc=f"drafts alpha (γ={g})")
+  bench.untimed_many([(d, *s, t) for d, s, t in jobs], desc=f"drafts alpha (γ={g})")
   rows = []
   for d, setting, t in jobs:
     rows += _rows(bench, "drafts_alpha", d, t, [setting], timed=bench.has_timed(d, *setting, t))
