@@ -46,7 +46,10 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("stage", "all", ["data", "train", "all"], "What to run.")
+flags.DEFINE_enum("stage", "all", ["data", "train", "all", "export", "import"], "What to run "
+                  "(export / import: the answers' corpus of these flags to / from --archive).")
+flags.DEFINE_string("archive", None, "export / import: a corpus archive (.npz, token ids only; "
+                    "specjax.distill.archive), e.g. experiments/corpora/<name>.npz.")
 flags.DEFINE_string("workdir", "/tmp/specjax_draft", "Checkpoints, logs and the final draft.")
 flags.DEFINE_string("cache_dir", None, "Corpus cache (default $SPECJAX_CACHE or ~/.cache/specjax).")
 # data
@@ -70,6 +73,9 @@ flags.DEFINE_integer("text_batch", 16, "Fixed text: sequences per teacher-forced
 flags.DEFINE_enum("corpus", "responses", ["responses", "text", "mix"], "Train stage: the "
                   "target's answers, fixed text (--text_tokens) or both.")
 flags.DEFINE_integer("data_seed", 0, "Seed of the prompt set and of sampled responses.")
+flags.DEFINE_list("also_data_seeds", [], "Train stage: train on the answers' corpora of these "
+                  "data seeds too (each built by the data stage, or imported from an archive, "
+                  "with the other flags the same); the held-out records stay --data_seed's.")
 flags.DEFINE_enum("prompt_set", "base", ["base", "extended"], "Prompt sources: stdlib docs and "
                   "templates, or those plus package docs, 250 chat topics and 32 request styles "
                   "(specjax.distill.data).")
@@ -168,17 +174,115 @@ def training_mesh():
   return mesh
 
 
-def corpus_dir() -> str:
-  from specjax.distill import teacher
-  from specjax.loaders.embedded import cache_dir, smollm2_config
-  base = FLAGS.cache_dir or cache_dir()
-  cfg = smollm2_config()
-  spec = dict(data_seed=FLAGS.data_seed, gen_batch=FLAGS.gen_batch, max_new=FLAGS.max_new_tokens,
+def corpus_spec(data_seed: int | None = None) -> dict:
+  """What keys the answers' corpus of these flags (its directory, an archive's spec), or of
+  another ``data_seed`` with the others."""
+  seed = FLAGS.data_seed if data_seed is None else data_seed
+  spec = dict(data_seed=seed, gen_batch=FLAGS.gen_batch, max_new=FLAGS.max_new_tokens,
               max_prompt=FLAGS.max_prompt_tokens, topk=FLAGS.topk, version=1)
   if FLAGS.prompt_set != "base" or FLAGS.self_instruct_per_topic:  # (earlier keys unchanged)
     spec.update(prompt_set=FLAGS.prompt_set, self_instruct=FLAGS.self_instruct_per_topic)
-  key = teacher.corpus_key(cfg, spec)
+  return spec
+
+
+def corpus_dir(data_seed: int | None = None) -> str:
+  from specjax.distill import teacher
+  from specjax.loaders.embedded import cache_dir, smollm2_config
+  base = FLAGS.cache_dir or cache_dir()
+  key = teacher.corpus_key(smollm2_config(), corpus_spec(data_seed))
   return os.path.join(base, "distill", key)
+
+
+def more_corpus_dirs() -> list[str]:
+  """The corpora of --also_data_seeds, refused unless each is finished."""
+  out = []
+  for seed in FLAGS.also_data_seeds:
+    if not seed.isdigit() or int(seed) == FLAGS.data_seed:
+      raise app.UsageError(f"--also_data_seeds: {seed!r} is not a data seed other than "
+                           f"--data_seed={FLAGS.data_seed}")
+    d = corpus_dir(int(seed))
+    if not os.path.exists(os.path.join(d, "spec.json")):
+      raise app.UsageError(f"--also_data_seeds: no finished corpus for --data_seed={seed} with "
+                           f"these flags ({d}): run the data stage with --data_seed={seed}, or "
+                           "import its archive (--stage=import)")
+    out.append(d)
+  return out
+
+
+# flag of each corpus_spec() key, for the errors that name them
+_SPEC_FLAGS = dict(data_seed="data_seed", gen_batch="gen_batch", max_new="max_new_tokens",
+                   max_prompt="max_prompt_tokens", topk="topk", prompt_set="prompt_set",
+                   self_instruct="self_instruct_per_topic")
+
+
+def check_archive_spec(path: str) -> dict:
+  """--archive's header, refused (naming the flags to change) unless it holds the corpus of
+  these flags: the one the train stage will read."""
+  from specjax.distill import archive
+  try:
+    header = archive.read_header(path)
+  except (OSError, ValueError) as e:
+    raise app.UsageError(f"--archive: {e}") from None
+  theirs, ours = header["spec"], corpus_spec()
+  if theirs != ours:
+    diff = [f"--{_SPEC_FLAGS.get(k, k)}={theirs.get(k)} (here {ours.get(k)})"
+            for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+    raise app.UsageError(f"--archive={path} holds the corpus of other flags; import it with "
+                         + ", ".join(diff))
+  return header
+
+
+def export_corpus() -> None:
+  """The answers' corpus of these flags into --archive, as token ids."""
+  from experiments import machine, report
+  from specjax import drafts
+  from specjax.distill import archive
+  from specjax.loaders import load_model_tokenizer
+  from specjax.loaders.embedded import smollm2_config
+  directory = corpus_dir()
+  if not os.path.exists(os.path.join(directory, "spec.json")):
+    raise app.UsageError(f"no finished corpus for these flags at {directory}: run the data "
+                         "stage with the same flags first")
+  info = dict(command="python -m experiments.train_draft " + " ".join(sys.argv[1:]),
+              git=report.git_revision(), cpu=machine.describe_cpu(machine.cpu_info()),
+              created=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+  header = archive.pack(directory, FLAGS.archive, cfg=smollm2_config(),
+                        tokenizer_sha256=drafts.tokenizer_fingerprint(load_model_tokenizer()),
+                        spec=corpus_spec(), info=info)
+  logging.info("archived %s into %s (%d bytes): %s", directory, FLAGS.archive,
+               os.path.getsize(FLAGS.archive), json.dumps(header["splits"]))
+
+
+def import_corpus(header: dict) -> None:
+  """--archive (its ``header`` checked against these flags) rebuilt into the corpus directory
+  of these flags: its stored top-k, or (an archive of ids only) the target's, teacher-forced."""
+  import tqdm
+  from specjax import drafts
+  from specjax.distill import archive
+  from specjax.loaders import load_model, load_model_tokenizer
+  from specjax.loaders.embedded import smollm2_config
+  sha = drafts.tokenizer_fingerprint(load_model_tokenizer())
+  try:
+    archive.check_target(header, smollm2_config(), sha, FLAGS.archive)
+  except ValueError as e:
+    raise app.UsageError(f"--archive: {e}") from None
+  cfg, params = smollm2_config(), None
+  if not header["stored_topk"]:  # ids only: the target scores them again
+    cfg, params = load_model()
+  bars = {}
+
+  def progress(split, i, n):
+    if split not in bars:
+      bars[split] = tqdm.tqdm(total=n, desc=f"restoring the archive's {split} shards")
+    bars[split].update(1)
+
+  start = time.time()
+  archive.restore(FLAGS.archive, corpus_dir(), cfg, tokenizer_sha256=sha, params=params,
+                  batch=FLAGS.feature_batch, progress=progress)
+  for bar in bars.values():
+    bar.close()
+  logging.info("corpus %s rebuilt from %s in %.0f s: %s", corpus_dir(), FLAGS.archive,
+               time.time() - start, json.dumps(header["splits"]))
 
 
 TEXT_PROMPT_TOKENS = 64  # fixed text: a longer request's document is skipped (most are
@@ -357,7 +461,11 @@ def run_train_stage(directory: str, workdir: str) -> None:
     k = json.load(f)["topk"]
   cfg, params = load_model()
   tok = load_model_tokenizer()
-  train_recs = teacher.load_corpus(directory, "train") if FLAGS.corpus != "text" else []
+  more_dirs = more_corpus_dirs()
+  train_recs = []
+  if FLAGS.corpus != "text":
+    for d in [directory] + more_dirs:
+      train_recs += teacher.load_corpus(d, "train")
   held = teacher.load_corpus(directory, "heldout")
   text_dir = None
   if FLAGS.corpus != "responses":  # (main checked that the data stage built it)
@@ -380,6 +488,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
                train_responses=len(train_recs), train_tokens=n_tok)
   if text_dir:  # (absent for the answers alone, so earlier runs still resume)
     setup.update(corpus_kind=FLAGS.corpus, text_corpus=text_dir)
+  if more_dirs:  # (absent when off, so earlier runs still resume)
+    setup.update(also_corpora=more_dirs)
   eagle_run = FLAGS.draft_kind == "eagle"
   medusa_run = FLAGS.draft_kind == "medusa"
   exit_run = FLAGS.draft_kind == "exit"
@@ -450,6 +560,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
     from specjax.distill import features
     # (the train records' features live with the corpus they come from)
     train_dir = directory if text_dir is None else os.path.join(text_dir, FLAGS.corpus)
+    if more_dirs:  # (records of several corpora: their features under the first)
+      train_dir = os.path.join(train_dir, "with_data_seeds_" + "_".join(FLAGS.also_data_seeds))
     for d, split, recs in ((train_dir, "train", train_recs), (directory, "heldout", held)):
       features.corpus_features(d, split, recs, params, cfg, FLAGS.feature_batch,
                                layers=feature_layers)
@@ -675,6 +787,16 @@ def main(argv):
       not os.path.exists(text_corpus_link(corpus_dir())):
     raise app.UsageError(f"--corpus={FLAGS.corpus} needs the fixed-text corpus: run the data "
                          "stage with --text_tokens first")
+  if FLAGS.stage in ("train", "all"):
+    more_corpus_dirs()  # (a missing one fails before the data stage runs)
+  if FLAGS.stage in ("export", "import"):
+    if not FLAGS.archive:
+      raise app.UsageError(f"--stage={FLAGS.stage} needs --archive")
+    if FLAGS.stage == "import":
+      import_corpus(check_archive_spec(FLAGS.archive))  # (checked before the model loads)
+    else:
+      export_corpus()
+    return
   directory = run_data_stage() if FLAGS.stage in ("data", "all") else corpus_dir()
   if FLAGS.stage in ("train", "all"):
     run_train_stage(directory, FLAGS.workdir)

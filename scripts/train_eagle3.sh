@@ -6,6 +6,10 @@
 #   scripts/train_eagle3.sh token WORKDIR2  # a token draft on the same corpus (its own workdir)
 #   scripts/train_eagle3.sh medusa WORKDIR3 # Medusa-1 heads on the same corpus (its own workdir)
 #   scripts/train_eagle3.sh exit WORKDIR4   # a trained early exit on the same corpus
+#   scripts/train_eagle3.sh export WORKDIR --archive=experiments/corpora/NAME.npz
+#   scripts/train_eagle3.sh import WORKDIR --archive=experiments/corpora/NAME.npz
+#                                           # the corpus as token ids, to commit / rebuilt
+#                                           # (same environment and flags as its data stage)
 #
 # data: the extended prompt set plus chat prompts the target writes itself; the
 # target answers each train prompt in several passes (greedy, then T=1), batched
@@ -31,8 +35,9 @@
 # The defaults are the accelerator run; every knob is an environment variable, so
 # the same command runs small on a CPU.
 set -euo pipefail
-stage=${1:?usage: train_eagle3.sh data|train|token|medusa|exit WORKDIR [extra train_draft flags]}
-workdir=${2:?usage: train_eagle3.sh data|train|token|medusa|exit WORKDIR [extra train_draft flags]}
+usage="usage: train_eagle3.sh data|train|token|medusa|exit|export|import WORKDIR [extra train_draft flags]"
+stage=${1:?$usage}
+workdir=${2:?$usage}
 shift 2
 DATA=(--prompt_set=extended --self_instruct_per_topic="${SELF_INSTRUCT:-4}"
       --gen_batch="${GEN_BATCH:-512}" --max_new_tokens="${MAX_NEW:-256}" --topk=1
@@ -41,8 +46,8 @@ DATA=(--prompt_set=extended --self_instruct_per_topic="${SELF_INSTRUCT:-4}"
       --prompt_passes="${PASSES:-40}" --gen_minutes="${GEN_MINUTES:-1e9}" --data_seed=0
       --text_tokens="${TEXT_TOKENS:-0}" --corpus="${CORPUS:-responses}")
 case "$stage" in
-  data)
-    python -m experiments.train_draft --stage=data "${DATA[@]}" --workdir="$workdir" "$@" ;;
+  data|export|import)
+    python -m experiments.train_draft --stage="$stage" "${DATA[@]}" --workdir="$workdir" "$@" ;;
   train)
     python -m experiments.train_draft --stage=train "${DATA[@]}" --workdir="$workdir" \
       --draft_kind=eagle --eagle_layers=1 --eagle_feature_layers=default --eagle_ttt_steps=3 \
@@ -76,5 +81,5 @@ case "$stage" in
       --warmup_steps="${WARMUP:-100}" --eval_every="${EVAL_EVERY:-250}" \
       --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
       --eval_records="${EVAL_RECORDS:-384}" "$@" ;;
-  *) echo "unknown stage $stage (data, train, token, medusa or exit)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (data, train, token, medusa, exit, export or import)" >&2; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 """experiments.train_draft end to end on the embedded target: the data stage, a trained
 exit, its resume, and a warm start (``--init_from``) on the grown corpus, from the run's
-workdir and from its draft directory alone.
+workdir and from its draft directory alone; a corpus exported as token ids, imported into
+another cache and trained on beside a second seed's (``--also_data_seeds``).
 
 Each command runs in a subprocess (the script's absl flags would collide with other entry
 points' in this process) with a tiny budget: a few 8-token answers, two optimizer steps.
@@ -94,3 +95,62 @@ def test_train_resume_and_warm_start_on_a_grown_corpus(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode != 0 and "trained another draft" in proc.stderr, source
     assert "exit_layer 1 there, 2 here" in proc.stderr
+
+
+def _refused(tmp_path, *flags):
+  proc = subprocess.run([sys.executable, "-m", "experiments.train_draft", *flags], cwd=ROOT,
+                        env=dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache")),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  return proc.stderr
+
+
+def test_corpus_flags_are_refused_before_the_model_loads(tmp_path):
+  from specjax.distill import archive, teacher
+  from specjax.loaders.embedded import smollm2_config
+  corpus = tmp_path / "corpus"
+  teacher.save_shard(teacher.shard_path(str(corpus), "train", 0),
+                     [dict(prompt=np.array([1, 2], np.int32), response=np.array([3], np.int32),
+                           topk_ids=np.zeros((1, 4), np.int32),
+                           topk_logp=np.zeros((1, 4), np.float32))], [dict(source="s")])
+  spec = dict(data_seed=3, gen_batch=2, max_new=8, max_prompt=96, topk=4, version=1)
+  path = str(tmp_path / "a.npz")
+  archive.pack(str(corpus), path, cfg=smollm2_config(), tokenizer_sha256="ab" * 32, spec=spec)
+  err = _refused(tmp_path, *TINY, "--stage=import", f"--archive={path}")
+  assert "import it with --data_seed=3 (here 0)" in err
+  assert "specjax matmul" not in err  # (what loading the target logs)
+  assert "no finished corpus for these flags" in _refused(
+      tmp_path, *TINY, "--stage=export", f"--archive={tmp_path / 'b.npz'}")
+  err = _refused(tmp_path, *TINY, "--stage=train", "--also_data_seeds=4")
+  assert "no finished corpus for --data_seed=4" in err and "specjax matmul" not in err
+
+
+@pytest.mark.heavy
+def test_a_corpus_exported_and_imported_elsewhere_trains_on_the_same_records(tmp_path):
+  from specjax.distill import teacher
+  path = tmp_path / "answers.npz"
+  _train_draft(tmp_path, "--stage=data", "--train_batches=2", f"--workdir={tmp_path / 'w'}")
+  _train_draft(tmp_path, "--stage=export", "--train_batches=2", f"--archive={path}")
+  # another machine: an empty cache, the same flags
+  elsewhere = tmp_path / "elsewhere"
+  _train_draft(elsewhere, "--stage=import", f"--archive={path}")
+  [src] = (tmp_path / "cache" / "distill").iterdir()
+  [out] = (elsewhere / "cache" / "distill").iterdir()
+  assert src.name == out.name  # the directory the train stage reads for these flags
+  for split in ("train", "heldout"):
+    a, b = teacher.load_corpus(str(src), split), teacher.load_corpus(str(out), split)
+    assert len(a) == len(b) == {"train": 4, "heldout": 2}[split]
+    for x, y in zip(a, b):
+      np.testing.assert_array_equal(x["response"], y["response"])
+      np.testing.assert_array_equal(x["topk_ids"], y["topk_ids"])  # (stored: --topk=4)
+      np.testing.assert_allclose(x["topk_logp"], y["topk_logp"], rtol=1e-3)  # (float16)
+
+  # corpora accumulate: a second seed's answers train beside the first's
+  _train_draft(elsewhere, "--stage=data", "--train_batches=1", "--data_seed=1",
+               f"--workdir={tmp_path / 'w'}")
+  workdir = tmp_path / "both"
+  _train_draft(elsewhere, "--stage=train", "--train_batches=2", "--also_data_seeds=1",
+               f"--workdir={workdir}")
+  setup = json.loads((workdir / "setup.json").read_text())
+  assert setup["train_responses"] == 4 + 2 and setup["corpus"] == str(out)
+  assert len(setup["also_corpora"]) == 1 and setup["also_corpora"][0] != str(out)

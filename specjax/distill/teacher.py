@@ -123,11 +123,15 @@ def generate_with_topk(params: Params, cfg: ModelConfig, prompts: Sequence[Seque
 # ---------------------------------------------------------------- on-disk corpus
 
 
+def target_shape(cfg: ModelConfig) -> dict:
+  """The target fields a corpus depends on (not repr(cfg), which grows new fields)."""
+  return {f: getattr(cfg, f) for f in ("name", "vocab_size", "dim", "num_layers", "num_heads",
+                                       "num_kv_heads", "ffn_dim", "rope_theta")}
+
+
 def corpus_key(cfg: ModelConfig, spec: dict) -> str:
-  """Cache key of a corpus: the target's shape (not repr(cfg), which grows new fields) + spec."""
-  target = {f: getattr(cfg, f) for f in ("name", "vocab_size", "dim", "num_layers", "num_heads",
-                                         "num_kv_heads", "ffn_dim", "rope_theta")}
-  blob = json.dumps({"target": target, **spec}, sort_keys=True, default=str)
+  """Cache key of a corpus: the target's shape (``target_shape``) + spec."""
+  blob = json.dumps({"target": target_shape(cfg), **spec}, sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -165,12 +169,16 @@ def load_corpus(directory: str, split: str) -> list[dict]:
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no distillation corpus at {directory}; run "
                             "`python -m experiments.train_draft --stage=data` first")
-  names = sorted(f for f in os.listdir(directory) if f.startswith(split + "-")
-                 and f.endswith(".npz") and ".tmp" not in f)
   recs = []
-  for n in names:
+  for n in shard_names(directory, split):
     recs += load_shard(os.path.join(directory, n))
   return recs
+
+
+def shard_names(directory: str, split: str) -> list[str]:
+  """The file names of ``split``'s whole shards in ``directory``, in order."""
+  return sorted(f for f in os.listdir(directory) if f.startswith(split + "-")
+                and f.endswith(".npz") and ".tmp" not in f)
 
 
 def shard_path(directory: str, split: str, i: int) -> str:
