@@ -124,3 +124,26 @@ def test_a_corpus_with_a_missing_shard_is_not_packed(corpus, tmp_path):
     archive.pack(str(holed), str(tmp_path / "a.npz"), cfg=cfg, tokenizer_sha256=SHA,
                  spec=_spec(k))
 
+
+@pytest.mark.real_model
+def test_the_committed_archives_hold_the_embedded_targets_answers():
+  """What experiments/corpora/ ships restores for the embedded target: the header names its
+  shape and tokenizer, the records are the counts it claims, and the README lists each."""
+  from specjax import drafts
+  from specjax.loaders import load_model_tokenizer
+  from specjax.loaders.embedded import smollm2_config
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "corpora")
+  paths = sorted(f for f in os.listdir(root) if f.endswith(".npz"))
+  assert paths, "experiments/corpora/ holds no archive"
+  readme = open(os.path.join(root, "README.md")).read()
+  sha = drafts.tokenizer_fingerprint(load_model_tokenizer())
+  for name in paths:
+    header = archive.read_header(os.path.join(root, name))
+    archive.check_target(header, smollm2_config(), sha, name)
+    assert name in readme and header["info"]["command"], name
+    for split in archive.SPLITS:
+      shards = archive.records(os.path.join(root, name), split)
+      assert len(shards) == header["splits"][split]["shards"], (name, split)
+      assert sum(len(r["response"]) for s in shards for r in s) == \
+          header["splits"][split]["response_tokens"], (name, split)
