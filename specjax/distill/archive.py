@@ -5,10 +5,11 @@ A corpus of the target's answers (``teacher.build_corpus``) costs the target's g
 time: on a 2-core CPU a few hundred tokens a second, hours for millions of tokens, gone with
 the session's disk. An archive keeps the token ids (the prompts and the answers the target
 wrote) as ``uint16`` (the target's vocabulary permitting), zlib-compressed, about 1.3 bytes
-an answer token; and, when the corpus keeps at most ``STORED_TOPK`` of the target's
-top-k per position (the recipes' ``--topk=1``), those too: the ids (the first one coded as
-its difference from the answer's token, zero wherever the target's argmax was emitted) and
-their log-probabilities rounded to float16, about 2 bytes more. A corpus that keeps more
+an answer token, prompts included; and, when the corpus keeps at most ``STORED_TOPK`` of
+the target's top-k per position (the recipes' ``--topk=1``), those too: the ids (the first
+one coded as its difference from the answer's token, zero wherever the target's argmax was
+emitted) and their log-probabilities rounded to float16, about 2.5 bytes more (3.8 in all
+for the first archived corpus, ``experiments/corpora/``). A corpus that keeps more
 (``--topk=32``) is archived as ids only and its top-k scored again teacher-forced on
 restore (``teacher.score_with_target``, the fixed-text corpus's path: what generation
 recorded up to float rounding). Corpora from different sessions (another ``--data_seed``,
