@@ -195,6 +195,9 @@ def corpus_dir(data_seed: int | None = None) -> str:
 
 def more_corpus_dirs() -> list[str]:
   """The corpora of --also_data_seeds, refused unless each is finished."""
+  if FLAGS.also_data_seeds and FLAGS.corpus == "text":
+    raise app.UsageError("--also_data_seeds adds other seeds' answers, which --corpus=text "
+                         "leaves out: use --corpus=responses or mix")
   out = []
   for seed in FLAGS.also_data_seeds:
     if not seed.isdigit() or int(seed) == FLAGS.data_seed:
