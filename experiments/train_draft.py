@@ -174,14 +174,21 @@ def training_mesh():
   return mesh
 
 
+# each key of the answers' corpus spec and the flag it comes from
+_SPEC_FLAGS = dict(data_seed="data_seed", gen_batch="gen_batch", max_new="max_new_tokens",
+                   max_prompt="max_prompt_tokens", topk="topk", prompt_set="prompt_set",
+                   self_instruct="self_instruct_per_topic")
+
+
 def corpus_spec(data_seed: int | None = None) -> dict:
   """What keys the answers' corpus of these flags (its directory, an archive's spec), or of
   another ``data_seed`` with the others."""
-  seed = FLAGS.data_seed if data_seed is None else data_seed
-  spec = dict(data_seed=seed, gen_batch=FLAGS.gen_batch, max_new=FLAGS.max_new_tokens,
-              max_prompt=FLAGS.max_prompt_tokens, topk=FLAGS.topk, version=1)
-  if FLAGS.prompt_set != "base" or FLAGS.self_instruct_per_topic:  # (earlier keys unchanged)
-    spec.update(prompt_set=FLAGS.prompt_set, self_instruct=FLAGS.self_instruct_per_topic)
+  spec = {k: getattr(FLAGS, f) for k, f in _SPEC_FLAGS.items()}
+  spec["version"] = 1
+  if data_seed is not None:
+    spec["data_seed"] = data_seed
+  if FLAGS.prompt_set == "base" and not FLAGS.self_instruct_per_topic:  # (earlier keys unchanged)
+    del spec["prompt_set"], spec["self_instruct"]
   return spec
 
 
@@ -210,12 +217,6 @@ def more_corpus_dirs() -> list[str]:
                            "import its archive (--stage=import)")
     out.append(d)
   return out
-
-
-# flag of each corpus_spec() key, for the errors that name them
-_SPEC_FLAGS = dict(data_seed="data_seed", gen_batch="gen_batch", max_new="max_new_tokens",
-                   max_prompt="max_prompt_tokens", topk="topk", prompt_set="prompt_set",
-                   self_instruct="self_instruct_per_topic")
 
 
 def check_archive_spec(path: str) -> dict:

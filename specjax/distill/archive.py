@@ -177,12 +177,10 @@ def score_records(params: Params, cfg: ModelConfig, recs: list[dict], k: int,
                   batch: int = 8, pad_to: int = 64) -> list[dict]:
   """``recs`` with the target's top-k at every response position, teacher-forced: length-sorted
   forwards of ``batch`` rows, padded to a multiple of ``pad_to`` (one program per length)."""
-  order = np.argsort([len(r["prompt"]) + len(r["response"]) for r in recs], kind="stable")
   out: list[Optional[dict]] = [None] * len(recs)
-  for i in range(0, len(order), batch):
-    idx = list(order[i:i + batch])
+  lengths = [len(r["prompt"]) + len(r["response"]) for r in recs]
+  for idx, length in teacher.length_batches(lengths, batch, pad_to):
     seqs = [(recs[j]["prompt"], recs[j]["response"]) for j in idx]
-    length = -(-max(len(p) + len(r) for p, r in seqs) // pad_to) * pad_to
     padded = seqs + seqs[:1] * (batch - len(seqs))  # (a fixed batch: one program per length)
     scored = teacher.score_with_target(params, cfg, padded, k, length=length)
     for j, s in zip(idx, scored):

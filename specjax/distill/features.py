@@ -29,6 +29,7 @@ import numpy as np
 from specjax import files
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
+from specjax.distill.teacher import length_batches
 from specjax.loaders.hf import CheckpointError
 from specjax.model import Params, compute_dtype, forward, target_features
 
@@ -51,11 +52,8 @@ def sequence_features(params: Params, cfg: ModelConfig, sequences: Sequence[np.n
                       layers: tuple[int, ...] = ()) -> list[np.ndarray]:
   """[len(seq), F] float16 features of each token sequence (teacher-forced, causal):
   the last hidden state, or ``layers``' outputs concatenated."""
-  order = np.argsort([len(s) for s in sequences], kind="stable")
   out: list[Optional[np.ndarray]] = [None] * len(sequences)
-  for i in range(0, len(order), batch_size):
-    idx = order[i:i + batch_size]
-    l = -(-max(len(sequences[j]) for j in idx) // pad_to) * pad_to
+  for idx, l in length_batches([len(s) for s in sequences], batch_size, pad_to):
     tokens = np.zeros((batch_size, l), np.int32)  # fixed B: one program per length
     for r, j in enumerate(idx):
       tokens[r, :len(sequences[j])] = sequences[j]

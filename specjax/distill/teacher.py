@@ -17,7 +17,7 @@ import functools
 import hashlib
 import json
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import flax.struct
 import jax
@@ -263,6 +263,17 @@ def build_text_corpus(directory: str, params: Params, cfg: ModelConfig, split: s
         [dict(m, mode="text") for m in meta]
 
   return write_shards(directory, split, batches, make, progress, deadline)
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, pad_to: int
+                   ) -> Iterator[tuple[np.ndarray, int]]:
+  """Teacher-forced batching: (indices, padded length) of ``batch_size`` sequences at a
+  time, shortest first, the length rounded up to ``pad_to``; a caller that pads every
+  batch to ``batch_size`` rows compiles one program per padded length."""
+  order = np.argsort(np.asarray(lengths), kind="stable")
+  for i in range(0, len(order), batch_size):
+    idx = order[i:i + batch_size]
+    yield idx, -(-max(lengths[j] for j in idx) // pad_to) * pad_to
 
 
 def score_with_target(params: Params, cfg: ModelConfig,
