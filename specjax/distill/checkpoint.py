@@ -54,7 +54,8 @@ def latest_step(mngr: ocp.CheckpointManager) -> Optional[int]:
 # What a run's setup.json records about its data rather than its draft: a warm start
 # (experiments.train_draft --init_from) may change these and still continue the same draft.
 CORPUS_SETUP_KEYS = ("corpus", "train_responses", "train_tokens", "corpus_kind", "text_corpus",
-                     "teacher", "teacher_topk", "adaspec_keep", "adaspec_reference", "init_from")
+                     "teacher", "teacher_topk", "adaspec_keep", "adaspec_reference", "init_from",
+                     "also_corpora")
 
 
 def draft_mismatch(theirs: dict, ours: dict) -> dict:
