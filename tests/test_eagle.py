@@ -251,6 +251,33 @@ def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_ste
   assert accepted[1] > accepted[0]
 
 
+def test_a_fusion_trains_on_stored_zero_padded_features_with_finite_gradients(toy):
+  """Stored features pad a batch with zeros (the online teacher's are the target's over pad
+  tokens); the input noise's scale must not make the fusion's gradients NaN there."""
+  cfg, params, recs, _ = toy
+  layers = (0,)  # (the toy target's one layer)
+  recs = recs[:4]
+  feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
+                                     layers=layers)
+  recs = [dict(r, features=f) for r, f in zip(recs, feats)]
+  vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
+  drafter = EagleDrafter(eagle_config(cfg, 1), feature_layers=layers)
+  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.05, ttt_steps=2)
+  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
+                      target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  longest = max(len(f) for f in feats)
+  batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs, longest + 8, 8).items()}
+  assert not np.any(np.asarray(batch["features"][:, -8:]))  # zero padding in every row
+  v, i = draft.maps()
+  weights = init_eagle_weights(cfg, params, 1, feature_layers=layers)
+  for kind in ("fkl", "top1"):
+    grads = jax.grad(train.loss_fn)(weights, objective, kind, v, i,
+                                    eagle.frozen_arrays(cfg, params, vm), batch,
+                                    jax.random.PRNGKey(0))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+      assert np.all(np.isfinite(np.asarray(g))), (kind, jax.tree_util.keystr(path))
+
+
 def test_ttt_mask_sees_the_committed_prefix_and_its_own_path():
   m = eagle.ttt_mask(4, 3)  # L = 4, step 3: slots 0-3 step 1, 4-7 step 2, 8-11 step 3
   assert np.flatnonzero(m[3]).tolist() == [0, 1, 6, 11]  # true pairs <= 1, step 2 at 2, itself

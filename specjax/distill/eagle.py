@@ -104,7 +104,9 @@ class EagleObjective:
     shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
     inputs = shift(feats)
     if key is not None and self.noise:
-      rms = jnp.sqrt(jnp.mean(inputs * inputs, axis=-1, keepdims=True))
+      # The noise's scale is data augmentation, not trained through: sqrt's gradient at a
+      # zero input (the padding of stored features, fused) would be NaN.
+      rms = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(inputs * inputs, axis=-1, keepdims=True)))
       inputs = inputs + self.noise * rms * jax.random.uniform(key, inputs.shape, minval=-1.0,
                                                               maxval=1.0)
     positions = jnp.broadcast_to(jnp.arange(l), (b, l))
