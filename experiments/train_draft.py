@@ -466,16 +466,16 @@ def run_train_stage(directory: str, workdir: str) -> None:
   cfg, params = load_model()
   tok = load_model_tokenizer()
   more_dirs = more_corpus_dirs()
-  train_recs = []
+  sources = []  # (corpus directory, its train records): each caches its records' features
   if FLAGS.corpus != "text":
-    for d in [directory] + more_dirs:
-      train_recs += teacher.load_corpus(d, "train")
+    sources += [(d, teacher.load_corpus(d, "train")) for d in [directory] + more_dirs]
   held = teacher.load_corpus(directory, "heldout")
   text_dir = None
   if FLAGS.corpus != "responses":  # (main checked that the data stage built it)
     with open(text_corpus_link(directory)) as f:
       text_dir = json.load(f)["directory"]
-    train_recs += teacher.load_corpus(text_dir, "train")
+    sources.append((text_dir, teacher.load_corpus(text_dir, "train")))
+  train_recs = [r for _, recs in sources for r in recs]
   online = FLAGS.teacher == "online"
   if online:  # token ids only: the target's top-k (and features) come from the Teacher
     k = FLAGS.teacher_topk
@@ -562,11 +562,10 @@ def run_train_stage(directory: str, workdir: str) -> None:
   objective = frozen = None
   if not token_run and not online:
     from specjax.distill import features
-    # (the train records' features live with the corpus they come from)
-    train_dir = directory if text_dir is None else os.path.join(text_dir, FLAGS.corpus)
-    if more_dirs:  # (records of several corpora: their features under the first)
-      train_dir = os.path.join(train_dir, "with_data_seeds_" + "_".join(FLAGS.also_data_seeds))
-    for d, split, recs in ((train_dir, "train", train_recs), (directory, "heldout", held)):
+    # (each record's features live with the corpus it comes from, so a corpus added with
+    # --also_data_seeds or --corpus=mix reuses what an earlier run computed for the others)
+    for d, split, recs in [(d, "train", recs) for d, recs in sources] + [
+        (directory, "heldout", held)]:
       features.corpus_features(d, split, recs, params, cfg, FLAGS.feature_batch,
                                layers=feature_layers)
   if eagle_run:

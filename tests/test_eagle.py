@@ -371,10 +371,11 @@ def test_corpus_features_are_cached_extended_recomputed_and_refused_for_another_
     tmp_path, toy, monkeypatch):
   cfg, params, recs, _ = toy
   recs = [dict(r) for r in recs[:5]]
-  computed = []
-  real = features.sequence_features
-  monkeypatch.setattr(features, "sequence_features",
-                      lambda p, c, seqs, *a, **k: computed.append(len(seqs)) or real(
+  fresh = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs])
+  computed = []  # the records of each computation (written into the file as computed)
+  batches = features._feature_batches
+  monkeypatch.setattr(features, "_feature_batches",
+                      lambda p, c, seqs, *a, **k: computed.append(len(seqs)) or batches(
                           p, c, seqs, *a, **k))
 
   def attach(records, c=cfg):
@@ -387,7 +388,6 @@ def test_corpus_features_are_cached_extended_recomputed_and_refused_for_another_
     np.testing.assert_array_equal(a, b)
   grown = attach(recs)  # two records appended: only they are computed
   assert computed == [3, 2]
-  fresh = real(params, cfg, [features.record_sequence(r) for r in recs])
   for a, b in zip(grown, fresh):
     np.testing.assert_array_equal(a, b)
   changed = [dict(r) for r in recs]  # same lengths, another token: all recomputed

@@ -154,3 +154,7 @@ def test_a_corpus_exported_and_imported_elsewhere_trains_on_the_same_records(tmp
   setup = json.loads((workdir / "setup.json").read_text())
   assert setup["train_responses"] == 4 + 2 and setup["corpus"] == str(out)
   assert len(setup["also_corpora"]) == 1 and setup["also_corpora"][0] != str(out)
+  # each corpus caches its own records' features, so a later run on either reuses them
+  for corpus, records in ((out, 4), (pathlib.Path(setup["also_corpora"][0]), 2)):
+    cached = json.loads((corpus / "features-train-layers0.json").read_text())
+    assert len(cached["lengths"]) == records, corpus

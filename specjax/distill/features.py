@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,18 @@ def _hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, layers=()) -> j
   return target_features(out, layers).astype(jnp.float16)
 
 
+def _feature_batches(params: Params, cfg: ModelConfig, sequences: Sequence[np.ndarray],
+                     batch_size: int, pad_to: int, layers: tuple[int, ...]
+                     ) -> Iterator[tuple[list[int], np.ndarray]]:
+  """(indices into ``sequences``, their padded [B, L, F] float16 features), one jitted
+  forward per batch of similar lengths."""
+  for idx, l in length_batches([len(s) for s in sequences], batch_size, pad_to):
+    tokens = np.zeros((batch_size, l), np.int32)  # fixed B: one program per length
+    for r, j in enumerate(idx):
+      tokens[r, :len(sequences[j])] = sequences[j]
+    yield idx, np.asarray(_hidden(params, cfg, jnp.asarray(tokens), tuple(layers)))
+
+
 def sequence_features(params: Params, cfg: ModelConfig, sequences: Sequence[np.ndarray],
                       batch_size: int = 8, pad_to: int = 32,
                       progress: Optional[Callable[[int], None]] = None,
@@ -53,11 +65,7 @@ def sequence_features(params: Params, cfg: ModelConfig, sequences: Sequence[np.n
   """[len(seq), F] float16 features of each token sequence (teacher-forced, causal):
   the last hidden state, or ``layers``' outputs concatenated."""
   out: list[Optional[np.ndarray]] = [None] * len(sequences)
-  for idx, l in length_batches([len(s) for s in sequences], batch_size, pad_to):
-    tokens = np.zeros((batch_size, l), np.int32)  # fixed B: one program per length
-    for r, j in enumerate(idx):
-      tokens[r, :len(sequences[j])] = sequences[j]
-    hidden = np.asarray(_hidden(params, cfg, jnp.asarray(tokens), tuple(layers)))
+  for idx, hidden in _feature_batches(params, cfg, sequences, batch_size, pad_to, layers):
     for r, j in enumerate(idx):
       out[j] = hidden[r, :len(sequences[j])]
     if progress:
@@ -117,22 +125,31 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
       kept = len(old)
     else:
       logging.warning("%s.npy was computed for other records: recomputing it", path)
+  offs = np.concatenate([[0], np.cumsum(lens)])
   if kept < len(records):
     import tqdm
     bar = tqdm.tqdm(total=len(records) - kept, desc=f"target features ({split})",
                     disable=not progress)
-    feats = sequence_features(params, cfg, [record_sequence(r) for r in records[kept:]],
-                              batch_size, progress=bar.update, layers=layers)
+    # Written into the file as computed, not gathered in memory first: a corpus of a few
+    # million positions holds tens of GB of fused features.
+    with files.atomic_path(path + ".npy", ".npy") as tmp:
+      out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                                      shape=(int(offs[-1]), width))
+      for start in range(0, int(offs[kept]), 1 << 20):  # the cached records, in chunks
+        stop = min(int(offs[kept]), start + (1 << 20))
+        out[start:stop] = flat[start:stop]
+      new = [record_sequence(r) for r in records[kept:]]
+      for idx, hidden in _feature_batches(params, cfg, new, batch_size, 32, layers):
+        for row, j in enumerate(idx):
+          out[offs[kept + j]:offs[kept + j + 1]] = hidden[row, :len(new[j])]
+        bar.update(len(idx))
+      out.flush()
+      del out
     bar.close()
     if kept:
       logging.info("%s.npy: %d records appended to the %d cached", path,
                    len(records) - kept, kept)
-      feats = [flat] + feats
-    flat = np.concatenate(feats, axis=0)
-    with files.atomic_path(path + ".npy", ".npy") as tmp:
-      np.save(tmp, flat)
     files.write_text(path + ".json", json.dumps(meta))
     flat = np.load(path + ".npy", mmap_mode="r")  # as on a cache hit: mapped, not in memory
-  offs = np.concatenate([[0], np.cumsum(lens)])
   for i, r in enumerate(records):
     r["features"] = flat[offs[i]:offs[i + 1]]
