@@ -149,9 +149,9 @@ flags.DEFINE_string("adaspec_reference", None, "AdaSPEC: the --workdir of a fini
 flags.DEFINE_string("init_from", None, "Warm start: the --workdir of an earlier run of the same "
                     "draft (kind, layers, head, vocabulary size) on any corpus; this run starts "
                     "from its last checkpoint's parameters and keeps its vocabulary, with a fresh "
-                    "optimizer and schedule. Medusa heads and trained exits may also start from "
-                    "a draft directory (a run's draft/, or a shipped one such as "
-                    "specjax/assets/smollm2_exit_adapter): its weights as stored (float16) and "
+                    "optimizer and schedule. EAGLE drafters, Medusa heads and trained exits may "
+                    "also start from a draft directory (a run's draft/, or a shipped one such as "
+                    "specjax/assets/smollm2_eagle3): its weights as stored (float16) and "
                     "the setup its draft.json records.")
 flags.DEFINE_string("mesh", "", "Train on a DATAxMODEL device mesh (e.g. 2x4; docs/sharding.md): "
                     "batch rows over data, the target and the draft's heads over model. Empty: "
@@ -674,7 +674,8 @@ def _run_setup(workdir: str, flag: str) -> dict:
 
 # draft.json's info: the run's setup and what only the card keeps.
 _CARD_ONLY_KEYS = ("train_config", "final", "topk", "seconds_this_invocation", "command",
-                   "partial", "heldout_positions", "head_top1", "head_top5")
+                   "partial", "heldout_positions", "head_top1", "head_top5", "trained_on",
+                   "head_cut_from")
 
 
 def _is_draft_dir(path: str) -> bool:
@@ -683,17 +684,17 @@ def _is_draft_dir(path: str) -> bool:
 
 
 def _warm_start_setup(path: str) -> dict:
-  """The setup --init_from trained: a run's setup.json, or what a Medusa or trained-exit
-  draft directory's draft.json records of its training."""
+  """The setup --init_from trained: a run's setup.json, or what an EAGLE, Medusa or
+  trained-exit draft directory's draft.json records of its training."""
   if not _is_draft_dir(path):
     return _run_setup(path, "init_from")
   from specjax.drafts import format as fmt
   try:
-    meta = fmt.read_draft_metadata(path, (fmt.MEDUSA_FORMAT, fmt.EXIT_FORMAT))
+    meta = fmt.read_draft_metadata(path, (fmt.EAGLE_FORMAT, fmt.MEDUSA_FORMAT, fmt.EXIT_FORMAT))
   except ValueError as e:
-    raise app.UsageError(f"--init_from={path}: {e}; a draft directory warm-starts Medusa heads "
-                         "or a trained exit (for another draft, pass its run's --workdir)"
-                         ) from None
+    raise app.UsageError(f"--init_from={path}: {e}; a draft directory warm-starts an EAGLE "
+                         "drafter, Medusa heads or a trained exit (for a token draft, pass its "
+                         "run's --workdir)") from None
   info = meta.get("info") or {}
   if "draft_kind" not in info:
     raise app.UsageError(f"--init_from={path}: its draft.json records no training setup "
@@ -709,7 +710,7 @@ def _warm_params(path: str, dparams, tc, cfg, tok):
   import jax
   import numpy as np
   from specjax import drafts
-  meta, weights, _ = drafts.load_head_weights(path, cfg,
+  meta, weights, _ = drafts.load_trained_weights(path, cfg,
                                               tokenizer_sha256=drafts.tokenizer_fingerprint(tok))
   want, got = (jax.tree.map(np.shape, p) for p in (dparams, weights))
   if want != got:

@@ -460,8 +460,8 @@ def test_saving_over_a_sharded_checkpoint_removes_its_stale_shards(tmp_path):
     (["--stage=train", "--adaspec_keep=0", "--adaspec_reference=x"],
      "--adaspec_keep must be in (0, 1], got 0.0"),
     (["--stage=train", "--init_from=nowhere"], "--init_from=nowhere holds no training run"),
-    (["--stage=train", "--init_from=specjax/assets/smollm2_eagle3"],
-     "a draft directory warm-starts Medusa heads or a trained exit"),
+    (["--stage=train", "--init_from=specjax/assets/smollm2_draft"],
+     "a draft directory warm-starts an EAGLE drafter, Medusa heads or a trained exit"),
     (["--stage=train", "--mesh=2by4"], "--mesh='2by4': expected DATAxMODEL, e.g. 2x4"),
     (["--stage=train", "--mesh=2x4"], "needs 8 devices, but only 1 are present"),
 ])

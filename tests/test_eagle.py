@@ -329,6 +329,16 @@ def test_save_and_load_round_trip_and_refusals(tmp_path, layers):
   _, ref = eagle_drafter(cfg, params, weights, vm, layers)
   for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(ref)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # what a warm start (train_draft --init_from=DIR) reads: the trained arrays, in the
+  # layout training optimises (init_eagle_weights'), and the rows' ids
+  meta, trained, rows = drafts.load_trained_weights(path, cfg, tokenizer_sha256="abc")
+  assert meta["format"] == drafts.EAGLE_FORMAT
+  assert jax.tree.structure(trained) == jax.tree.structure(weights)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               trained, weights)
+  np.testing.assert_array_equal(rows, vm)
+  with pytest.raises(ValueError, match="tokenizer"):
+    drafts.load_trained_weights(path, cfg, tokenizer_sha256="xyz")
   with pytest.raises(ValueError, match="tokenizer"):
     drafts.load_eagle(path, cfg, params, tokenizer_sha256="xyz")
   other, other_params = tiny_model(seed=0, vocab_size=80)

@@ -97,6 +97,27 @@ def test_train_resume_and_warm_start_on_a_grown_corpus(tmp_path):
     assert "exit_layer 1 there, 2 here" in proc.stderr
 
 
+@pytest.mark.heavy
+def test_an_eagle_drafter_continues_from_its_draft_directory(tmp_path):
+  """What continuing the shipped EAGLE-3 drafter does (--init_from=specjax/assets/
+  smollm2_eagle3): a draft directory's weights and vocabulary, another EAGLE refused."""
+  eagle = ["--draft_kind=eagle", "--eagle_feature_layers=0,1", "--eagle_ttt_steps=2"]
+  first, warm = tmp_path / "first", tmp_path / "warm"
+  _train_draft(tmp_path, "--stage=all", "--train_batches=1", f"--workdir={first}", *eagle)
+  done = _metrics(first)
+  _train_draft(tmp_path, "--stage=train", "--train_batches=1", f"--workdir={warm}",
+               f"--init_from={first / 'draft'}", *eagle)
+  start = _metrics(warm)[0]
+  assert start["step"] == 0
+  for key in ("alpha_T0", "alpha_T1"):  # the stored float16 weights score as the run's last
+    assert start[key] == pytest.approx(done[-1][key], abs=0.02), key
+  np.testing.assert_array_equal(_vocab_map(warm), _vocab_map(first))
+  err = _refused(tmp_path, *TINY, "--stage=train", "--train_batches=1", *eagle,
+                 "--eagle_ttt_steps=3", f"--workdir={tmp_path / 'third'}",
+                 f"--init_from={first / 'draft'}")
+  assert "trained another draft" in err and "ttt_steps 2 there, 3 here" in err
+
+
 def _refused(tmp_path, *flags):
   proc = subprocess.run([sys.executable, "-m", "experiments.train_draft", *flags], cwd=ROOT,
                         env=dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache")),

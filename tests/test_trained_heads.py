@@ -291,13 +291,13 @@ def test_tiny_exit_training_raises_alpha_and_decodes_losslessly(deep, tmp_path, 
   d3, _, note = drafts.drafter_from_path(path, cfg, params, None)
   assert d3 == d2 and "trained exit" in note
   # what a warm start reads: the trained arrays as stored (float16) and the rows' ids
-  meta, weights, rows = drafts.load_head_weights(path, cfg, tokenizer_sha256="abc")
+  meta, weights, rows = drafts.load_trained_weights(path, cfg, tokenizer_sha256="abc")
   assert meta["exit_layer"] == 1 and jax.tree.structure(weights) == jax.tree.structure(trained)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4), weights,
                trained)
   np.testing.assert_array_equal(rows, vm)
   with pytest.raises(ValueError, match="another tokenizer"):
-    drafts.load_head_weights(path, cfg, tokenizer_sha256="xyz")
+    drafts.load_trained_weights(path, cfg, tokenizer_sha256="xyz")
 
 
 def _shared_state(drafter, dp, cfg, params, tokens, seq_lens, prompt_lens):

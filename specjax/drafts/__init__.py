@@ -26,7 +26,7 @@ from specjax.drafts.medusa_published import load_published_medusa, published_med
 from specjax.drafts.export import expand_to_full_vocab, export_hf
 from specjax.drafts.format import (EAGLE_FORMAT, EXIT_FORMAT, FORMAT, MEDUSA_FORMAT,
                                    cut_eagle_head, load_draft, load_eagle, load_exit,
-                                   load_head_weights, load_medusa,
+                                   load_medusa, load_trained_weights,
                                    read_checked_metadata, read_draft_metadata, save_draft,
                                    save_eagle, save_exit, save_medusa, tokenizer_fingerprint)
 from specjax.drafts.shards import weight_files
@@ -42,7 +42,7 @@ __all__ = [
     "cut_eagle_head",
     "default_drafter", "default_eagle_drafter", "default_exit_drafter", "default_medusa_drafter",
     "drafter_from_path", "expand_to_full_vocab", "export_hf", "load_default_draft",
-    "load_draft", "load_eagle", "load_exit", "load_head_weights", "load_medusa",
+    "load_draft", "load_eagle", "load_exit", "load_medusa", "load_trained_weights",
     "load_published_eagle",
     "load_published_medusa", "published_eagle_weights", "published_medusa_weights",
     "read_checked_metadata", "read_draft_metadata", "reads_target_rows", "save_draft",

@@ -213,6 +213,15 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
   """
   from specjax.drafters.eagle import eagle_drafter
 
+  meta, weights, vocab_map = _load_eagle_weights(path, target_cfg, tokenizer_sha256)
+  return eagle_drafter(target_cfg, target_params, weights, vocab_map,
+                       tuple(meta.get("feature_layers", ())))
+
+
+def _load_eagle_weights(path: str, target_cfg: ModelConfig, tokenizer_sha256: Optional[str]
+                        ) -> tuple[dict, Params, Optional[np.ndarray]]:
+  """(draft.json, trained weights as float32, vocab_map) of an EAGLE directory, checked
+  against the target (tokenizer, vocabulary, width)."""
   meta = read_checked_metadata(path, (EAGLE_FORMAT,), target_vocab_size=target_cfg.vocab_size,
                                tokenizer_sha256=tokenizer_sha256)
   _check_width(path, meta, target_cfg, "EAGLE draft")
@@ -233,8 +242,7 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
                     if k != "layers" and (fused or k not in FUSION_KEYS)}, layers=layers)
   except KeyError as e:
     raise CheckpointError(f"{path}: the weights lack tensor {e.args[0]}") from None
-  return eagle_drafter(target_cfg, target_params, weights, t.get("vocab_map"),
-                       tuple(meta.get("feature_layers", ())))
+  return meta, weights, t.get("vocab_map")
 
 
 def _read_weights(path: str, what: str, check_finite: bool = True) -> dict[str, np.ndarray]:
@@ -350,13 +358,17 @@ def load_medusa(path: str, target_cfg: ModelConfig, target_params: Params, *,
                         accuracy=meta.get("head_accuracy"))
 
 
-def load_head_weights(path: str, target_cfg: ModelConfig, *,
-                      tokenizer_sha256: Optional[str] = None
-                      ) -> tuple[dict, Params, Optional[np.ndarray]]:
-  """(draft.json, trained weights as float32, vocab_map) of a Medusa heads or trained-exit
-  directory, checked like their loaders: the arrays training optimises (``res_w``,
-  ``res_b``, an own ``head``, an exit's ``adapter``), e.g. to continue training them."""
-  meta = read_draft_metadata(path, (MEDUSA_FORMAT, EXIT_FORMAT))
+def load_trained_weights(path: str, target_cfg: ModelConfig, *,
+                         tokenizer_sha256: Optional[str] = None
+                         ) -> tuple[dict, Params, Optional[np.ndarray]]:
+  """(draft.json, trained weights as float32, vocab_map) of an EAGLE, Medusa heads or
+  trained-exit directory, checked like their loaders: the arrays training optimises (EAGLE's
+  norms, ``fc``, layers and fusion; ``res_w``, ``res_b``, an own ``head``, an exit's
+  ``adapter``), e.g. to continue training them. The frozen arrays (the target's embedding,
+  final norm and head rows) are not among them."""
+  meta = read_draft_metadata(path, (EAGLE_FORMAT, MEDUSA_FORMAT, EXIT_FORMAT))
+  if meta["format"] == EAGLE_FORMAT:
+    return _load_eagle_weights(path, target_cfg, tokenizer_sha256)
   what = "trained exit" if meta["format"] == EXIT_FORMAT else "Medusa heads"
   return _load_heads(path, meta["format"], what, target_cfg, tokenizer_sha256)
 
