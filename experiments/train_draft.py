@@ -564,9 +564,9 @@ def run_train_stage(directory: str, workdir: str) -> None:
     from specjax.distill import features
     # (each record's features live with the corpus it comes from, so a corpus added with
     # --also_data_seeds or --corpus=mix reuses what an earlier run computed for the others)
-    for d, split, recs in [(d, "train", recs) for d, recs in sources] + [
-        (directory, "heldout", held)]:
-      features.corpus_features(d, split, recs, params, cfg, FLAGS.feature_batch,
+    splits = [(d, "train", recs) for d, recs in sources] + [(directory, "heldout", held)]
+    for corpus, split, recs in splits:
+      features.corpus_features(corpus, split, recs, params, cfg, FLAGS.feature_batch,
                                layers=feature_layers)
   if eagle_run:
     from specjax.distill import eagle
