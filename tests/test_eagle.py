@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from specjax import drafts
-from specjax.distill import eagle, features, train, vocab
+from specjax.distill import eagle, features, teacher, train, vocab
 from specjax.drafters.eagle import (EagleDrafter, eagle_config, eagle_drafter, init_eagle_weights,
                                     random_eagle_weights)
 from specjax.kv_cache import init_cache
@@ -216,9 +217,9 @@ def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_ste
   """Also with a fusion, trained from an id-only corpus by the online teacher."""
   cfg, params, recs, held = toy
   vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
-  teacher = None
+  online_teacher = None
   if online:
-    teacher = (train.Teacher(cfg, 8, layers), params)
+    online_teacher = (train.Teacher(cfg, 8, layers), params)
     recs = [dict(prompt=r["prompt"], response=r["response"], mode=r["mode"]) for r in recs]
     held = [dict(prompt=r["prompt"], response=r["response"], mode=r["mode"]) for r in held]
   drafter = EagleDrafter(eagle_config(cfg, 1), feature_layers=layers)
@@ -230,14 +231,14 @@ def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_ste
                          eval_every=60, checkpoint_every=60)
   weights = init_eagle_weights(cfg, params, 1, feature_layers=layers)
   batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs[:8], tc.seq_len, 8).items()}
-  if teacher:
-    batch = teacher[0].fill(params, batch)
+  if online_teacher:
+    batch = online_teacher[0].fill(params, batch)
   v, i = draft.maps()
   loss = lambda w: float(train.loss_fn(w, objective, "fkl", v, i, frozen, batch))
   before = loss(weights)
   trained, hist = train.train(draft, weights, recs, held, tc, str(tmp_path), k=8,
                               log=lambda m: 0, progress=False, objective=objective, frozen=frozen,
-                              teacher=teacher)
+                              teacher=online_teacher)
   assert loss(trained) < 0.8 * before
   assert hist[-1]["alpha_T0"] > hist[0]["alpha_T0"] + 0.1
   assert hist[-1]["alpha_T1"] > hist[0]["alpha_T1"] + 0.1
@@ -410,6 +411,19 @@ def test_corpus_features_are_cached_extended_recomputed_and_refused_for_another_
   for a, b in zip(attach(recs[:2]), fresh):  # fewer records than cached: recomputed
     np.testing.assert_array_equal(a, b)
   assert computed == [3, 2, 5, 2]
-  other = dataclasses.replace(cfg, name="other")
+  for other in (dataclasses.replace(cfg, name="other"),
+                dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 2)):
+    with pytest.raises(CheckpointError, match="another target"):
+      attach(recs[:2], other)
+  # a file written before, which recorded four of the target's fields, is still read
+  meta_path = tmp_path / "features-train.json"
+  meta = json.loads(meta_path.read_text())
+  assert meta["target"] == teacher.target_shape(cfg)
+  legacy = {f: meta["target"][f] for f in ("name", "vocab_size", "dim", "num_layers")}
+  meta_path.write_text(json.dumps(dict(meta, target=legacy)))
+  for a, b in zip(attach(recs[:2]), fresh):
+    np.testing.assert_array_equal(a, b)
+  assert computed == [3, 2, 5, 2]
+  meta_path.write_text(json.dumps(dict(meta, target=dict(legacy, dim=legacy["dim"] + 1))))
   with pytest.raises(CheckpointError, match="another target"):
-    attach(recs, other)
+    attach(recs[:2])

@@ -29,7 +29,7 @@ import numpy as np
 from specjax import files
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.distill.teacher import length_batches
+from specjax.distill.teacher import length_batches, target_shape
 from specjax.loaders.hf import CheckpointError
 from specjax.model import Params, compute_dtype, forward, target_features
 
@@ -91,9 +91,6 @@ def _tokens_digests(records: Sequence[dict], prefix: int) -> tuple[str, str]:
   return head, h.hexdigest()
 
 
-def _target_tag(cfg: ModelConfig) -> dict:
-  return {f: getattr(cfg, f) for f in ("name", "vocab_size", "dim", "num_layers")}
-
 
 def corpus_features(directory: str, split: str, records: Sequence[dict], params: Params,
                     cfg: ModelConfig, batch_size: int = 8, progress: bool = True,
@@ -110,15 +107,19 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
       stored = json.load(f)
   old = stored["lengths"] if stored else []
   old_sha, sha = _tokens_digests(records, len(old))  # old_sha None: fewer records than cached
-  meta = dict(target=_target_tag(cfg), lengths=lens, tokens_sha256=sha)
+  meta = dict(target=target_shape(cfg), lengths=lens, tokens_sha256=sha)
   if layers:
     meta["layers"] = list(layers)
   width = cfg.dim * max(1, len(layers))
   kept = 0  # leading records whose stored features are reused
   if stored:
-    corpus_keys = ("lengths", "tokens_sha256")
-    if ({k: v for k, v in stored.items() if k not in corpus_keys}
-        != {k: v for k, v in meta.items() if k not in corpus_keys}):
+    apart = ("lengths", "tokens_sha256", "target")  # (the records; the target below)
+    # every target field the file records must be ours (files written before 2026-12-05
+    # recorded four of them)
+    theirs = stored.get("target") or {"": None}
+    if (any(meta["target"].get(f, object()) != v for f, v in theirs.items())
+        or {k: v for k, v in stored.items() if k not in apart}
+        != {k: v for k, v in meta.items() if k not in apart}):
       raise CheckpointError(f"{path}.npy was computed for another target; delete it to "
                             "recompute")
     flat = np.load(path + ".npy", mmap_mode="r")
