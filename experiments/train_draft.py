@@ -72,6 +72,11 @@ flags.DEFINE_integer("text_batch", 16, "Fixed text: sequences per teacher-forced
                      "per shard).", lower_bound=1)
 flags.DEFINE_enum("corpus", "responses", ["responses", "text", "mix"], "Train stage: the "
                   "target's answers, fixed text (--text_tokens) or both.")
+flags.DEFINE_integer("max_train_tokens", 0, "Train stage: train on the leading records of the "
+                     "corpus, at most this many response tokens, each corpus (--also_data_seeds, "
+                     "--corpus=mix) cut to the same share (0: all of it). The corpus-size axis of "
+                     "an ablation; features are still computed (and cached) for whole corpora.",
+                     lower_bound=0)
 flags.DEFINE_integer("data_seed", 0, "Seed of the prompt set and of sampled responses.")
 flags.DEFINE_list("also_data_seeds", [], "Train stage: train on the answers' corpora of these "
                   "data seeds too (each built by the data stage, or imported from an archive, "
@@ -476,6 +481,12 @@ def run_train_stage(directory: str, workdir: str) -> None:
       text_dir = json.load(f)["directory"]
     sources.append((text_dir, teacher.load_corpus(text_dir, "train")))
   train_recs = [r for _, recs in sources for r in recs]
+  if FLAGS.max_train_tokens:  # (the records are shared with sources: features attach to both)
+    try:
+      train_recs = [r for recs in teacher.leading_records([recs for _, recs in sources],
+                                                          FLAGS.max_train_tokens) for r in recs]
+    except ValueError as e:
+      raise app.UsageError(f"--max_train_tokens: {e}") from None
   online = FLAGS.teacher == "online"
   if online:  # token ids only: the target's top-k (and features) come from the Teacher
     k = FLAGS.teacher_topk

@@ -10,7 +10,7 @@ import pytest
 
 from specjax import drafts
 from specjax.distill import checkpoint as ckpt
-from specjax.distill import losses, train, vocab
+from specjax.distill import losses, teacher, train, vocab
 from specjax.drafters import reduced_vocab
 from specjax.loaders import CheckpointError, load_hf
 from specjax.model import embed_inputs, forward, init_params
@@ -136,6 +136,21 @@ def test_prompt_batches_sort_by_length_keep_metadata_and_drop_short_batches():
   assert lengths == sorted(lengths) and max(lengths) <= 9
   assert batches[0][1][0] == dict(category="chat", source="chat:0")  # 1 word: prompt 9
   assert len(data.prompt_batches(encode, prompts, 4, 9, drop_last=False)) == 3
+
+
+def test_leading_records_cut_each_corpus_to_the_same_share_in_order():
+  def recs(*lens):
+    return [dict(response=np.zeros(n, np.int32), i=i) for i, n in enumerate(lens)]
+  a, b = recs(4, 4, 4, 4), recs(2, 2)  # 16 and 4 tokens
+  cut_a, cut_b = teacher.leading_records([a, b], 10)  # half of each: 8 and 2 tokens
+  assert [r["i"] for r in cut_a] == [0, 1] and [r["i"] for r in cut_b] == [0]
+  # a record that would pass the share is left out, and so is every record after it
+  [cut] = teacher.leading_records([recs(3, 5, 1)], 6)
+  assert [r["i"] for r in cut] == [0]
+  assert teacher.leading_records([a, b], 20) == [a, b]
+  for bad in (0, 21):
+    with pytest.raises(ValueError, match="the corpus holds 20"):
+      teacher.leading_records([a, b], bad)
 
 
 def test_select_vocab_and_maps():

@@ -179,3 +179,22 @@ def test_a_corpus_exported_and_imported_elsewhere_trains_on_the_same_records(tmp
   for corpus, records in ((out, 4), (pathlib.Path(setup["also_corpora"][0]), 2)):
     cached = json.loads((corpus / "features-train-layers0.json").read_text())
     assert len(cached["lengths"]) == records, corpus
+
+  # --max_train_tokens: the leading records of both corpora, each cut to the same share;
+  # the features stay cached for whole corpora (a cut never rewrites them)
+  corpora = [teacher.load_corpus(str(out), "train"),
+             teacher.load_corpus(setup["also_corpora"][0], "train")]
+  total = sum(len(r["response"]) for recs in corpora for r in recs)
+  want = teacher.leading_records(corpora, total // 2)
+  cut = tmp_path / "cut"
+  _train_draft(elsewhere, "--stage=train", "--train_batches=2", "--also_data_seeds=1",
+               f"--max_train_tokens={total // 2}", f"--workdir={cut}")
+  cut_setup = json.loads((cut / "setup.json").read_text())
+  assert cut_setup["train_responses"] == sum(map(len, want)) < 6
+  assert cut_setup["train_tokens"] == sum(len(r["response"]) for w in want for r in w)
+  for corpus, records in ((out, 4), (pathlib.Path(setup["also_corpora"][0]), 2)):
+    cached = json.loads((corpus / "features-train-layers0.json").read_text())
+    assert len(cached["lengths"]) == records, corpus
+  err = _refused(elsewhere, *TINY, "--stage=train", "--train_batches=2",
+                 f"--max_train_tokens={total + 1}", f"--workdir={tmp_path / 'too_many'}")
+  assert f"--max_train_tokens: asked for {total + 1:,} response tokens" in err

@@ -164,6 +164,29 @@ def ids_only(records: Sequence[dict]) -> list[dict]:
   return [{f: r[f] for f in keep if f in r} for r in records]
 
 
+def leading_records(corpora: Sequence[Sequence[dict]], max_tokens: int
+                    ) -> list[list[dict]]:
+  """The leading records of each corpus, together at most ``max_tokens`` response tokens,
+  each corpus cut to the same share of its own tokens (the corpus-size axis of an ablation:
+  a corpus and the answers beside it shrink alike). Records stay in corpus order: a
+  corpus's generation batches interleave its prompt categories, so its head is a sample
+  of all of them, not of one. Raises ValueError when the corpora hold fewer tokens."""
+  sizes = [sum(len(r["response"]) for r in recs) for recs in corpora]
+  if max_tokens < 1 or max_tokens > sum(sizes):
+    raise ValueError(f"asked for {max_tokens:,} response tokens; the corpus holds "
+                     f"{sum(sizes):,}")
+  out = []
+  for recs, size in zip(corpora, sizes):
+    budget, kept, used = size * max_tokens // sum(sizes), [], 0
+    for r in recs:
+      if used + len(r["response"]) > budget:
+        break
+      kept.append(r)
+      used += len(r["response"])
+    out.append(kept)
+  return out
+
+
 def load_corpus(directory: str, split: str) -> list[dict]:
   """All records of ``split`` ('train' or 'heldout') in shard order."""
   if not os.path.isdir(directory):
