@@ -157,7 +157,9 @@ flags.DEFINE_string("init_from", None, "Warm start: the --workdir of an earlier 
                     "optimizer and schedule. EAGLE drafters, Medusa heads and trained exits may "
                     "also start from a draft directory (a run's draft/, or a shipped one such as "
                     "specjax/assets/smollm2_eagle3): its weights as stored (float16) and "
-                    "the setup its draft.json records.")
+                    "the setup its draft.json records. An EAGLE drafter of fewer layers than "
+                    "--eagle_layers is grown: its layers, then new ones that start as the "
+                    "identity (zero output projections).")
 flags.DEFINE_string("mesh", "", "Train on a DATAxMODEL device mesh (e.g. 2x4; docs/sharding.md): "
                     "batch rows over data, the target and the draft's heads over model. Empty: "
                     "one device.")
@@ -624,7 +626,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
   if FLAGS.adaspec_keep < 1.0:
     frozen = dict(frozen or {}, reference=adaspec_reference(reference_setup, dparams, tc))
   if FLAGS.init_from:
-    dparams, step = _warm_params(FLAGS.init_from, dparams, tc, cfg, tok)
+    dparams, step = _warm_params(FLAGS.init_from, dparams, tc, cfg, tok,
+                                 layers=init_setup.get("draft_layers") if eagle_run else None)
     logging.info("warm start from %s at its step %d (%s responses, %s tokens; this corpus: "
                  "%d, %d)", FLAGS.init_from, step, init_setup.get("train_responses"),
                  init_setup.get("train_tokens"), setup["train_responses"], setup["train_tokens"])
@@ -713,20 +716,34 @@ def _warm_start_setup(path: str) -> dict:
   return {k: v for k, v in info.items() if k not in _CARD_ONLY_KEYS}
 
 
-def _warm_params(path: str, dparams, tc, cfg, tok):
+def _grows(theirs, ours) -> bool:
+  return isinstance(theirs, int) and isinstance(ours, int) and 0 < theirs < ours
+
+
+def _warm_params(path: str, dparams, tc, cfg, tok, layers: int | None = None):
   """(the parameters --init_from starts from, their step): a run's last checkpoint, or a
-  draft directory's weights, refused unless they are this draft's arrays for this target."""
+  draft directory's weights, refused unless they are this draft's arrays for this target;
+  an EAGLE drafter of ``layers`` < this one's grown to this one's (``eagle.grown``)."""
+  grow = layers is not None and _grows(layers, len(dparams["layers"]))
+  source = dict(dparams, layers=dparams["layers"][:layers]) if grow else dparams
   if not _is_draft_dir(path):
-    return _last_params(path, dparams, tc)
-  import jax
-  import numpy as np
-  from specjax import drafts
-  meta, weights, _ = drafts.load_trained_weights(path, cfg,
-                                              tokenizer_sha256=drafts.tokenizer_fingerprint(tok))
-  want, got = (jax.tree.map(np.shape, p) for p in (dparams, weights))
-  if want != got:
-    raise app.UsageError(f"--init_from={path}: its weights {got} are not this draft's {want}")
-  return weights, int(meta["info"].get("final", {}).get("step", 0))
+    weights, step = _last_params(path, source, tc)
+  else:
+    import jax
+    import numpy as np
+    from specjax import drafts
+    meta, weights, _ = drafts.load_trained_weights(
+        path, cfg, tokenizer_sha256=drafts.tokenizer_fingerprint(tok))
+    want, got = (jax.tree.map(np.shape, p) for p in (source, weights))
+    if want != got:
+      raise app.UsageError(f"--init_from={path}: its weights {got} are not this draft's {want}")
+    step = int(meta["info"].get("final", {}).get("step", 0))
+  if grow:
+    from specjax.distill import eagle
+    weights = eagle.grown(weights, dparams)
+    logging.info("--init_from: its %d EAGLE layers, then %d more starting as the identity",
+                 layers, len(dparams["layers"]) - layers)
+  return weights, step
 
 
 def _last_params(workdir: str, dparams, tc):
@@ -770,10 +787,14 @@ def init_vocab_map(workdir: str, size: int):
 
 
 def check_warm_start(setup: dict) -> dict:
-  """--init_from's setup, refused unless it trained the same draft (on any corpus)."""
+  """--init_from's setup, refused unless it trained the same draft (on any corpus), or an
+  EAGLE drafter of fewer layers, which the run grows (``eagle.grown``)."""
   from specjax.distill import checkpoint as ckpt
   theirs = _warm_start_setup(FLAGS.init_from)
   diff = ckpt.draft_mismatch(theirs, setup)
+  layers = diff.get("draft_layers")
+  if setup.get("draft_kind") == "eagle" and layers and _grows(*layers):
+    del diff["draft_layers"]
   if diff:
     raise app.UsageError(f"--init_from={FLAGS.init_from} trained another draft: "
                          + ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in diff.items()))

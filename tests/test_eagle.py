@@ -317,6 +317,47 @@ def test_training_time_test_steps_read_their_own_predictions():
   np.testing.assert_allclose(np.asarray(h1), np.asarray(hs[0]), rtol=1e-4, atol=1e-4)
 
 
+def test_a_grown_drafter_proposes_what_it_grew_from_and_its_new_layer_trains():
+  cfg, params = tiny_model(seed=0)
+  layers = (0, 1)
+  small = random_eagle_weights(cfg, 1, jax.random.PRNGKey(2), num_fused=len(layers))
+  init = init_eagle_weights(cfg, params, 2, feature_layers=layers)
+  big = eagle.grown(small, init)
+  assert len(big["layers"]) == 2 and big["layers"][0] is small["layers"][0]
+  prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 4, 6]]
+  l = 8
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, l), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(l), (2, l))
+  fused = jax.random.normal(jax.random.PRNGKey(1), (2, l, len(layers) * cfg.dim))
+  outs = []
+  for w in (small, big):
+    d, dp = eagle_drafter(cfg, params, w, None, layers)
+    h, _ = d.hidden(dp, d.fuse(dp, fused), tokens, pos, init_cache(d.cfg, 2, l))
+    dec = SpeculativeDecoder(cfg, d, gamma=3, eos_ids=())
+    outs.append((np.asarray(d.head_logits(dp, h)),
+                 np.asarray(dec.generate(params, dp, prompts, 16).tokens)))
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])  # the new layer adds exactly zero
+  np.testing.assert_array_equal(outs[0][1], outs[1][1])
+  # the new layer is not stuck at the identity: its output projections get gradients
+  drafter = EagleDrafter(eagle_config(cfg, 2), feature_layers=layers)
+  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.0, ttt_steps=1)
+  recs = [dict(prompt=np.asarray(p, np.int32), response=np.asarray(p[::-1], np.int32),
+               topk_ids=np.asarray(p[1:] + p[:1], np.int32)[:, None],
+               topk_logp=np.zeros((len(p), 1), np.float32)) for p in prompts]
+  feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
+                                     layers=layers)
+  recs = [dict(r, features=f) for r, f in zip(recs, feats)]
+  batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs, 16, 1).items()}
+  draft = train.Draft(cfg=drafter.cfg, target_vocab_size=cfg.vocab_size)
+  v, i = draft.maps()
+  grads = jax.grad(train.loss_fn)(big, objective, "top1", v, i, eagle.frozen_arrays(cfg, params),
+                                  batch, jax.random.PRNGKey(0))
+  for k in ("wo", "w_down"):
+    assert np.abs(np.asarray(grads["layers"][1][k])).max() > 0, k
+  with pytest.raises(ValueError, match="cannot grow 2 EAGLE layers to 1"):
+    eagle.grown(big, small)
+
+
 @pytest.mark.parametrize("layers", [(), (0, 1)])
 def test_save_and_load_round_trip_and_refusals(tmp_path, layers):
   cfg, params = tiny_model(seed=0)

@@ -100,7 +100,8 @@ def test_train_resume_and_warm_start_on_a_grown_corpus(tmp_path):
 @pytest.mark.heavy
 def test_an_eagle_drafter_continues_from_its_draft_directory(tmp_path):
   """What continuing the shipped EAGLE-3 drafter does (--init_from=specjax/assets/
-  smollm2_eagle3): a draft directory's weights and vocabulary, another EAGLE refused."""
+  smollm2_eagle3): a draft directory's weights and vocabulary, another EAGLE refused, one
+  of fewer layers grown."""
   eagle = ["--draft_kind=eagle", "--eagle_feature_layers=0,1", "--eagle_ttt_steps=2"]
   first, warm = tmp_path / "first", tmp_path / "warm"
   _train_draft(tmp_path, "--stage=all", "--train_batches=1", f"--workdir={first}", *eagle)
@@ -116,6 +117,18 @@ def test_an_eagle_drafter_continues_from_its_draft_directory(tmp_path):
                  "--eagle_ttt_steps=3", f"--workdir={tmp_path / 'third'}",
                  f"--init_from={first / 'draft'}")
   assert "trained another draft" in err and "ttt_steps 2 there, 3 here" in err
+
+  # grown by a layer that starts as the identity: step 0 scores as the run it grew from
+  grown = tmp_path / "grown"
+  _train_draft(tmp_path, "--stage=train", "--train_batches=1", f"--workdir={grown}",
+               f"--init_from={first / 'draft'}", *eagle, "--eagle_layers=2")
+  assert json.loads((grown / "setup.json").read_text())["draft_layers"] == 2
+  start = _metrics(grown)[0]
+  for key in ("alpha_T0", "alpha_T1"):
+    assert start[key] == pytest.approx(done[-1][key], abs=0.02), key
+  err = _refused(tmp_path, *TINY, "--stage=train", "--train_batches=1", *eagle,
+                 f"--workdir={tmp_path / 'shrunk'}", f"--init_from={grown}")
+  assert "trained another draft" in err and "draft_layers 2 there, 1 here" in err
 
 
 def _refused(tmp_path, *flags):

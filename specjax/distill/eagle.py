@@ -141,3 +141,17 @@ def frozen_arrays(target_cfg, target_params, vocab_map=None) -> dict:
   """The target arrays an EAGLE objective reads: embedding, final norm, head rows."""
   dp = eagle_params(target_cfg, target_params, {}, vocab_map)
   return {k: v for k, v in dp.items() if k != "vocab_map"}
+
+
+def grown(weights: dict, init: dict) -> dict:
+  """``weights`` (trained EAGLE weights) with ``init``'s layers beyond theirs appended, each
+  starting as the identity: its two residual branches' output projections (``wo``,
+  ``w_down``) zero, the rest as ``init`` has it. The grown drafter proposes exactly what
+  ``weights`` did until training moves the new layers (depth growth with zero-initialised
+  residual branches): the capacity axis of an ablation, continued from a trained drafter."""
+  have, want = len(weights["layers"]), len(init["layers"])
+  if have > want:
+    raise ValueError(f"cannot grow {have} EAGLE layers to {want}")
+  new = [dict(l, wo=jnp.zeros_like(l["wo"]), w_down=jnp.zeros_like(l["w_down"]))
+         for l in init["layers"][have:]]
+  return dict(weights, layers=list(weights["layers"]) + new)
