@@ -91,7 +91,6 @@ def _tokens_digests(records: Sequence[dict], prefix: int) -> tuple[str, str]:
   return head, h.hexdigest()
 
 
-
 def corpus_features(directory: str, split: str, records: Sequence[dict], params: Params,
                     cfg: ModelConfig, batch_size: int = 8, progress: bool = True,
                     layers: tuple[int, ...] = ()) -> None:
@@ -116,9 +115,9 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
     apart = ("lengths", "tokens_sha256", "target")  # (the records; the target below)
     # every target field the file records must be ours (files written before 2026-12-05
     # recorded four of them)
-    theirs = stored.get("target") or {"": None}
-    if (any(meta["target"].get(f, object()) != v for f, v in theirs.items())
-        or {k: v for k, v in stored.items() if k not in apart}
+    theirs = stored.get("target") or {}
+    ours = bool(theirs) and all(meta["target"].get(f) == v for f, v in theirs.items())
+    if (not ours or {k: v for k, v in stored.items() if k not in apart}
         != {k: v for k, v in meta.items() if k not in apart}):
       raise CheckpointError(f"{path}.npy was computed for another target; delete it to "
                             "recompute")
