@@ -116,8 +116,8 @@ def corpus_features(directory: str, split: str, records: Sequence[dict], params:
     # every target field the file records must be ours (files written before 2026-12-05
     # recorded four of them)
     theirs = stored.get("target") or {}
-    ours = bool(theirs) and all(meta["target"].get(f) == v for f, v in theirs.items())
-    if (not ours or {k: v for k, v in stored.items() if k not in apart}
+    same_target = bool(theirs) and all(meta["target"].get(f) == v for f, v in theirs.items())
+    if (not same_target or {k: v for k, v in stored.items() if k not in apart}
         != {k: v for k, v in meta.items() if k not in apart}):
       raise CheckpointError(f"{path}.npy was computed for another target; delete it to "
                             "recompute")
