@@ -112,7 +112,9 @@ flags.DEFINE_bool("target_input", True, "Token draft with --draft_vocab: read id
                   "vocabulary through the target's embedding rows during training, as "
                   "inference does (ModelDrafter.make_params(input_embed=...)); off: through "
                   "the nearest kept row.")
-flags.DEFINE_float("max_minutes", 1e9, "Stop (checkpointed, resumable) after this long.")
+flags.DEFINE_float("max_minutes", 1e9, "Stop (checkpointed, resumable) after this long; 0: "
+                   "take no step and write the draft of the run's last checkpoint (a run "
+                   "stopped between checkpoints, e.g. by a kill).")
 flags.DEFINE_enum("draft_kind", "token", ["token", "eagle", "medusa", "exit"], "A token draft "
                   "model, an EAGLE feature drafter over the target's last hidden state, Medusa-1 "
                   "heads on it, or a trained early exit (an exit head on the output of the "
@@ -803,6 +805,8 @@ def check_warm_start(setup: dict) -> dict:
 
 def main(argv):
   del argv
+  if FLAGS.max_minutes < 0:
+    raise app.UsageError(f"--max_minutes must be >= 0, got {FLAGS.max_minutes}")
   if FLAGS.adaspec_keep <= 0.0:
     raise app.UsageError(f"--adaspec_keep must be in (0, 1], got {FLAGS.adaspec_keep}")
   if (FLAGS.adaspec_keep < 1.0) != bool(FLAGS.adaspec_reference):

@@ -20,7 +20,8 @@
 # train: a fused-feature (low/mid/last layer) EAGLE drafter with training-time
 # test (3 unrolled steps), forward KL to the target's top-64 recomputed
 # teacher-forced on every batch (--teacher=online), for $STEPS steps or until
-# $TRAIN_MINUTES. token: the independent token draft (issue #15 item 3) on the same
+# $TRAIN_MINUTES (0: no step, the last checkpoint written as draft/). token: the
+# independent token draft (issue #15 item 3) on the same
 # corpus: one layer from the target's layer 0, an 11,008-id vocabulary (the shipped
 # draft's size, under 20 MB in float16), full-vocabulary input (--target_input,
 # train_draft's default), forward KL to the online teacher's top-64; not run yet at

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -414,6 +415,23 @@ def test_interrupted_run_resumes_at_saved_step(toy, tmp_path):
                               log=lambda m: 0, progress=False)
   assert [m["step"] for m in hist] == [6]  # started at 3: no step-0 eval, one eval at 6
   for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_passed_deadline_takes_no_step_and_returns_the_checkpoint(toy, tmp_path):
+  """A run resumed out of time (train_draft --max_minutes=0) gives its last checkpoint's
+  parameters back untouched, and logs nothing: the draft of a run stopped between
+  checkpoints."""
+  _, _, recs, held, _ = toy
+  draft, params = _draft(toy)
+  saved, _ = train.train(draft, params, recs, held, TC, str(tmp_path), k=K, stop_after=3,
+                         log=lambda m: 0, progress=False)
+  metrics = (tmp_path / "metrics.jsonl").read_text()
+  again, hist = train.train(draft, params, recs, held, TC, str(tmp_path), k=K,
+                            deadline=time.time() - 1, log=lambda m: 0, progress=False)
+  assert hist == [] and (tmp_path / "metrics.jsonl").read_text() == metrics
+  assert ckpt.manager(str(tmp_path / "checkpoints")).latest_step() == 3
+  for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(again)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

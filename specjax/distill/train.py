@@ -437,7 +437,8 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     k: target top-k used by the losses.
     target: (cfg, params) of the target, needed only for on-policy steps.
     stop_after: stop (after checkpointing) at this step (for tests of resumption).
-    deadline: wall-clock time (time.time()) after which to checkpoint and stop.
+    deadline: wall-clock time (time.time()) after which to checkpoint and stop; one already
+      past takes no step (the latest checkpoint's parameters are returned).
     log: receives one metrics dict per log event (also appended to metrics.jsonl).
     objective: what is trained (default ``TokenObjective(draft.cfg)``).
     frozen: arrays the objective reads but does not train (e.g. the target's
@@ -502,6 +503,8 @@ def _train(draft, params, train_records, heldout_records, tc, workdir, k, target
     emit(dict(step=0, **heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k,
                                       objective=objective, frozen=frozen, teacher=teacher)))
   end = tc.steps if stop_after is None else min(tc.steps, stop_after)
+  if deadline is not None and time.time() > deadline:
+    end = start  # out of time before the first step: the checkpoint stands as it is
   bar = tqdm.tqdm(range(start, end), initial=start, total=tc.steps, desc="distill",
                   disable=not progress)
   t0, losses_acc = time.time(), []
