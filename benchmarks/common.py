@@ -127,6 +127,37 @@ def write_markdown(path: str, lines: list[str], quiet: bool = False) -> None:
   files.write_text(path, text)
 
 
+def command_line(module: str, flag_list) -> str:
+  """``python -m benchmarks.<module> --flag=value ...`` for the results' header (lists
+  comma-joined)."""
+  return f"python -m benchmarks.{module} " + " ".join(
+      f"--{f.name}={','.join(f.value) if isinstance(f.value, list) else f.value}"
+      for f in flag_list)
+
+
+def prompt_sets(target, num: int) -> dict[str, list[list[int]]]:
+  """``num`` training-side prompts (where a setting would be chosen) and ``num`` held-out
+  evaluation prompts (where it is judged), encoded for ``target``."""
+  from experiments.prompts import default_prompts, training_prompts
+  return {"training-side": [target.encode(t) for t in training_prompts(num)],
+          "held-out": [target.encode(p.text) for p in default_prompts(num)]}
+
+
+def acceptance(dec, target, draft, prompts, new: int, seeds: int) -> dict:
+  """α (Σβ / scored drafts; None where nothing was scored: trees), accept rate and tokens
+  per call of ``dec`` over ``seeds`` decodes of ``prompts`` (one batch)."""
+  total = {k: 0.0 for k in ("beta_sum", "beta_count", "accepted", "drafted", "emitted",
+                            "target_calls")}
+  for seed in range(seeds):
+    out = dec.generate(target.params, draft.params, prompts, new, seed=1000 * seed,
+                       cache_size=max(map(len, prompts)) + new + dec.cache_headroom)
+    for k in total:
+      total[k] += float(np.sum(out.per_row[k]))
+  return dict(alpha=total["beta_sum"] / total["beta_count"] if total["beta_count"] else None,
+              accept=total["accepted"] / max(total["drafted"], 1),
+              tokens_per_call=total["emitted"] / max(total["target_calls"], 1))
+
+
 def int_list(flag) -> list[int]:
   """A non-empty list flag of integers >= 1, or SystemExit naming the flag (before anything
   is built)."""

@@ -20,13 +20,12 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 from absl import app, flags
 
-from benchmarks.common import provenance, write_markdown
+from benchmarks.common import (acceptance, command_line, prompt_sets, provenance,
+                               write_markdown)
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
-from experiments.prompts import default_prompts, training_prompts
 from specjax.sampling import make_sampler, scale_temperature
 from specjax.speculative import SpeculativeDecoder
 
@@ -52,21 +51,6 @@ def _floats(flag) -> list[float]:
   return values
 
 
-def measure(dec: SpeculativeDecoder, target, draft, prompts, new: int, seeds: int) -> dict:
-  """α (Σβ / scored drafts), accept rate and tokens per call of ``dec`` over ``seeds``
-  decodes of ``prompts`` (one batch)."""
-  total = {k: 0.0 for k in ("beta_sum", "beta_count", "accepted", "drafted", "emitted",
-                            "target_calls")}
-  for seed in range(seeds):
-    out = dec.generate(target.params, draft.params, prompts, new, seed=1000 * seed,
-                       cache_size=max(map(len, prompts)) + new + dec.cache_headroom)
-    for k in total:
-      total[k] += float(np.sum(out.per_row[k]))
-  return dict(alpha=total["beta_sum"] / max(total["beta_count"], 1),
-              accept=total["accepted"] / max(total["drafted"], 1),
-              tokens_per_call=total["emitted"] / max(total["target_calls"], 1))
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -87,12 +71,9 @@ def main(argv):
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   target = load_target("smollm2")
   draft = load_draft(DRAFT.value, target, lambda: [])
-  sets = {"training-side": [target.encode(t) for t in training_prompts(PROMPTS.value)],
-          "held-out": [target.encode(p.text) for p in default_prompts(PROMPTS.value)]}
+  sets = prompt_sets(target, PROMPTS.value)
   start = time.perf_counter()
-  command = ("python -m benchmarks.draft_temperature " + " ".join(
-      f"--{f.name}={','.join(f.value) if isinstance(f.value, list) else f.value}"
-      for f in (TEMPS, RATIOS, GAMMA, PROMPTS, SEEDS, NEW, DRAFT)))
+  command = command_line("draft_temperature", (TEMPS, RATIOS, GAMMA, PROMPTS, SEEDS, NEW, DRAFT))
   head = ["# Draft temperature: acceptance when the draft samples at ratio × T", "",
           f"Command: `{command}`  ",
           f"{provenance()}; draft `{draft.name}` ({draft.note}); chain γ = {GAMMA.value}; "
@@ -110,7 +91,7 @@ def main(argv):
       dec = SpeculativeDecoder(target.cfg, draft.drafter, gamma=GAMMA.value, sampler=sampler,
                                draft_sampler=ds, eos_ids=())
       for name, prompts in sets.items():
-        results[name, ratio] = measure(dec, target, draft, prompts, NEW.value, SEEDS.value)
+        results[name, ratio] = acceptance(dec, target, draft, prompts, NEW.value, SEEDS.value)
     body += [f"## T = {temp:g}", "",
              "| draft temperature | " + " | ".join(
                  f"{n}: α | {n}: accept rate | {n}: tokens/call" for n in sets) + " |",

@@ -21,6 +21,9 @@ DRAFT_NAMES = ("default", "eagle", "medusa", "trained_exit", "adapter_exit", "bi
                "unigram", "prompt_lookup", "jacobi", "jacobi_random", "lookahead", "tiny")
 # The methods that need no draft model, which the draft_free experiment times.
 DRAFT_FREE = ("prompt_lookup", "jacobi", "jacobi_random", "lookahead")
+# ``<draft>+lookup``: the draft with prompt lookup on rows whose context repeats
+# (``drafters.hybrid``).
+LOOKUP_SUFFIX = "+lookup"
 # Drafts whose drafter brings its own tree (``Drafter.default_tree``): no γ to sweep.
 OWN_TREE_DRAFTS = ("lookahead", "medusa")
 
@@ -40,7 +43,8 @@ class ExperimentConfig:
       "prompt_lookup" | "jacobi" | "jacobi_random" (Jacobi decoding, no draft model) |
       "lookahead" (lookahead decoding, its own tree) | "medusa" (the shipped Medusa-1
       heads, their own tree) | "tiny" | path of a specjax draft directory (token, EAGLE or
-      Medusa), a .gguf file or HF dir.
+      Medusa), a .gguf file or HF dir; any draft model followed by "+lookup" (e.g.
+      "eagle+lookup"): prompt lookup where the context repeats, that draft elsewhere.
     prompts: a .jsonl prompt file (ours or Spec-Bench's question.jsonl, first turns), or
       None for the built-in held-out set.
     num_prompts: prompts taken from the built-in set (default 5: one per category; with
@@ -260,6 +264,12 @@ class ExperimentConfig:
 def check_draft(spec: str, flag: str) -> None:
   """Rejects a draft spec that names nothing: not a known name, ``early_exit[:K]`` with an
   integer K >= 1, nor an existing path. (K <= the target's layers is checked on load.)"""
+  if spec.endswith(LOOKUP_SUFFIX):
+    base = spec[:-len(LOOKUP_SUFFIX)]
+    if base in DRAFT_FREE or base.endswith(LOOKUP_SUFFIX) or not base:
+      raise ValueError(f"--{flag}: {spec!r}: {LOOKUP_SUFFIX} adds prompt lookup to a draft "
+                       f"model; {base or 'nothing'!r} is not one")
+    return check_draft(base, flag)
   if spec in DRAFT_NAMES:
     return
   if spec.startswith("early_exit"):

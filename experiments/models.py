@@ -15,7 +15,7 @@ from specjax import validation
 from specjax.model import Params, cast_params, compute_dtype
 from specjax.drafters.eagle import head_rows
 
-from experiments.config import DRAFT_NAMES
+from experiments.config import DRAFT_NAMES, LOOKUP_SUFFIX
 
 TINY = "tiny"
 
@@ -87,6 +87,10 @@ def load_draft(spec: str, target: Target,
 def _resolve_draft(spec: str, target: Target,
                    ngram_corpus: Callable[[], Sequence[Sequence[int]]]) -> Draft:
   cfg = target.cfg
+  if spec.endswith(LOOKUP_SUFFIX):
+    base = load_draft(spec[:-len(LOOKUP_SUFFIX)], target, ngram_corpus)
+    return Draft(spec, drafters.hybrid_drafter(base.drafter), base.params,
+                 f"prompt lookup where the last 3-4 tokens recur, else {base.name}")
   if spec == "default":
     return _default_draft(target)
   if spec == "eagle":

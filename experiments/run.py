@@ -32,7 +32,9 @@ flags.DEFINE_string("draft", "eagle", "eagle (the shipped EAGLE-3 feature drafte
                     "prompt_lookup | lookahead | medusa (the shipped Medusa-1 heads; these two "
                     "bring their own tree: drafts_alpha and draft_free only) "
                     "| jacobi | jacobi_random (Jacobi decoding, prompt-lookup or random fill) | "
-                    "tiny | path of a draft directory (token, EAGLE or Medusa), .gguf or HF dir.")
+                    "tiny | path of a draft directory (token, EAGLE or Medusa), .gguf or HF dir; "
+                    "any draft model + '+lookup' (eagle+lookup: prompt lookup where the "
+                    "context repeats, that draft elsewhere).")
 flags.DEFINE_string("prompts", None, 'JSONL file: one {"prompt": ..., "category": ...} per '
                     "line, or Spec-Bench's question.jsonl ({\"category\": ..., \"turns\": [...]}; "
                     "each question is measured on its first turn only) (default: built-in "

@@ -27,7 +27,7 @@ def tiny_model(seed: int = 0, scale: float = 0.5, **kw) -> tuple[ModelConfig, Pa
 
 
 DRAFTER_KINDS = ("prompt_lookup", "unigram", "bigram", "early_exit", "trained_exit",
-                 "adapter_exit", "eagle", "medusa")
+                 "adapter_exit", "eagle", "medusa", "hybrid")
 
 
 def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[Sequence[int]]):
@@ -63,6 +63,9 @@ def make_drafter(kind: str, cfg: ModelConfig, params: Params, corpus: Sequence[S
     from specjax.drafters.medusa import random_medusa_weights
     weights = random_medusa_weights(cfg, 3, 1, jax.random.PRNGKey(7))
     return drafters.medusa_drafter(cfg, params, weights, top_k=4)
+  if kind == "hybrid":  # the random EAGLE drafter, copying after a 2-token match
+    eagle, dp = make_drafter("eagle", cfg, params, corpus)
+    return drafters.hybrid_drafter(eagle, min_match=2, max_ngram=3), dp
   raise ValueError(f"unknown drafter kind {kind!r}")
 
 

@@ -52,6 +52,8 @@ def test_prompt_lookup_ranks_matches_longest_then_latest():
   starts = np.asarray(d.match_starts(tokens, jnp.array([12]), 4))[0]
   assert starts.tolist() == [6, 3, 9, -1]  # both 2-gram matches (latest first), then the 1-gram
   assert tokens[0, starts[:3]].tolist() == [8, 7, 4]
+  _, lengths = d.matches(tokens, jnp.array([12]), 4)
+  assert np.asarray(lengths)[0].tolist() == [2, 2, 1, 0]  # suffix tokens matched; 0: none
 
 
 def test_prompt_lookup_tree_puts_one_match_per_branch():

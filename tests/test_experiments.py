@@ -368,6 +368,11 @@ def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, 
     (dict(sweep_trees=((0, 2, 2),)), "--sweep_trees: 0:2:2: DynamicTree top_k must be"),
     (dict(sweep_trees=((4, 4),)), r"--sweep_trees: \(4, 4\) is not top_k:depth:nodes"),
     (dict(sweep_trees=((4, 4, 4), (4, 4, 4))), "--sweep_trees lists a value twice"),
+    (dict(draft="jacobi+lookup"), "--draft: 'jacobi\\+lookup': \\+lookup adds prompt lookup to a "
+                                  "draft model; 'jacobi' is not one"),
+    (dict(draft="eagle+lookup+lookup"), "'eagle\\+lookup' is not one"),
+    (dict(alpha_drafts=("+lookup",)), "--alpha_drafts: '\\+lookup': .*'nothing' is not one"),
+    (dict(draft="nonesuch+lookup"), "--draft: 'nonesuch' is neither a draft name"),
 ])
 def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -375,8 +380,21 @@ def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
 
 
 def test_config_accepts_draft_names_paths_and_early_exit(tmp_path):
-  for spec in ("default", "eagle", "bigram", "early_exit", "early_exit:3", str(tmp_path)):
+  for spec in ("default", "eagle", "bigram", "early_exit", "early_exit:3", str(tmp_path),
+               "eagle+lookup", "early_exit:3+lookup", str(tmp_path) + "+lookup"):
     ExperimentConfig(draft=spec)
+
+
+def test_a_lookup_suffix_wraps_the_draft_in_a_hybrid_drafter():
+  from experiments import models
+  from specjax.drafters import HybridDrafter
+  target = models.load_target("tiny")
+  base = models.load_draft("tiny", target, lambda: [])
+  d = models.load_draft("tiny+lookup", target, lambda: [])
+  assert isinstance(d.drafter, HybridDrafter) and d.drafter.model == base.drafter
+  assert d.name == "tiny+lookup" and d.drafter.lookup.min_ngram == 3
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), d.params,
+                                   base.params))
 
 
 def test_an_unknown_draft_lists_every_name():
@@ -496,6 +514,15 @@ def test_draft_temperature_benchmark_rejects_bad_flags_before_loading(tmp_path):
   _refuses("draft_temperature", (["--temperatures=0,1"], "--temperatures must be > 0"),
            (["--ratios=-1"], "--ratios must list numbers >= 0"),
            (["--ratios=1e-6"], "--ratios=1e-06 at T = 0.5: temperature must be"),
+           (["--gamma=0"], "--gamma must be >= 1"),
+           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+
+
+def test_hybrid_lookup_benchmark_rejects_bad_flags_before_loading(tmp_path):
+  (tmp_path / "file").write_text("")
+  _refuses("hybrid_lookup", (["--min_matches=0,3"], "--min_matches must list integers >= 1"),
+           (["--min_matches=3,3"], "--min_matches lists a value twice"),
+           (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
            (["--gamma=0"], "--gamma must be >= 1"),
            ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 

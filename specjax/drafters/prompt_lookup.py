@@ -75,6 +75,12 @@ class PromptLookupDrafter(Drafter):
 
     Best = longest matching suffix, then most recent; each start appears once.
     """
+    return self.matches(tokens, seq_lens, num_matches)[0]
+
+  def matches(self, tokens: jax.Array, seq_lens: jax.Array,
+              num_matches: int) -> tuple[jax.Array, jax.Array]:
+    """(starts, lengths), each [B, k]: where the continuations of the k best earlier matches
+    start (-1: none) and how many suffix tokens each matched (0: none)."""
     b, s = tokens.shape
     i = jnp.arange(s)[None, :]  # candidate start of an earlier occurrence
     score = jnp.full((b, s), -1)  # per continuation start c = i + n
@@ -92,7 +98,7 @@ class PromptLookupDrafter(Drafter):
       cand = jnp.concatenate([jnp.full((b, n), -1), cand[:, :s - n]], axis=1)  # index by c
       score = jnp.maximum(score, cand)
     top, starts = jax.lax.top_k(score, num_matches)
-    return jnp.where(top >= 0, starts, -1)
+    return jnp.where(top >= 0, starts, -1), jnp.where(top >= 0, top // (s + 1), 0)
 
   def continuations(self, tokens: jax.Array, seq_lens: jax.Array, starts: jax.Array,
                     offsets: jax.Array) -> jax.Array:

@@ -1,0 +1,178 @@
+"""Hybrid drafting: copy from the context where it repeats, a model drafter elsewhere.
+
+Each step, each row's committed context is searched for its own suffix (prompt lookup,
+``PromptLookupDrafter``). A row whose suffix of at least ``lookup.min_ngram`` tokens occurred
+before proposes what followed that occurrence, a point mass that costs no draft forward;
+every other row takes the model drafter's proposal (an EAGLE feature drafter, Medusa heads,
+an independent draft). Retrieval beside a model draft, as in REST (He et al. 2023) and
+SAM-Decoding (Hu et al. 2024): copying pays on summaries, quotations, code edits and
+answers that reuse the question, where a small drafter's guesses are weakest on long spans.
+
+Lossless: the choice reads only the committed tokens, so each row's proposal is a valid
+chain (or tree) of its own, with the law it was drawn from (a chain's copied tokens carry
+one-hot q); verification then keeps the target's distribution, and greedy output is plain
+greedy decoding. When every row of the batch copies, the model drafter's forward is skipped
+(``lax.cond``) if it tolerates skipped steps (``Drafter.tolerates_skipped_steps``: it
+catches up on the next step it drafts); otherwise it drafts every step and its proposal is
+dropped where a row copies.
+
+Shapes: chains, and EAGLE-2 dynamic trees (``DynamicTree``) when the model drafter builds
+them. A copying row fills the tree's N nodes with the continuations of its best matches,
+one chain of up to D nodes per match (branch j = node i // D holds the j-th best match,
+best first), as per-row parents of a point-mass proposal, like the model's own dynamic tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.prompt_lookup import PromptLookupDrafter
+from specjax.sampling import Sampler
+from specjax.speculative.drafter import Drafter, SharedCache
+from specjax.speculative.proposal import Proposal
+from specjax.speculative.tree import DynamicTree, TreeTopology
+
+
+def match_layout(num_nodes: int, depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(branch [N], offset [N], parents [N]) of N copied nodes laid out as chains of up to
+  ``depth`` nodes from the root: node i continues match i // depth at its (i % depth)-th
+  token."""
+  i = np.arange(num_nodes)
+  branch, offset = i // depth, i % depth
+  return branch, offset, np.where(offset > 0, i - 1, -1).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridDrafter(Drafter):
+  """Prompt lookup where a match of ``lookup.min_ngram`` tokens or more exists, else ``model``.
+
+  Attributes:
+    model: the drafter for rows without a match; its params, state and capabilities (target
+      features, a shared cache, skipped steps) are the hybrid's.
+    lookup: the matcher. Its ``min_ngram`` is the shortest suffix match trusted for copying
+      (``hybrid_drafter`` sets 3); its ``max_ngram`` ranks longer matches first.
+  """
+
+  model: Drafter
+  lookup: PromptLookupDrafter
+
+  def __post_init__(self):
+    if not isinstance(self.model, Drafter) or isinstance(self.model, HybridDrafter):
+      raise TypeError(f"model must be a Drafter other than a HybridDrafter, got "
+                      f"{type(self.model).__name__}")
+    if not isinstance(self.lookup, PromptLookupDrafter):
+      raise TypeError(f"lookup must be a PromptLookupDrafter, got {type(self.lookup).__name__}")
+    if self.model.reads_target_predictions():
+      raise ValueError(f"{type(self.model).__name__} reads the target's block predictions "
+                       "(Jacobi decoding) and fills its own slots by lookup; it cannot be the "
+                       "model of a HybridDrafter")
+    if self.lookup.vocab_size != self.model.vocab_size:
+      raise ValueError(f"lookup vocabulary {self.lookup.vocab_size} != the model drafter's "
+                       f"{self.model.vocab_size}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
+  # --- capabilities: the model's, restricted to the shapes a copying row can fill --------
+
+  def supports(self, topology) -> bool:
+    if isinstance(topology, DynamicTree):  # a copying row's root has ⌈N / D⌉ <= k children
+      shape_ok = -(-topology.num_nodes // topology.max_depth) <= topology.max_children
+    else:
+      shape_ok = isinstance(topology, TreeTopology) and topology.is_chain
+    return shape_ok and self.model.supports(topology)
+
+  def buildable(self) -> str:
+    return ("chains, and EAGLE-2 dynamic trees (DynamicTree) of N <= top_k · depth nodes "
+            f"where the model drafter builds them; the model builds {self.model.buildable()}")
+
+  def default_tree(self):
+    tree = self.model.default_tree()
+    return tree if tree is not None and self.supports(tree) else None
+
+  def tolerates_skipped_steps(self) -> bool:
+    return self.model.tolerates_skipped_steps()
+
+  def shares_target_cache(self) -> bool:
+    return self.model.shares_target_cache()
+
+  def reads_target_features(self) -> bool:
+    return self.model.reads_target_features()
+
+  def target_feature_layers(self) -> tuple[int, ...]:
+    return self.model.target_feature_layers()
+
+  def check_params(self, draft_params) -> None:
+    self.model.check_params(draft_params)
+
+  def plain_params(self, draft_params):
+    return self.model.plain_params(draft_params)
+
+  # --- the step ----------------------------------------------------------------------
+
+  def init(self, draft_params, tokens, prompt_lens, features=None):
+    return self.model.init(draft_params, tokens, prompt_lens, features)
+
+  def observe(self, state, hidden, start):
+    return self.model.observe(state, hidden, start)
+
+  def observe_block(self, state, predictions, num_accepted):
+    return self.model.observe_block(state, predictions, num_accepted)
+
+  def rollback(self, state, seq_lens, accepted):
+    return self.model.rollback(state, seq_lens, accepted)
+
+  def copies(self, tokens: jax.Array, seq_lens: jax.Array) -> jax.Array:
+    """[B] bool: which rows copy this step (their suffix matched earlier context)."""
+    return self.lookup.matches(tokens, seq_lens, 1)[1][:, 0] > 0
+
+  def propose(self, draft_params, state, tokens, seq_lens, key, sampler: Sampler, topology):
+    if not self.supports(topology):
+      raise ValueError(f"HybridDrafter builds {self.buildable()}, not {topology}")
+    n = topology.num_nodes
+    depth = n if topology.is_chain else topology.max_depth
+    branch, offset, parents = match_layout(n, depth)
+    starts, lengths = self.lookup.matches(tokens, seq_lens, int(branch.max()) + 1)
+    copy = lengths[:, 0] > 0  # [B]
+    copied = self.lookup.continuations(tokens, seq_lens, starts[:, branch],
+                                       jnp.asarray(offset))  # [B, N]
+
+    def draft(_):
+      return self.model.propose(draft_params, state, tokens, seq_lens, key, sampler, topology)
+
+    if self.model.tolerates_skipped_steps():
+      own = state.own if isinstance(state, SharedCache) else state
+
+      def skip(_):  # every row copies: the model's forward is not run, its state unchanged
+        shapes = jax.eval_shape(draft, None)[0]
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), own
+
+      proposal, state = jax.lax.cond(jnp.all(copy), skip, draft, None)
+    else:
+      proposal, state = draft(None)
+
+    tokens_out = jnp.where(copy[:, None], copied, proposal.tokens)
+    if topology.is_chain:
+      one_hot = jax.nn.one_hot(copied, self.vocab_size, dtype=proposal.q.dtype)
+      q = jnp.where(copy[:, None, None], one_hot, proposal.q)
+      return Proposal(tokens=tokens_out, q=q, draw=proposal.draw), state
+    if proposal.draw != "point_mass" or proposal.parents is None:
+      raise ValueError(f"{type(self.model).__name__}'s dynamic tree is not a point-mass "
+                       "proposal with per-row parents; a copying row cannot share its step")
+    b = tokens.shape[0]
+    parents_out = jnp.where(copy[:, None], jnp.broadcast_to(jnp.asarray(parents), (b, n)),
+                            proposal.parents)
+    return Proposal(tokens=tokens_out, parents=parents_out.astype(proposal.parents.dtype),
+                    draw="point_mass"), state
+
+
+def hybrid_drafter(model: Drafter, min_match: int = 3, max_ngram: int = 4) -> HybridDrafter:
+  """``model`` with prompt lookup on rows whose last ``min_match``…``max_ngram`` tokens
+  occurred before."""
+  return HybridDrafter(model, PromptLookupDrafter(model.vocab_size, max_ngram=max_ngram,
+                                                  min_ngram=min_match))

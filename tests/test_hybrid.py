@@ -1,0 +1,202 @@
+"""Hybrid drafting (prompt lookup where the context repeats, a model drafter elsewhere) is
+lossless: greedy equality for chains, dynamic trees and an adaptive policy, whichever model
+drafts; the exact joint law at T > 0 on a prompt that copies, with a mislabelled-q variant
+rejected; no recompilation; bad configurations refused."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.drafters import (HybridDrafter, JacobiDrafter, ModelDrafter, PromptLookupDrafter,
+                              early_exit_drafter, hybrid_drafter)
+from specjax.drafters.hybrid import match_layout
+from specjax.sampling import Sampling
+from specjax.speculative import SpeculativeDecoder
+from specjax.speculative.adaptive import AdaptiveGamma
+from specjax.speculative.proposal import Proposal
+from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint, make_drafter,
+                             new_compiles_across_batches, tiny_model)
+
+# Rows that copy from their first step (1, 2 recurs; 7, 8, 9 recurs), rows that never match
+# at first (4, 5), and a one-token prompt.
+PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9, 10, 7], [3]]
+TREE = DynamicTree(top_k=2, depth=3, num_nodes=5)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoSkipDrafter(ModelDrafter):
+  """An independent draft that must see every step: the hybrid cannot skip its forward."""
+
+  def tolerates_skipped_steps(self) -> bool:
+    return False
+
+
+@pytest.fixture(scope="module")
+def target():
+  return tiny_model(seed=0)
+
+
+def _models(kind, cfg, params):
+  if kind == "eagle":
+    return make_drafter("eagle", cfg, params, ())
+  if kind == "early_exit":  # shares the target's cache: its state is a SharedCache
+    return early_exit_drafter(cfg, params, 1)
+  dcfg, dparams = tiny_model(seed=1, vocab_size=cfg.vocab_size, num_layers=1)
+  drafter = (_NoSkipDrafter if kind == "no_skip" else ModelDrafter)(dcfg)
+  return drafter, drafter.make_params(dparams)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "early_exit", "no_skip"])
+@pytest.mark.parametrize("shape", ["chain", "dynamic_tree"])
+def test_greedy_equals_plain_greedy_decoding(target, kind, shape):
+  cfg, params = target
+  model, dp = _models(kind, cfg, params)
+  drafter = hybrid_drafter(model, min_match=2, max_ngram=3)
+  dec = SpeculativeDecoder(cfg, drafter, gamma=3 if shape == "chain" else None,
+                           tree=TREE if shape == "dynamic_tree" else None, eos_ids=())
+  out = dec.generate(params, dp, PROMPTS, 24)
+  ref = specjax.generate(params, cfg, PROMPTS, 24, eos_ids=())
+  for row in range(len(PROMPTS)):
+    assert out.generated(row) == ref.generated(row)
+
+
+def test_greedy_equality_under_an_adaptive_policy(target):
+  """Plain steps (γ = 0), chains and a dynamic tree chosen per step, copying or not."""
+  cfg, params = target
+  model, dp = _models("eagle", cfg, params)
+  policy = AdaptiveGamma(gammas=(0, 1, 2, 4), step_costs=(1.0, 1.2, 1.3, 1.5), trees=(TREE,),
+                         tree_costs=(1.4,), rank_accept=((0.5, 0.1), (0.5, 0.1), (0.5, 0.1)),
+                         prior_alpha=0.6, decay=0.7)
+  dec = SpeculativeDecoder(cfg, hybrid_drafter(model, min_match=2), policy=policy, eos_ids=())
+  out = dec.generate(params, dp, PROMPTS, 24)
+  ref = specjax.generate(params, cfg, PROMPTS, 24, eos_ids=())
+  for row in range(len(PROMPTS)):
+    assert out.generated(row) == ref.generated(row)
+
+
+def test_rows_that_match_copy_and_the_others_take_the_models_proposal(target):
+  cfg, params = target
+  model, dp = _models("eagle", cfg, params)
+  drafter = hybrid_drafter(model, min_match=2, max_ngram=3)
+  dec = SpeculativeDecoder(cfg, drafter, tree=TREE, eos_ids=())
+  prompts = [[1, 2, 3, 1, 2], [4, 5, 6]]
+  state, _ = dec.prepare(params, dp, prompts, 8, cache_size=32)
+  proposal, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
+  tokens = np.asarray(proposal.tokens)
+  parents = np.asarray(proposal.parents)
+  # Row 0: suffix (1, 2) occurred at 0; its continuation 3, 1, 2 fills the first branch
+  # (depth 3), the next branch has no second match and repeats the last token.
+  assert tokens[0].tolist() == [3, 1, 2, 2, 2]
+  assert parents[0].tolist() == [-1, 0, 1, -1, 3]
+  model_prop, _ = model.propose(dp, state.draft_state, state.tokens, state.seq_lens,
+                                jax.random.PRNGKey(0), dec.proposal_sampler, TREE)
+  assert tokens[1].tolist() == np.asarray(model_prop.tokens)[1].tolist()
+  assert parents[1].tolist() == np.asarray(model_prop.parents)[1].tolist()
+
+
+def test_match_layout_puts_one_match_per_chain_of_depth_nodes():
+  branch, offset, parents = match_layout(5, 3)
+  assert branch.tolist() == [0, 0, 0, 1, 1]
+  assert offset.tolist() == [0, 1, 2, 0, 1]
+  assert parents.tolist() == [-1, 0, 1, -1, 3]
+
+
+def test_all_rows_copying_skips_the_models_forward(target):
+  """The model's state comes back unchanged when every row copies, and advances otherwise."""
+  cfg, params = target
+  model, dp = _models("eagle", cfg, params)
+  drafter = hybrid_drafter(model, min_match=2)
+  toks = jnp.asarray([[1, 2, 3, 1, 2, 0, 0, 0], [7, 8, 7, 8, 0, 0, 0, 0]], jnp.int32)
+  feats = jnp.ones((2, 8, cfg.dim * len(model.target_feature_layers() or (0,))), jnp.float32)
+  for lens, skipped in (([5, 4], True), ([5, 3], False)):  # (7, 8, 7) ends in a 1-gram only
+    lens = jnp.asarray(lens, jnp.int32)
+    st = drafter.init(dp, toks, lens - 1, feats)
+    _, st2 = drafter.propose(dp, st, toks, lens, jax.random.PRNGKey(0), Sampling(), TREE)
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), st, st2)
+    assert all(jax.tree.leaves(same)) == skipped
+
+
+COPY_V, COPY_N, COPY_PROMPT = 8, 100_000, [1, 2, 5, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def small():
+  return tiny_model(seed=0, vocab_size=COPY_V, scale=1.0)
+
+
+def _law(dec, small, dp, sampler):
+  counts = empirical_joint(dec, small, dp, COPY_PROMPT, COPY_N)
+  return counts, exact_joint(*small, sampler, COPY_PROMPT)
+
+
+@pytest.mark.parametrize("shape", ["chain", "dynamic_tree"])
+def test_sampling_keeps_the_targets_law_on_a_prompt_that_copies(small, shape):
+  cfg, params = small
+  sampler = Sampling(temperature=1.0)
+  model, dp = _models("eagle", cfg, params)
+  tree = DynamicTree(top_k=2, depth=2, num_nodes=3) if shape == "dynamic_tree" else None
+  dec = SpeculativeDecoder(cfg, hybrid_drafter(model, min_match=2), sampler=sampler, eos_ids=(),
+                           gamma=2 if tree is None else None, tree=tree)
+  counts, exact = _law(dec, small, dp, sampler)
+  assert chi_square_pvalue(counts, exact) > 1e-3
+  assert 0.5 * np.abs(counts / COPY_N - exact).sum() < 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelQForCopies(HybridDrafter):
+  """Wrong: copied tokens carry the model's q (as if the model had drafted them)."""
+
+  def propose(self, draft_params, state, tokens, seq_lens, key, sampler, topology):
+    mine, new_state = super().propose(draft_params, state, tokens, seq_lens, key, sampler,
+                                      topology)
+    theirs, _ = self.model.propose(draft_params, state, tokens, seq_lens, key, sampler, topology)
+    return Proposal.chain(mine.tokens, theirs.q), new_state
+
+
+def test_copied_tokens_labelled_with_the_models_q_are_rejected(small):
+  cfg, params = small
+  sampler = Sampling(temperature=1.0)
+  model, dp = _models("eagle", cfg, params)
+  wrong = _ModelQForCopies(model, PromptLookupDrafter(cfg.vocab_size, max_ngram=4, min_ngram=2))
+  dec = SpeculativeDecoder(cfg, wrong, gamma=2, sampler=sampler, eos_ids=())
+  counts, exact = _law(dec, small, dp, sampler)
+  assert chi_square_pvalue(counts, exact) < 1e-6
+
+
+@pytest.mark.parametrize("shape", ["chain", "dynamic_tree"])
+def test_no_recompilation_across_prompts_budgets_and_seeds(target, shape):
+  cfg, params = target
+  model, dp = _models("eagle", cfg, params)
+  dec = SpeculativeDecoder(cfg, hybrid_drafter(model, min_match=2),
+                           gamma=2 if shape == "chain" else None,
+                           tree=TREE if shape == "dynamic_tree" else None,
+                           sampler=Sampling(temperature=0.8), eos_ids=())
+  assert new_compiles_across_batches(dec, params, dp) == 0
+
+
+def test_bad_configurations_are_refused(target):
+  cfg, params = target
+  model, dp = _models("eagle", cfg, params)
+  lookup = PromptLookupDrafter(cfg.vocab_size)
+  with pytest.raises(TypeError, match="model must be a Drafter"):
+    HybridDrafter(hybrid_drafter(model), lookup)
+  with pytest.raises(TypeError, match="lookup must be a PromptLookupDrafter"):
+    HybridDrafter(model, model)
+  with pytest.raises(ValueError, match="Jacobi"):
+    HybridDrafter(JacobiDrafter(cfg.vocab_size), lookup)
+  with pytest.raises(ValueError, match="vocabulary"):
+    HybridDrafter(model, PromptLookupDrafter(cfg.vocab_size + 1))
+  with pytest.raises(ValueError, match="min_ngram"):
+    hybrid_drafter(model, min_match=5, max_ngram=4)
+  fork = TreeTopology.from_choices([(0,), (1,), (0, 0)])
+  with pytest.raises(ValueError, match="dynamic trees"):
+    SpeculativeDecoder(cfg, hybrid_drafter(model), tree=fork, eos_ids=())
+  wide = DynamicTree(top_k=2, depth=2, num_nodes=5)  # 3 copied chains > 2 root children
+  assert model.supports(wide) and not hybrid_drafter(model).supports(wide)
+  with pytest.raises(ValueError, match="N <= top_k · depth"):
+    SpeculativeDecoder(cfg, hybrid_drafter(model), tree=wide, eos_ids=())
