@@ -127,10 +127,6 @@ class HybridDrafter(Drafter):
   def rollback(self, state, seq_lens, accepted):
     return self.model.rollback(state, seq_lens, accepted)
 
-  def copies(self, tokens: jax.Array, seq_lens: jax.Array) -> jax.Array:
-    """[B] bool: which rows copy this step (their suffix matched earlier context)."""
-    return self.lookup.matches(tokens, seq_lens, 1)[1][:, 0] > 0
-
   def propose(self, draft_params, state, tokens, seq_lens, key, sampler: Sampler, topology):
     if not self.supports(topology):
       raise ValueError(f"HybridDrafter builds {self.buildable()}, not {topology}")
