@@ -13,19 +13,26 @@ chain (or tree) of its own, with the law it was drawn from (a chain's copied tok
 one-hot q); verification then keeps the target's distribution, and greedy output is plain
 greedy decoding. When every row of the batch copies, the model drafter's forward is skipped
 (``lax.cond``) if it tolerates skipped steps (``Drafter.tolerates_skipped_steps``: it
-catches up on the next step it drafts); otherwise it drafts every step and its proposal is
-dropped where a row copies.
+catches up on the next step it drafts) and its state keeps its type through ``propose``;
+otherwise it drafts every step and its proposal is dropped where a row copies. Its
+``rollback`` is told what it drafted: none of its nodes were verified in a copying row (the
+step counts as all rejected, so a drafter that keeps its accepted drafts' cache, an
+independent draft, refeeds the copied tokens instead), and after a skipped step it keeps the
+state it had (its next catch-up feeds the backlog).
 
 Shapes: chains, and EAGLE-2 dynamic trees (``DynamicTree``) when the model drafter builds
 them. A copying row fills the tree's N nodes with the continuations of its best matches,
-one chain of up to D nodes per match (branch j = node i // D holds the j-th best match,
-best first), as per-row parents of a point-mass proposal, like the model's own dynamic tree.
+one chain of up to D nodes per match (the j-th chain holds the j-th best match), in
+breadth-first order with per-row parents, a point-mass proposal like the model's own dynamic
+tree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,15 +42,36 @@ from specjax.sampling import Sampler
 from specjax.speculative.drafter import Drafter, SharedCache
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree_acceptance import AcceptedPath
 
 
 def match_layout(num_nodes: int, depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(branch [N], offset [N], parents [N]) of N copied nodes laid out as chains of up to
-  ``depth`` nodes from the root: node i continues match i // depth at its (i % depth)-th
-  token."""
-  i = np.arange(num_nodes)
-  branch, offset = i // depth, i % depth
-  return branch, offset, np.where(offset > 0, i - 1, -1).astype(np.int32)
+  ``depth`` nodes from the root, match j's chain being the j-th (all full but the last),
+  in breadth-first order (a dynamic tree's per-row order): node i continues match
+  branch[i] at its offset[i]-th token."""
+  lengths = [min(depth, num_nodes - j) for j in range(0, num_nodes, depth)]
+  nodes = [(d, j) for d in range(depth) for j, n in enumerate(lengths) if d < n]
+  index = {node: i for i, node in enumerate(nodes)}
+  parents = [index[(d - 1, j)] if d else -1 for d, j in nodes]
+  return (np.asarray([j for _, j in nodes], np.int32), np.asarray([d for d, _ in nodes], np.int32),
+          np.asarray(parents, np.int32))
+
+
+@flax.struct.dataclass(kw_only=True)
+class HybridState:
+  """The model drafter's state, and what its last ``propose`` did.
+
+  Attributes:
+    model: the model drafter's state (after ``propose``: its new state, or its old one where
+      the step skipped it).
+    copied: [B] bool, the rows that copied in the last step.
+    skipped: bool scalar, whether the last step skipped the model's forward.
+  """
+
+  model: Any
+  copied: jax.Array
+  skipped: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +143,27 @@ class HybridDrafter(Drafter):
 
   # --- the step ----------------------------------------------------------------------
 
-  def init(self, draft_params, tokens, prompt_lens, features=None):
-    return self.model.init(draft_params, tokens, prompt_lens, features)
+  def init(self, draft_params, tokens, prompt_lens, features=None) -> HybridState:
+    return HybridState(model=self.model.init(draft_params, tokens, prompt_lens, features),
+                       copied=jnp.zeros(tokens.shape[:1], bool), skipped=jnp.asarray(False))
 
-  def observe(self, state, hidden, start):
-    return self.model.observe(state, hidden, start)
+  def observe(self, state: HybridState, hidden, start) -> HybridState:
+    return state.replace(model=self.model.observe(state.model, hidden, start))
 
-  def observe_block(self, state, predictions, num_accepted):
-    return self.model.observe_block(state, predictions, num_accepted)
-
-  def rollback(self, state, seq_lens, accepted):
-    return self.model.rollback(state, seq_lens, accepted)
+  def rollback(self, state: HybridState, seq_lens, accepted: AcceptedPath) -> HybridState:
+    """The model rolls back as if a copying row had rejected all its nodes; after a skipped
+    step it keeps its state."""
+    copied = state.copied
+    none = AcceptedPath(start=accepted.start,
+                        path=jnp.where(copied[:, None], accepted.path.at[:, 1:].set(-1),
+                                       accepted.path),
+                        num_accepted=jnp.where(copied, 0, accepted.num_accepted))
+    rolled = self.model.rollback(state.model, seq_lens, none)
+    if jax.tree.structure(rolled) != jax.tree.structure(state.model):
+      return state.replace(model=rolled)  # its state changes type in propose: never skipped
+    kept = jax.tree.map(lambda old, new: jnp.where(state.skipped, old, new), state.model,
+                        rolled)
+    return state.replace(model=kept)
 
   def propose(self, draft_params, state, tokens, seq_lens, key, sampler: Sampler, topology):
     if not self.supports(topology):
@@ -138,19 +176,29 @@ class HybridDrafter(Drafter):
     copied = self.lookup.continuations(tokens, seq_lens, starts[:, branch],
                                        jnp.asarray(offset))  # [B, N]
 
+    shared = isinstance(state, SharedCache)  # the model shares the target's cache
+    own = state.own.model if shared else state.model
+    model_in = SharedCache(state.target, own) if shared else own
+
     def draft(_):
-      return self.model.propose(draft_params, state, tokens, seq_lens, key, sampler, topology)
+      return self.model.propose(draft_params, model_in, tokens, seq_lens, key, sampler,
+                                topology)
 
-    if self.model.tolerates_skipped_steps():
-      own = state.own if isinstance(state, SharedCache) else state
-
+    shapes = jax.eval_shape(draft, None)
+    # Skipping returns the old state, which must have the type ``propose`` returns (an
+    # independent draft's dynamic tree returns another).
+    can_skip = (self.model.tolerates_skipped_steps() and jax.tree.structure(shapes[1])
+                == jax.tree.structure(own))
+    if can_skip:
       def skip(_):  # every row copies: the model's forward is not run, its state unchanged
-        shapes = jax.eval_shape(draft, None)[0]
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), own
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0]), own
 
-      proposal, state = jax.lax.cond(jnp.all(copy), skip, draft, None)
+      skipped = jnp.all(copy)
+      proposal, model_state = jax.lax.cond(skipped, skip, draft, None)
     else:
-      proposal, state = draft(None)
+      skipped = jnp.asarray(False)
+      proposal, model_state = draft(None)
+    state = HybridState(model=model_state, copied=copy, skipped=skipped)
 
     tokens_out = jnp.where(copy[:, None], copied, proposal.tokens)
     if topology.is_chain:
