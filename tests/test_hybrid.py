@@ -57,6 +57,13 @@ def _models(kind, cfg, params):
   return drafter, drafter.make_params(dparams)
 
 
+def _assert_plain_greedy(dec, cfg, params, dp, prompts):
+  out = dec.generate(params, dp, prompts, 24)
+  ref = specjax.generate(params, cfg, prompts, 24, eos_ids=())
+  for row in range(len(prompts)):
+    assert out.generated(row) == ref.generated(row)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "early_exit", "model", "no_skip"])
 @pytest.mark.parametrize("shape", ["chain", "dynamic_tree"])
 @pytest.mark.parametrize("prompts", [PROMPTS, ALL_COPY], ids=["mixed", "all_copy"])
@@ -66,10 +73,7 @@ def test_greedy_equals_plain_greedy_decoding(target, kind, shape, prompts):
   drafter = hybrid_drafter(model, min_match=2, max_ngram=3)
   dec = SpeculativeDecoder(cfg, drafter, gamma=3 if shape == "chain" else None,
                            tree=TREE if shape == "dynamic_tree" else None, eos_ids=())
-  out = dec.generate(params, dp, prompts, 24)
-  ref = specjax.generate(params, cfg, prompts, 24, eos_ids=())
-  for row in range(len(prompts)):
-    assert out.generated(row) == ref.generated(row)
+  _assert_plain_greedy(dec, cfg, params, dp, prompts)
 
 
 def test_a_lookup_that_never_matches_reproduces_the_models_run(target):
@@ -119,10 +123,7 @@ def test_greedy_equality_under_an_adaptive_policy(target):
                          tree_costs=(1.4,), rank_accept=((0.5, 0.1), (0.5, 0.1), (0.5, 0.1)),
                          prior_alpha=0.6, decay=0.7)
   dec = SpeculativeDecoder(cfg, hybrid_drafter(model, min_match=2), policy=policy, eos_ids=())
-  out = dec.generate(params, dp, PROMPTS, 24)
-  ref = specjax.generate(params, cfg, PROMPTS, 24, eos_ids=())
-  for row in range(len(PROMPTS)):
-    assert out.generated(row) == ref.generated(row)
+  _assert_plain_greedy(dec, cfg, params, dp, PROMPTS)
 
 
 def test_rows_that_match_copy_and_the_others_take_the_models_proposal(target):
