@@ -1,4 +1,5 @@
-"""EAGLE-2 dynamic trees: ``DynamicTree``, ``tree_draft.grow_dynamic`` and the drafters using them."""
+"""EAGLE-2 dynamic trees: ``DynamicTree``, ``tree_draft.grow_dynamic`` and the drafters using them;
+end to end, sampled dynamic trees too (``SampledDynamicTree``; the rest in test_sampled_tree.py)."""
 
 import functools
 
@@ -14,11 +15,12 @@ from specjax.drafters.tree_draft import grow_dynamic
 from specjax.model import forward
 from specjax.sampling import Sampling
 from specjax.speculative import SpeculativeDecoder
-from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 from specjax.testing import new_compiles_across_batches, make_drafter, tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11, 12, 13], [3]]
 TREE = DynamicTree(top_k=3, depth=3, num_nodes=8)
+SAMPLED = SampledDynamicTree((3, 3, 2))
 
 
 def _stable_top(x, k):
@@ -166,22 +168,27 @@ def test_proposals_during_decoding_match_the_brute_force(target, draft, which):
 # --- end to end ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tree", [TREE, SAMPLED], ids=["eagle2", "sampled"])
 @pytest.mark.parametrize("which", ["random_draft", "target_as_draft", "eagle", "exit_self",
                                    "trained_exit", "adapter_exit"])
-def test_greedy_equals_plain_greedy_decoding(target, draft, which):
+def test_greedy_equals_plain_greedy_decoding(target, draft, which, tree):
   cfg, params = target
   ref = specjax.generate(params, cfg, PROMPTS, 20, eos_ids=())
   drafter, dp = _drafter(which, target, draft)
-  dec = SpeculativeDecoder(cfg, drafter, tree=TREE, eos_ids=())
+  dec = SpeculativeDecoder(cfg, drafter, tree=tree, eos_ids=())
   out = dec.generate(params, dp, PROMPTS, 20)
   for row in range(len(PROMPTS)):
     assert out.generated(row) == ref.generated(row)
   m = out.metrics()
-  assert m["drafted"] == TREE.num_nodes * m["target_calls"]
-  if which in ("target_as_draft", "exit_self"):
+  assert m["drafted"] == tree.num_nodes * m["target_calls"]
+  if which in ("target_as_draft", "exit_self") and tree == TREE:
     # EAGLE-2 may prune the greedy path from the frontier, but never its first token.
     assert min(m["accepted_at"]) > 0 and m["accept_len_hist"][0] == 0
     assert m["tokens_per_call"] > 3.0
+  elif which in ("target_as_draft", "exit_self"):
+    # A sampled tree keeps the first draw of each depth's best node: the greedy path, whole
+    # (the draft's cache, rolled back after each step, stays the target's).
+    assert m["accept_len_hist"][:-1] == [0] * tree.max_depth
 
 
 def test_a_one_wide_self_draft_accepts_every_level(target):
@@ -232,10 +239,11 @@ def test_sampling_run_works(target, draft, kind):
     assert out.metrics()["tokens_per_call"] > 1.5
 
 
-@pytest.mark.parametrize("kind", ["random_draft", "adapter_exit"])
-def test_no_recompilation_across_prompts_and_trees(target, draft, kind):
+@pytest.mark.parametrize("kind, tree", [("random_draft", DynamicTree(2, 3, 5)),
+                                        ("adapter_exit", DynamicTree(2, 3, 5)),
+                                        ("random_draft", SAMPLED), ("eagle", SAMPLED)])
+def test_no_recompilation_across_prompts_and_trees(target, draft, kind, tree):
   cfg, params = target
   drafter, dp = _drafter(kind, target, draft)
-  dec = SpeculativeDecoder(cfg, drafter, tree=DynamicTree(2, 3, 5),
-                           sampler=Sampling(temperature=1.0))
+  dec = SpeculativeDecoder(cfg, drafter, tree=tree, sampler=Sampling(temperature=1.0))
   assert new_compiles_across_batches(dec, params, dp) == 0

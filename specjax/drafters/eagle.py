@@ -56,7 +56,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.eagle_arch import SPECJAX, EagleArch
 from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.residual_head import target_head
-from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
+from specjax.drafters.tree_draft import check_tree_draw, grow_tree, vocab_maps
 from specjax.generate import over_backlog, over_chunks
 from specjax.kernels.accumulate import einsum_f32
 from specjax.kernels.packed import (PROJECTIONS, PackedWeight, head_policy_of, pack_under,
@@ -66,7 +66,7 @@ from specjax.model import Params, cast_params, compute_dtype, init_params, rms_n
 from specjax.sampling import Sampler, sample_subset
 from specjax.sharding import dense
 from specjax.speculative.drafter import Drafter
-from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
 
 
@@ -95,7 +95,8 @@ class EagleDrafter(Drafter):
       and the target's ``vocab_size``.
     tree_draw: how a tree's children are chosen (see ``tree_draft``): each
       node is fed as the pair (its parent's predicted feature, its token).
-      EAGLE-2 dynamic trees (``DynamicTree``) always take the top-k.
+      EAGLE-2 dynamic trees (``DynamicTree``) always take the top-k, sampled dynamic
+      trees (``SampledDynamicTree``) draw whenever the sampler does.
     feature_layers: target layers fused into the feature (EAGLE-3), sorted;
       () reads the last hidden state (EAGLE-1).
     arch: the wiring (``eagle_arch``): specjax's own by default, or a published
@@ -151,8 +152,10 @@ class EagleDrafter(Drafter):
   def vocab_size(self) -> int:
     return self.cfg.vocab_size
 
-  def supports(self, topology: TreeTopology | DynamicTree) -> bool:
-    return True  # any static tree (``tree_draft.grow``) or EAGLE-2 tree (``grow_dynamic``)
+  def supports(self, topology: TreeTopology | DynamicTree | SampledDynamicTree) -> bool:
+    # any static tree (``tree_draft.grow``), EAGLE-2 tree (``grow_dynamic``) or sampled
+    # dynamic tree (``grow_sampled``)
+    return True
 
   def hidden(self, dp: Params, features: jax.Array, tokens: jax.Array, positions: jax.Array,
              cache: kvc.KVCache, num_valid: Optional[jax.Array] = None,
@@ -276,7 +279,7 @@ class EagleDrafter(Drafter):
     return jnp.take_along_axis(h, last, axis=1)[:, 0], cache
 
   def propose(self, draft_params, state: EagleState, tokens, seq_lens, key, sampler: Sampler,
-              topology: TreeTopology | DynamicTree):
+              topology: TreeTopology | DynamicTree | SampledDynamicTree):
     if topology.is_chain:
       return super().propose(draft_params, state, tokens, seq_lens, key, sampler, topology)
     dp = draft_params
@@ -293,12 +296,9 @@ class EagleDrafter(Drafter):
       return self.head_logits(dp, h), h
 
     to_target, lift_q = vocab_maps(dp.get("vocab_map"), self.vocab_size)
-    if isinstance(topology, DynamicTree):  # no slot map needed: tree pairs are dropped below
-      proposal, _ = grow_dynamic(topology, self.head_logits(dp, h_root), h_root, expand,
-                                 to_target)
-    else:
-      proposal = grow(topology, sampler, key, self.head_logits(dp, h_root), h_root, expand,
-                      to_target, lift_q, self.tree_draw)
+    # No slot map needed: tree pairs are dropped below.
+    proposal, _ = grow_tree(topology, sampler, key, self.head_logits(dp, h_root), h_root, expand,
+                            to_target, lift_q, self.tree_draw)
     # Tree pairs were built from predicted features: only pairs < seq_lens stay.
     return proposal, state.replace(cache=cache.with_lengths(seq_lens - self.arch.first_pair))
 

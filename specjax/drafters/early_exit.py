@@ -46,13 +46,13 @@ import numpy as np
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
 from specjax.drafters.residual_head import head_logits, target_head
-from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
+from specjax.drafters.tree_draft import check_tree_draw, grow_tree, vocab_maps
 from specjax.generate import last_tokens, over_backlog, over_chunks
 from specjax.kernels.packed import PackedWeight, unpacked
 from specjax.model import Params, compute_dtype, forward, run_layers
 from specjax.sampling import Sampler, sample_subset
 from specjax.speculative.drafter import Drafter, SharedCache
-from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
 
 
@@ -127,8 +127,10 @@ class EarlyExitDrafter(Drafter):
         raise ValueError(f"the exit's adapter layer {got} is not shaped like the target's "
                          f"layers {want}")
 
-  def supports(self, topology: TreeTopology | DynamicTree) -> bool:
-    return True  # any static tree (``tree_draft.grow``) or EAGLE-2 tree (``grow_dynamic``)
+  def supports(self, topology: TreeTopology | DynamicTree | SampledDynamicTree) -> bool:
+    # any static tree (``tree_draft.grow``), EAGLE-2 tree (``grow_dynamic``) or sampled
+    # dynamic tree (``grow_sampled``)
+    return True
 
   def _draft_logits(self, draft_params: Params, tokens: jax.Array, positions: jax.Array,
                     cache: kvc.KVCache, own_cache: Optional[kvc.KVCache], num_valid=None,
@@ -240,7 +242,7 @@ class EarlyExitDrafter(Drafter):
 
   def propose(self, draft_params: Params, state: SharedCache, tokens: jax.Array,
               seq_lens: jax.Array, key: jax.Array, sampler: Sampler,
-              topology: TreeTopology | DynamicTree):
+              topology: TreeTopology | DynamicTree | SampledDynamicTree):
     """Chains as ``propose_chain``; a tree one draft forward per depth over the target
     cache's scratch slots, node i at slot root + 1 + i (verification's layout, which
     overwrites them; ``tree_draft``)."""
@@ -262,11 +264,8 @@ class EarlyExitDrafter(Drafter):
       return logits, None
 
     to_target, lift_q = vocab_maps(self._rows(draft_params), self.vocab_size)
-    if isinstance(topology, DynamicTree):
-      proposal, _ = grow_dynamic(topology, root_logits[:, 0], None, expand, to_target)
-    else:
-      proposal = grow(topology, sampler, key, root_logits[:, 0], None, expand, to_target, lift_q,
-                      self.tree_draw)
+    proposal, _ = grow_tree(topology, sampler, key, root_logits[:, 0], None, expand, to_target,
+                            lift_q, self.tree_draw)
     return proposal, self._scratch(own, own_cache, seq_lens)
 
   def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> Any:

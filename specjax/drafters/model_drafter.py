@@ -13,8 +13,9 @@ over its V_d rows and lifts q to the target vocabulary with zeros elsewhere
 (``sampling.sample_subset``; the same as warping logits lifted with -inf), so
 tokens outside the map have q = 0 — verification remains exact.
 
-Trees: a static topology is grown by ``tree_draft.grow`` (node i at draft
-slot root + 1 + i, the target's layout); an EAGLE-2 ``DynamicTree`` by
+Trees: a static topology is grown by ``tree_draft.grow`` and a sampled dynamic tree
+by ``tree_draft.grow_sampled`` (node i at draft slot root + 1 + i, the target's layout);
+an EAGLE-2 ``DynamicTree`` by
 ``tree_draft.grow_dynamic``, whose propose returns a ``DynamicDraftState``
 (the cache plus where each node was written) that ``rollback`` compacts
 back into a plain cache, so the state between steps is always a KVCache.
@@ -34,12 +35,12 @@ from specjax import kv_cache as kvc
 from specjax import validation
 from specjax.config import ModelConfig
 from specjax.drafters.reduced_vocab import full_input
-from specjax.drafters.tree_draft import check_tree_draw, grow, grow_dynamic, vocab_maps
+from specjax.drafters.tree_draft import check_tree_draw, grow_tree, vocab_maps
 from specjax.generate import over_backlog, prefill
 from specjax.model import Params, compute_dtype, forward
 from specjax.sampling import Sampler, sample_subset
 from specjax.speculative.drafter import Drafter
-from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
 
 BACKLOG_CHUNK = 4  # tokens per forward when catching up after skipped steps
@@ -68,8 +69,9 @@ class ModelDrafter(Drafter):
       vocabulary; draft_params must then come from ``make_params`` with a map.
     tree_draw: how a tree's children are chosen: "point_mass" (the top-c
       draft tokens) or "without_replacement" (c draws from the warped draft,
-      verified with the real q); see ``tree_draft``. Dynamic trees always
-      take the top-k (point mass).
+      verified with the real q); see ``tree_draft``. EAGLE-2 dynamic trees
+      always take the top-k (point mass), sampled dynamic trees draw whenever the
+      sampler does.
   """
 
   cfg: ModelConfig
@@ -79,8 +81,10 @@ class ModelDrafter(Drafter):
   def __post_init__(self):
     check_tree_draw(self.tree_draw)
 
-  def supports(self, topology: TreeTopology | DynamicTree) -> bool:
-    return True  # any static tree (``tree_draft.grow``) or EAGLE-2 tree (``grow_dynamic``)
+  def supports(self, topology: TreeTopology | DynamicTree | SampledDynamicTree) -> bool:
+    # any static tree (``tree_draft.grow``), EAGLE-2 tree (``grow_dynamic``) or sampled
+    # dynamic tree (``grow_sampled``)
+    return True
 
   @property
   def vocab_size(self) -> int:
@@ -212,7 +216,7 @@ class ModelDrafter(Drafter):
     return drafts, q, cache
 
   def propose(self, draft_params, state: kvc.KVCache, tokens, seq_lens, key, sampler: Sampler,
-              topology: TreeTopology | DynamicTree):
+              topology: TreeTopology | DynamicTree | SampledDynamicTree):
     if topology.is_chain:
       return super().propose(draft_params, state, tokens, seq_lens, key, sampler, topology)
     dp = draft_params
@@ -229,11 +233,10 @@ class ModelDrafter(Drafter):
       return logits, None
 
     to_target, lift_q = vocab_maps(dp.get("vocab_map"), self.vocab_size)
-    if isinstance(topology, DynamicTree):
-      proposal, slots = grow_dynamic(topology, root_logits, None, expand, to_target)
+    proposal, slots = grow_tree(topology, sampler, key, root_logits, None, expand, to_target,
+                                lift_q, self.tree_draw)
+    if slots is not None:  # an EAGLE-2 tree; others write node i at slot root + 1 + i
       return proposal, DynamicDraftState(cache=cache, slots=slots)
-    proposal = grow(topology, sampler, key, root_logits, None, expand, to_target, lift_q,
-                    self.tree_draw)
     return proposal, cache
 
   def rollback(self, state: kvc.KVCache | DynamicDraftState, seq_lens,

@@ -22,7 +22,9 @@ accepted path serves both caches.
 Dynamic trees (EAGLE-2, ``grow_dynamic``) keep the same ``expand`` but choose
 the shape per row: each depth feeds a frontier of the k best nodes so far (by
 cumulative draft log-probability) under a per-row mask [B, k, W], and the N
-best of all candidates become the proposal with per-row ``parents``.
+best of all candidates become the proposal with per-row ``parents``. Sampled dynamic
+trees (``grow_sampled``) keep static widths per depth and place each depth's draws before
+reading them, which keeps recursive rejection with the real q exact.
 
 Example (a two-level tree, point mass)::
 
@@ -41,7 +43,7 @@ import numpy as np
 
 from specjax.sampling import Greedy, Sampler, lift_probs
 from specjax.speculative.proposal import Proposal
-from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 
 TREE_DRAWS = ("point_mass", "without_replacement")
 
@@ -187,6 +189,103 @@ def grow_dynamic(tree: DynamicTree, root_logits: jax.Array, root_carry: Any, exp
   tokens = to_target(jnp.take_along_axis(ids, chosen, axis=1)).astype(jnp.int32)
   proposal = Proposal(tokens=tokens, parents=parents, draw="point_mass")
   return proposal, jnp.take_along_axis(slots, chosen, axis=1)
+
+
+def slot_scores(value: jax.Array, q_ids: jax.Array) -> jax.Array:
+  """[B, P, k] the score of each draw slot of ``grow_sampled``: V(parent) times the q-mass not
+  yet drawn before the slot (−1 outside q's support). Reads no draw at or after its slot, and
+  never rises along a parent's slots (a running minimum: float rounding of the sums, or a
+  negative V, could otherwise let a later draw outscore an earlier one)."""
+  before = jnp.maximum(1.0 - (jnp.cumsum(q_ids, axis=-1) - q_ids), 0.0)
+  return jax.lax.cummin(jnp.where(q_ids > 0, value[:, :, None] * before, -1.0), axis=2)
+
+
+def grow_sampled(tree: SampledDynamicTree, sampler: Sampler, key: jax.Array,
+                 root_logits: jax.Array, root_carry: Any, expand: Expand,
+                 to_target: Callable[[jax.Array], jax.Array],
+                 lift_q: Callable[[jax.Array], jax.Array]) -> Proposal:
+  """Grows a sampled dynamic tree (``SampledDynamicTree``) from the root's draft logits.
+
+  Depth by depth: every node of the previous depth (the root first) draws k =
+  ``tree.max_children`` children without replacement from the warped draft law q
+  (Gumbel-top-k; a greedy sampler takes its top-k, scored by the raw softmax as EAGLE-2),
+  the j-th draw under node v is scored π = V(v) · (1 − Σ_{i<j} q(x_i)) (V(root) = 1,
+  a draw outside q's support −1; ``slot_scores``), and the ``widths[d - 1]`` best scores of
+  the depth are kept (ties: the earlier draw), in (parent, draw) order: each node's kept children are its
+  first draws, in the order recursive rejection tries them. A kept node's V is its own π.
+  Neither the choice nor the order reads a draw before it is kept, so the number of
+  siblings kept under a node is a stopping time of its draws: the condition under which
+  SpecInfer / Sequoia verification with the real q is exact. Nodes are fed at draft slot
+  root + 1 + their index (W = nodes so far), like a static tree's.
+
+  Returns:
+    the proposal with per-row ``parents`` [B, N] (breadth-first) and, when sampling, the
+    law q [B, N, V] each node was drawn from (its parent's, before removal).
+  """
+  sampled = not isinstance(sampler, Greedy)
+  b, vd = root_logits.shape
+  k = min(tree.max_children, vd)
+  for d, (prev, width) in enumerate(zip((1,) + tree.widths, tree.widths), start=1):
+    if width > prev * k:
+      raise ValueError(f"{tree} keeps {width} nodes at depth {d}, more than the {prev} × {k} "
+                       f"draws of a draft of {vd} rows")
+  logits = root_logits[:, None]  # [B, P, Vd]: the previous depth's nodes (the root first)
+  value = jnp.ones((b, 1), jnp.float32)
+  carry = jax.tree.map(lambda a: a[:, None], root_carry)
+  mask = jnp.zeros((b, 1, 0), bool)  # [B, P, W]: each previous node's ancestors + itself
+  keys = jax.random.split(key, tree.max_depth)
+  tokens, qs, parents, prev_first = [], [], [], 0  # prev_first: the previous depth's first node
+  for d, width in enumerate(tree.widths, start=1):
+    prev = logits.shape[1]
+    if sampled:
+      q = sampler.probs(logits)  # [B, P, Vd]
+      perturbed = jnp.log(q) + jax.random.gumbel(keys[d - 1], q.shape)
+      ids = jax.lax.top_k(perturbed, k)[1]
+    else:
+      q = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+      ids = jax.lax.top_k(logits, k)[1]
+    q_ids = jnp.take_along_axis(q, ids, axis=-1)  # [B, P, k]
+    score = slot_scores(value, q_ids).reshape(b, prev * k)
+    chosen = jnp.sort(jax.lax.top_k(score, width)[1], axis=1)  # [B, width]
+    local = chosen // k  # each kept node's parent among the previous depth's nodes
+    level = to_target(jnp.take_along_axis(ids.reshape(b, prev * k), chosen, axis=1))
+    level = level.astype(jnp.int32)
+    tokens.append(level)
+    parents.append((jnp.full_like(local, -1) if d == 1 else prev_first + local).astype(jnp.int32))
+    if sampled:
+      qs.append(lift_q(jnp.take_along_axis(q, local[:, :, None], axis=1)))
+    value = jnp.take_along_axis(score, chosen, axis=1)
+    mask = jnp.concatenate([jnp.take_along_axis(mask, local[:, :, None], axis=1),
+                            jnp.broadcast_to(jnp.eye(width, dtype=bool), (b, width, width))],
+                           axis=2)
+    if d < tree.max_depth:
+      logits, carry = expand(level, jax.tree.map(lambda a: jnp.take_along_axis(
+          a, local.reshape(local.shape + (1,) * (a.ndim - 2)), axis=1), carry), d, mask)
+    if d > 1:
+      prev_first += prev
+  tokens, parents = jnp.concatenate(tokens, axis=1), jnp.concatenate(parents, axis=1)
+  if sampled:
+    return Proposal(tokens=tokens, q=jnp.concatenate(qs, axis=1), parents=parents,
+                    draw="without_replacement")
+  return Proposal(tokens=tokens, parents=parents, draw="point_mass")
+
+
+def grow_tree(tree: TreeTopology | DynamicTree | SampledDynamicTree, sampler: Sampler,
+              key: jax.Array, root_logits: jax.Array, root_carry: Any, expand: Expand,
+              to_target: Callable[[jax.Array], jax.Array],
+              lift_q: Callable[[jax.Array], jax.Array],
+              draw: str) -> tuple[Proposal, Optional[jax.Array]]:
+  """Any tree a model-like draft grows: a static topology (``grow``, its children by
+  ``draw``), an EAGLE-2 ``DynamicTree`` (``grow_dynamic``) or a ``SampledDynamicTree``
+  (``grow_sampled``). Returns (the proposal, the nodes' draft slots [B, N] for an EAGLE-2
+  tree, else None: node i at slot root + 1 + i)."""
+  if isinstance(tree, DynamicTree):
+    return grow_dynamic(tree, root_logits, root_carry, expand, to_target)
+  if isinstance(tree, SampledDynamicTree):
+    return grow_sampled(tree, sampler, key, root_logits, root_carry, expand, to_target,
+                        lift_q), None
+  return grow(tree, sampler, key, root_logits, root_carry, expand, to_target, lift_q,
+              draw), None
 
 
 def keep_best(scores: jax.Array, pool_parent: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:

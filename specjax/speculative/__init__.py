@@ -7,9 +7,9 @@ from specjax.speculative.decoder import SpeculativeDecoder
 from specjax.speculative.metrics import SpecResult
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.state import SpecCounters, SpecState
-from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import TreeAcceptance, accept_tree
 
-__all__ = ["Acceptance", "DynamicTree", "Proposal", "ServeResult", "SpecCounters", "SpecResult",
-           "SpecState", "SpeculativeDecoder", "TreeAcceptance", "TreeTopology", "accept",
-           "accept_block", "accept_tree", "serve"]
+__all__ = ["Acceptance", "DynamicTree", "Proposal", "SampledDynamicTree", "ServeResult",
+           "SpecCounters", "SpecResult", "SpecState", "SpeculativeDecoder", "TreeAcceptance",
+           "TreeTopology", "accept", "accept_block", "accept_tree", "serve"]

@@ -54,8 +54,8 @@ from specjax.speculative.drafter import SharedCache
 from specjax.speculative.metrics import SpecResult, counters_to_host, summarize
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.state import SpecCounters, SpecState
-from specjax.speculative.tree import (DynamicTree, TreeTopology, block_mask_from_parents,
-                                      depth_from_parents)
+from specjax.speculative.tree import (DynamicTree, SampledDynamicTree, TreeTopology,
+                                      block_mask_from_parents, depth_from_parents)
 from specjax.speculative.tree_acceptance import (AcceptedPath, TreeAcceptance, accept_tree,
                                                  accepted_tokens, first_chain_beta,
                                                  node_ranks)
@@ -129,7 +129,9 @@ class SpeculativeDecoder:
     eos_ids: stop tokens (any sequence of ints, stored as a tuple); default the target's.
     tree: the static topology (``TreeTopology``), default the chain of γ (or, with
       neither gamma nor tree given, the drafter's ``default_tree()`` where it has one);
-      or an EAGLE-2 ``DynamicTree`` (N nodes of depth <= D, per-row parents).
+      or an EAGLE-2 ``DynamicTree`` (N nodes of depth <= D, per-row parents), or a
+      ``SampledDynamicTree`` (static widths per depth, per-row parents; drawn children,
+      for sampling).
     attention_impl: the target's attention in verification (``specjax.attention``:
       "auto", "reference", "cpu", "pallas", "pallas_tpu_interpret", ...).
     verification: how a sampled chain is accepted: "tokenwise" (modified rejection
@@ -161,7 +163,7 @@ class SpeculativeDecoder:
   gamma: Optional[int] = None
   sampler: Sampler = Greedy()
   eos_ids: Optional[tuple[int, ...]] = None
-  tree: Optional[TreeTopology | DynamicTree] = None
+  tree: Optional[TreeTopology | DynamicTree | SampledDynamicTree] = None
   attention_impl: str = "auto"
   verification: str | TypicalAcceptance = "tokenwise"
   policy: Optional[AdaptiveGamma] = None
@@ -176,8 +178,8 @@ class SpeculativeDecoder:
     if self.tree is None:
       gamma = validation.as_int(4 if self.gamma is None else self.gamma, "gamma", 1)
       object.__setattr__(self, "tree", TreeTopology.chain(gamma))
-    elif not isinstance(self.tree, (TreeTopology, DynamicTree)):
-      raise TypeError(f"tree must be a TreeTopology or DynamicTree, got "
+    elif not isinstance(self.tree, (TreeTopology, DynamicTree, SampledDynamicTree)):
+      raise TypeError(f"tree must be a TreeTopology, DynamicTree or SampledDynamicTree, got "
                       f"{type(self.tree).__name__}")
     elif self.gamma is not None and self.gamma != self.tree.max_depth:
       raise ValueError(f"gamma={self.gamma} disagrees with the tree's depth "

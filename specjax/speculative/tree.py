@@ -27,7 +27,8 @@ Dynamic trees (EAGLE-2) keep N and the maximum depth static but choose
 per-row parents ``[B, N]`` at run time; ``block_mask_from_parents`` and
 ``depth_from_parents`` derive the same quantities from such arrays.
 ``DynamicTree`` is their static spec (k, D, N), which the decoder takes in
-place of a topology.
+place of a topology; ``SampledDynamicTree`` (static widths per depth) is the spec of
+dynamic trees whose children are drawn, for sampling.
 """
 
 from __future__ import annotations
@@ -351,3 +352,57 @@ class DynamicTree:
 
   def __repr__(self) -> str:
     return f"DynamicTree(top_k={self.top_k}, depth={self.depth}, num_nodes={self.num_nodes})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledDynamicTree:
+  """A dynamic tree for sampling: static widths per depth, per-row placement by the draft.
+
+  Depth d holds ``widths[d - 1]`` nodes in every row. Each node's children are successive
+  draws without replacement from the draft's warped law q (Gumbel-top-k; under a greedy
+  sampler its top-k, point masses), and each row places a depth's nodes under its most
+  promising parents (``tree_draft.grow_sampled``): the j-th draw under node v scores
+  V(v) · (1 − the q-mass of v's first j − 1 draws), V(v) being the score v was placed with,
+  and the ``widths[d - 1]`` best scores of the depth are kept. A draw's score is fixed
+  before the draw is read, so the siblings kept under a node are always its *first* draws,
+  and how many there are depends on earlier draws only: a stopping time of the draw
+  sequence. SpecInfer's recursive rejection with the real q (Sequoia's renormalisation
+  without replacement) is then exact, the sampled analogue of EAGLE-2's dynamic tree,
+  whose selection by the drawn tokens' own probabilities would bias sampled children.
+  Every node but the deepest level is fed, at draft slot root + 1 + its index (a static
+  tree's layout).
+
+  Attributes:
+    widths: nodes per depth, ``widths[0]`` at depth 1, each >= 1; every node draws
+      ``max_children`` = max(widths) children, so any widths can be filled.
+  """
+
+  widths: tuple[int, ...]
+
+  def __post_init__(self):
+    widths = tuple(self.widths) if isinstance(self.widths, (tuple, list)) else None
+    if not widths or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1
+                         for w in widths):
+      raise ValueError(f"SampledDynamicTree widths must be a non-empty sequence of ints >= 1, "
+                       f"got {self.widths!r}")
+    object.__setattr__(self, "widths", tuple(int(w) for w in widths))
+
+  @property
+  def num_nodes(self) -> int:
+    return sum(self.widths)
+
+  @property
+  def max_depth(self) -> int:
+    return len(self.widths)
+
+  @property
+  def max_children(self) -> int:
+    return max(self.widths)  # draws per node: no depth keeps more
+
+  @property
+  def cache_headroom(self) -> int:
+    return self.num_nodes
+
+  @property
+  def is_chain(self) -> bool:
+    return False
