@@ -158,6 +158,18 @@ def acceptance(dec, target, draft, prompts, new: int, seeds: int) -> dict:
               tokens_per_call=total["emitted"] / max(total["target_calls"], 1))
 
 
+def temperature_list(flag) -> list[float]:
+  """A non-empty list flag of temperatures >= 0 (0: greedy), or SystemExit naming the flag
+  (before anything is built)."""
+  try:
+    values = [float(x) for x in flag.value]
+  except ValueError as e:
+    raise SystemExit(f"--{flag.name} takes numbers: {e}") from None
+  if not values or min(values) < 0:
+    raise SystemExit(f"--{flag.name} must list numbers >= 0, got {flag.value}")
+  return values
+
+
 def int_list(flag) -> list[int]:
   """A non-empty list flag of integers >= 1, or SystemExit naming the flag (before anything
   is built)."""

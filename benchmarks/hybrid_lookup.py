@@ -26,7 +26,7 @@ import time
 from absl import app, flags
 
 from benchmarks.common import (acceptance, command_line, int_list, prompt_sets, provenance,
-                               write_markdown)
+                               temperature_list, write_markdown)
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from specjax.drafters import hybrid_drafter
@@ -53,12 +53,7 @@ def main(argv):
   matches = int_list(MIN_MATCHES)
   if len(set(matches)) != len(matches):
     raise app.UsageError(f"--min_matches lists a value twice: {MIN_MATCHES.value}")
-  try:
-    temps = [float(t) for t in TEMPS.value]
-  except ValueError as e:
-    raise app.UsageError(f"--temperatures takes numbers: {e}") from None
-  if not temps or min(temps) < 0:
-    raise app.UsageError(f"--temperatures must list numbers >= 0, got {TEMPS.value}")
+  temps = temperature_list(TEMPS)
   for flag in (GAMMA, PROMPTS, SEEDS, NEW):
     if flag.value < 1:
       raise app.UsageError(f"--{flag.name} must be >= 1")

@@ -26,6 +26,8 @@ DRAFT_FREE = ("prompt_lookup", "jacobi", "jacobi_random", "lookahead")
 LOOKUP_SUFFIX = "+lookup"
 # Drafts whose drafter brings its own tree (``Drafter.default_tree``): no γ to sweep.
 OWN_TREE_DRAFTS = ("lookahead", "medusa")
+# The tag of a sampled dynamic tree in --sweep_trees (sampled:w1:w2:..., nodes per depth).
+SAMPLED = "sampled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +94,11 @@ class ExperimentConfig:
       exactly max_new_tokens with both methods, so speedups are plain time ratios.
     fresh: ignore a partial run of the same config in ``out`` and start over
       (the old log is kept beside, renamed; see ``progress.py``).
-    sweep_trees: EAGLE-2 dynamic trees (top_k, depth, nodes) timed in the γ sweep's rounds
-      beside its chains, where the drafter builds dynamic trees (default one of 4 nodes, 4
-      deep, frontier 4: the tree the adaptive policy's calibration prices); () for chains
-      only. They need no calibration; the tree sweep compares trees in depth.
+    sweep_trees: dynamic trees timed in the γ sweep's rounds beside its chains, where the
+      drafter builds them (``sweep_tree``): EAGLE-2 trees as (top_k, depth, nodes), default
+      one of 4 nodes, 4 deep, frontier 4 (the tree the adaptive policy's calibration
+      prices), and sampled dynamic trees as ("sampled", widths per depth...); () for
+      chains only. They need no calibration; the tree sweep compares trees in depth.
     tree_budgets: node budgets N of the tree sweep's best static trees.
     calibration_tree: branching of the full tree whose counters, on
       training-side prompts (never the evaluated ones), give the per-depth,
@@ -144,7 +147,7 @@ class ExperimentConfig:
   workers: int = 2
   stop_at_eos: bool = False
   fresh: bool = False
-  sweep_trees: tuple[tuple[int, int, int], ...] = ((4, 4, 4),)
+  sweep_trees: tuple[tuple, ...] = ((4, 4, 4),)
   tree_budgets: tuple[int, ...] = (4, 8, 16)
   calibration_tree: tuple[int, ...] = (6, 3, 2, 1)
   calibration_prompts: int = 8
@@ -174,12 +177,9 @@ class ExperimentConfig:
       values = getattr(self, name)
       if not values or any(int(v) != v or v < 1 for v in values):
         raise ValueError(f"--{name} must be integers >= 1, got {values}")
-    from specjax.speculative.tree import DynamicTree
     for spec in self.sweep_trees:
-      if len(spec) != 3:
-        raise ValueError(f"--sweep_trees: {spec} is not top_k:depth:nodes")
       try:
-        DynamicTree(*spec)
+        sweep_tree(spec)
       except ValueError as e:
         raise ValueError(f"--sweep_trees: {':'.join(map(str, spec))}: {e}") from None
     for name in ("gammas", "temperatures", "tree_budgets", "sweep_trees", "alpha_drafts",
@@ -249,8 +249,7 @@ class ExperimentConfig:
     """The most draft nodes one step may verify (sizes the shared KV cache)."""
     nodes = max(self.all_gammas)
     if "gamma_sweep" in self.experiments and self.sweep_trees:
-      from specjax.speculative.tree import DynamicTree
-      nodes = max(nodes, *(DynamicTree(*t).cache_headroom for t in self.sweep_trees))
+      nodes = max(nodes, *(sweep_tree(t).cache_headroom for t in self.sweep_trees))
     if "tree_sweep" in self.experiments:
       calibration = sum(math.prod(self.calibration_tree[:d + 1])
                         for d in range(len(self.calibration_tree)))
@@ -302,19 +301,35 @@ def parse_ints(value: str, name: str) -> tuple[int, ...]:
     raise ValueError(f"--{name} must be a comma-separated list of integers, got {value!r}") from None
 
 
-def parse_trees(value: str, name: str) -> tuple[tuple[int, int, int], ...]:
-  """"4:4:4,4:5:8" -> ((4, 4, 4), (4, 5, 8)): dynamic trees as top_k:depth:nodes."""
+def parse_trees(value: str, name: str) -> tuple[tuple, ...]:
+  """"4:4:4,sampled:3:3:2" -> ((4, 4, 4), ("sampled", 3, 3, 2)): EAGLE-2 dynamic trees as
+  top_k:depth:nodes, sampled dynamic trees as sampled:widths per depth."""
   trees = []
   for v in value.split(","):
     if not v.strip():
       continue
+    parts = [x.strip() for x in v.split(":")]
+    sampled = parts[0] == SAMPLED
     try:
-      k, d, n = (int(x) for x in v.split(":"))
+      ints = tuple(int(x) for x in parts[sampled:])
     except ValueError:
-      raise ValueError(f"--{name} must be a comma-separated list of top_k:depth:nodes, "
-                       f"got {v!r}") from None
-    trees.append((k, d, n))
+      ints = None
+    if not ints or (not sampled and len(ints) != 3):
+      raise ValueError(f"--{name} must be a comma-separated list of top_k:depth:nodes "
+                       f"(EAGLE-2) or sampled:w1:w2:... (widths per depth), got {v!r}")
+    trees.append(((SAMPLED,) if sampled else ()) + ints)
   return tuple(trees)
+
+
+def sweep_tree(spec: tuple):
+  """A ``sweep_trees`` entry as the decoder's tree: (k, D, N) -> ``DynamicTree``,
+  ("sampled", w₁, …) -> ``SampledDynamicTree``; ValueError on anything else."""
+  from specjax.speculative.tree import DynamicTree, SampledDynamicTree
+  if spec and spec[0] == SAMPLED:
+    return SampledDynamicTree(tuple(spec[1:]))
+  if len(spec) != 3:
+    raise ValueError(f"{spec} is neither top_k:depth:nodes nor sampled:widths")
+  return DynamicTree(*spec)
 
 
 def parse_floats(value: str, name: str) -> tuple[float, ...]:

@@ -77,7 +77,7 @@ from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 
 from experiments import checks
-from experiments.config import ExperimentConfig
+from experiments.config import SAMPLED, ExperimentConfig, sweep_tree
 from experiments.models import Draft, Target
 from experiments.phase_timing import fused_phase_seconds
 from experiments.progress import ProgressLog
@@ -95,10 +95,11 @@ class SpecRun:
   Attributes:
     gamma: the chain's γ, or the tree's depth D.
     tree: the static tree's parents; ("dynamic", k, D, N) for an EAGLE-2
-      dynamic tree; ("adaptive", γ₁ … γ_K, cost₁ … cost_K) for an adaptive policy over
-      chains, ("adaptive", γs, costs, trees, tree costs, table, α_c) for one with trees
-      (``adaptive_setting``; ``gamma`` is then its deepest choice's depth; records that
-      predate α_c, the chains' calibrated rate, lack it); None for a chain.
+      dynamic tree; ("sampled", w₁, …, w_D) for a sampled dynamic tree; ("adaptive",
+      γ₁ … γ_K, cost₁ … cost_K) for an adaptive policy over chains, ("adaptive", γs,
+      costs, trees, tree costs, table, α_c) for one with trees (``adaptive_setting``;
+      ``gamma`` is then its deepest choice's depth; records that predate α_c, the chains'
+      calibrated rate, lack it); None for a chain.
     counters: per batch, ``SpecCounters`` arrays of the real rows.
     generated: per batch, generated ids of each real row.
     steps: per batch, speculative steps.
@@ -267,12 +268,12 @@ def step_cost(run: SpecRun) -> float:
 
 
 def tree_shape(tree: Optional[tuple], gamma: int):
-  """``SpecRun.tree`` (None, parents, ("dynamic", k, D, N) or an adaptive policy's) -> the
-  decoder's topology (an adaptive policy's: the chain of its largest γ)."""
+  """``SpecRun.tree`` (None, parents, ("dynamic", k, D, N), ("sampled", w₁, …) or an adaptive
+  policy's) -> the decoder's topology (an adaptive policy's: the chain of its largest γ)."""
   if tree is None or tree[0] == ADAPTIVE:
     return TreeTopology.chain(gamma)
-  if tree[0] == "dynamic":
-    return DynamicTree(*tree[1:])
+  if tree[0] in ("dynamic", SAMPLED):
+    return sweep_tree(tree[1:] if tree[0] == "dynamic" else tree)
   return TreeTopology(tree)
 
 

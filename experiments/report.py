@@ -266,9 +266,10 @@ def tables_markdown(results: dict) -> str:
                             "gamma", "γ") + [""]
     best = results.get("best_gamma")
     if any(r["tree"] is not None for r in sweep):
-      lines += ["Dynamic tree rows (EAGLE-2, `--sweep_trees`): timed in the same rounds as "
-                "the chains; N nodes verified per step, D deep, accept rate = accepted / N per "
-                "step. Their α, c, verify and predicted columns stay empty: β = Σ min(p, q) "
+      lines += ["Dynamic tree rows (`--sweep_trees`: EAGLE-2's top-k children, or sampled "
+                "dynamic trees' drawn children, w = nodes per depth): timed in the same rounds "
+                "as the chains; N nodes verified per step, D deep, accept rate = accepted / N "
+                "per step. Their α, c, verify and predicted columns stay empty: β = Σ min(p, q) "
                 "is defined for chains of sampled drafts, a tree's draft phase is not γ "
                 "single-token forwards, and the paper's formula is a chain's.", ""]
     lines += [f"### Per category at the best γ = {best}", ""]

@@ -41,6 +41,7 @@ from specjax import theory
 from specjax.speculative.metrics import mean_estimates
 
 from experiments import checks
+from experiments.config import SAMPLED
 from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
                                  as_tuple, policy_of, round_decode_speedups,
                                  round_prefill_ratios, round_prefill_shares, round_speedups,
@@ -90,11 +91,14 @@ def slowest_row_tokens(run: SpecRun, batches: Sequence[Batch], category: str) ->
 
 
 def shape_name(tree, gamma: int) -> str:
-  """"chain", "best tree" (static parents), "dynamic k=4" (EAGLE-2) or "adaptive"."""
+  """"chain", "best tree" (static parents), "dynamic k=4" (EAGLE-2), "sampled w=3,3,2"
+  (sampled dynamic) or "adaptive"."""
   if tree is None:
     return "chain"
   if tree[0] == ADAPTIVE:
     return "adaptive"
+  if tree[0] == SAMPLED:
+    return "sampled w=" + ",".join(map(str, tree[1:]))
   return f"dynamic k={tree[1]}" if tree[0] == "dynamic" else "best tree"
 
 

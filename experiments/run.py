@@ -80,8 +80,9 @@ flags.DEFINE_integer("extra_rounds", DEFAULT.extra_rounds,
                      "(timing just that setting on just those batches).")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
 flags.DEFINE_string("sweep_trees", ",".join(":".join(map(str, t)) for t in DEFAULT.sweep_trees),
-                    "EAGLE-2 dynamic trees, top_k:depth:nodes, timed in the γ sweep's rounds "
-                    "beside its chains where the drafter builds them ('' for chains only).")
+                    "Dynamic trees timed in the γ sweep's rounds beside its chains where the "
+                    "drafter builds them: EAGLE-2 trees as top_k:depth:nodes, sampled dynamic "
+                    "trees as sampled:w1:w2:... (nodes per depth); '' for chains only.")
 flags.DEFINE_string("tree_budgets", _ints(DEFAULT.tree_budgets),
                     "Node budgets N of the tree sweep's best static "
                     "trees.")

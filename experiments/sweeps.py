@@ -8,6 +8,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from experiments.config import SAMPLED, sweep_tree
 from experiments.measure import Bench, adaptive_setting, step_cost
 from experiments.models import Draft
 from experiments.prompts import ALL, categories, training_prompts
@@ -30,15 +31,16 @@ def _rows(bench: Bench, experiment: str, draft: Draft, temperature: float,
 
 def gamma_sweep(bench: Bench, draft: Draft) -> list[dict]:
   """Speedup vs γ at T=0 and T=1 (the measured counterpart of the paper's Figs. 2–4), with
-  the ``sweep_trees`` dynamic trees the drafter builds beside the chains; the settings of
-  one temperature share their interleaved rounds."""
+  the ``sweep_trees`` dynamic trees (EAGLE-2 and sampled) the drafter builds beside the
+  chains; the settings of one temperature share their interleaved rounds."""
   cfg = bench.config
-  trees = [t for t in cfg.sweep_trees if draft.drafter.supports(DynamicTree(*t))]
+  trees = [t for t in cfg.sweep_trees if draft.drafter.supports(sweep_tree(t))]
   if len(trees) < len(cfg.sweep_trees):
     logging.info("gamma sweep: %s cannot build %d of the %d dynamic trees; left out",
                  draft.name, len(cfg.sweep_trees) - len(trees), len(cfg.sweep_trees))
-  settings = ([(g, None) for g in cfg.gammas]
-              + [(d, ("dynamic", k, d, n)) for k, d, n in trees])
+  settings = [(g, None) for g in cfg.gammas] + [
+      (sweep_tree(t).max_depth, tuple(t) if t[0] == SAMPLED else ("dynamic",) + tuple(t))
+      for t in trees]
   rows = []
   for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc=f"gamma sweep ({len(settings)} settings)",
                      unit="T"):

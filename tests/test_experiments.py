@@ -366,7 +366,9 @@ def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, 
     (dict(sweep_trees=((4, 4, 3),)), "--sweep_trees: 4:4:3: DynamicTree num_nodes=3 < depth=4"),
     (dict(sweep_trees=((2, 2, 7),)), "--sweep_trees: 2:2:7: .*exceeds the 6 candidates"),
     (dict(sweep_trees=((0, 2, 2),)), "--sweep_trees: 0:2:2: DynamicTree top_k must be"),
-    (dict(sweep_trees=((4, 4),)), r"--sweep_trees: \(4, 4\) is not top_k:depth:nodes"),
+    (dict(sweep_trees=((4, 4),)), r"--sweep_trees: 4:4: \(4, 4\) is neither top_k:depth:nodes"),
+    (dict(sweep_trees=(("sampled", 2, 0),)), "--sweep_trees: sampled:2:0: SampledDynamicTree "
+                                             "widths must be"),
     (dict(sweep_trees=((4, 4, 4), (4, 4, 4))), "--sweep_trees lists a value twice"),
     (dict(draft="jacobi+lookup"), "--draft: 'jacobi\\+lookup': \\+lookup adds prompt lookup to a "
                                   "draft model; 'jacobi' is not one"),
@@ -524,6 +526,14 @@ def test_hybrid_lookup_benchmark_rejects_bad_flags_before_loading(tmp_path):
            (["--min_matches=3,3"], "--min_matches lists a value twice"),
            (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
            (["--gamma=0"], "--gamma must be >= 1"),
+           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+
+
+def test_sampled_trees_benchmark_rejects_bad_flags_before_loading(tmp_path):
+  (tmp_path / "file").write_text("")
+  _refuses("sampled_trees", (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
+           (["--prompts=0"], "--prompts must be >= 1"),
+           (["--sets=eval"], "--sets must list some of"),
            ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
@@ -949,7 +959,8 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
 def test_sweep_trees_parse_from_the_flag_and_size_the_cache():
   assert parse_trees("4:4:4, 3:3:6,", "sweep_trees") == ((4, 4, 4), (3, 3, 6))
   assert parse_trees("", "sweep_trees") == ()
-  for bad in ("4:4", "4:4:x", "4,4,4"):
+  assert parse_trees("sampled:3:3:2,4:4:8", "sweep_trees") == (("sampled", 3, 3, 2), (4, 4, 8))
+  for bad in ("4:4", "4:4:x", "4,4,4", "sampled:", "sampled:2:x", "sample:2:2:2"):
     with pytest.raises(ValueError, match="--sweep_trees must be a comma-separated list of "
                                          "top_k:depth:nodes"):
       parse_trees(bad, "sweep_trees")
@@ -958,6 +969,9 @@ def test_sweep_trees_parse_from_the_flag_and_size_the_cache():
   assert chains.max_draft_nodes == 4  # the largest γ
   assert ExperimentConfig(experiments=("gamma_sweep",)).max_draft_nodes == 12  # 4:4:4
   assert ExperimentConfig(experiments=("drafts_alpha",)).max_draft_nodes == 4  # no sweep
+  # A sampled dynamic tree writes its N nodes (each fed node at its own slot).
+  assert ExperimentConfig(experiments=("gamma_sweep",),
+                          sweep_trees=(("sampled", 3, 3, 2),)).max_draft_nodes == 8
 
 
 def test_the_gamma_sweep_measures_its_trees_in_one_group_with_its_chains():
@@ -968,7 +982,8 @@ def test_the_gamma_sweep_measures_its_trees_in_one_group_with_its_chains():
   calls = []
 
   class Bench:
-    config = ExperimentConfig(gammas=(1, 2), sweep_trees=((4, 4, 4), (3, 3, 6)))
+    config = ExperimentConfig(gammas=(1, 2), sweep_trees=((4, 4, 4), (3, 3, 6),
+                                                          ("sampled", 2, 1)))
     batches = []
 
     def spec_many(self, draft, settings, temperature, timed=True):
@@ -978,7 +993,8 @@ def test_the_gamma_sweep_measures_its_trees_in_one_group_with_its_chains():
   trees_too = types.SimpleNamespace(name="d", drafter=types.SimpleNamespace(
       supports=lambda topology: True))
   assert sweeps.gamma_sweep(Bench(), trees_too) == []
-  settings = [(1, None), (2, None), (4, ("dynamic", 4, 4, 4)), (3, ("dynamic", 3, 3, 6))]
+  settings = [(1, None), (2, None), (4, ("dynamic", 4, 4, 4)), (3, ("dynamic", 3, 3, 6)),
+              (2, ("sampled", 2, 1))]
   assert calls == [(settings, 0.0, True), (settings, 1.0, True)]
   calls.clear()
   chains = types.SimpleNamespace(name="d", drafter=types.SimpleNamespace(
@@ -1008,7 +1024,7 @@ def test_the_gamma_sweep_times_its_dynamic_tree_beside_the_chains(smoke):
   section = open(os.path.join(out, "tables.md")).read().split("## Speedup vs γ")[1]
   section = section.split("\n## ")[0]
   assert section.count("| dynamic k=4 N = 4, D = 4 |") == 2
-  assert "Dynamic tree rows (EAGLE-2, `--sweep_trees`)" in section
+  assert "Dynamic tree rows (`--sweep_trees`: EAGLE-2's top-k children" in section
 
 
 def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
