@@ -12,10 +12,11 @@ with the real q (SpecInfer / Sequoia). For each node budget N (4, 8, 16) the tab
 the EAGLE-2 dynamic tree (top-4, depth 4), one static tree with top-k children and with
 drawn ones (``tree_draw="without_replacement"``: the clean ablation of the draw, same shape),
 and sampled dynamic trees (``SampledDynamicTree``) of the static tree's widths per depth and
-of one other, beside the chains. At T = 0 every tree's children are its top-k. Untimed (every prompt of a set decoded as one
-batch, stopped at EOS; T = 0 one seed, T > 0 ``--seeds`` seeds pooled): what a tree buys
-per target call, which pays where a verify of N + 1 tokens costs about one of 1 (GPUs; see
-``experiments.run --sweep_trees`` for timed rows on this machine).
+of one other, beside the chains. At T = 0 every tree's children are its top-k. Untimed
+(every prompt of a set decoded as one batch, stopped at EOS; T = 0 one seed, T > 0
+``--seeds`` seeds pooled): what a tree buys per target call, which pays where a verify of
+N + 1 tokens costs about one of 1 (GPUs; see ``experiments.run --sweep_trees`` for timed
+rows on this machine).
 """
 
 from __future__ import annotations

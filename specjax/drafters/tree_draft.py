@@ -211,8 +211,9 @@ def grow_sampled(tree: SampledDynamicTree, sampler: Sampler, key: jax.Array,
   (Gumbel-top-k; a greedy sampler takes its top-k, scored by the raw softmax as EAGLE-2),
   the j-th draw under node v is scored π = V(v) · (1 − Σ_{i<j} q(x_i)) (V(root) = 1,
   a draw outside q's support −1; ``slot_scores``), and the ``widths[d - 1]`` best scores of
-  the depth are kept (ties: the earlier draw), in (parent, draw) order: each node's kept children are its
-  first draws, in the order recursive rejection tries them. A kept node's V is its own π.
+  the depth are kept (ties: the earlier draw), in (parent, draw) order: each node's kept
+  children are its first draws, in the order recursive rejection tries them. A kept node's V
+  is its own π.
   Neither the choice nor the order reads a draw before it is kept, so the number of
   siblings kept under a node is a stopping time of its draws: the condition under which
   SpecInfer / Sequoia verification with the real q is exact. Nodes are fed at draft slot
