@@ -158,25 +158,24 @@ def acceptance(dec, target, draft, prompts, new: int, seeds: int) -> dict:
               tokens_per_call=total["emitted"] / max(total["target_calls"], 1))
 
 
+def _number_list(flag, cast, kind: str, least) -> list:
+  """A non-empty list flag of ``kind`` >= ``least``, or SystemExit naming the flag."""
+  try:
+    values = [cast(x) for x in flag.value]
+  except ValueError as e:
+    raise SystemExit(f"--{flag.name} takes {kind}: {e}") from None
+  if not values or min(values) < least:
+    raise SystemExit(f"--{flag.name} must list {kind} >= {least}, got {flag.value}")
+  return values
+
+
 def temperature_list(flag) -> list[float]:
   """A non-empty list flag of temperatures >= 0 (0: greedy), or SystemExit naming the flag
   (before anything is built)."""
-  try:
-    values = [float(x) for x in flag.value]
-  except ValueError as e:
-    raise SystemExit(f"--{flag.name} takes numbers: {e}") from None
-  if not values or min(values) < 0:
-    raise SystemExit(f"--{flag.name} must list numbers >= 0, got {flag.value}")
-  return values
+  return _number_list(flag, float, "numbers", 0)
 
 
 def int_list(flag) -> list[int]:
   """A non-empty list flag of integers >= 1, or SystemExit naming the flag (before anything
   is built)."""
-  try:
-    values = [int(x) for x in flag.value]
-  except ValueError as e:
-    raise SystemExit(f"--{flag.name} takes integers: {e}") from None
-  if not values or min(values) < 1:
-    raise SystemExit(f"--{flag.name} must list integers >= 1, got {flag.value}")
-  return values
+  return _number_list(flag, int, "integers", 1)

@@ -158,12 +158,11 @@ class HybridDrafter(Drafter):
                         path=jnp.where(copied[:, None], accepted.path.at[:, 1:].set(-1),
                                        accepted.path),
                         num_accepted=jnp.where(copied, 0, accepted.num_accepted))
-    rolled = self.model.rollback(state.model, seq_lens, none)
-    if jax.tree.structure(rolled) != jax.tree.structure(state.model):
-      return state.replace(model=rolled)  # its state changes type in propose: never skipped
-    kept = jax.tree.map(lambda old, new: jnp.where(state.skipped, old, new), state.model,
-                        rolled)
-    return state.replace(model=kept)
+    roll = lambda _: self.model.rollback(state.model, seq_lens, none)
+    if jax.tree.structure(jax.eval_shape(roll, None)) != jax.tree.structure(state.model):
+      return state.replace(model=roll(None))  # its state changes type in propose: never skipped
+    # A branch, not a select: no pass over the model's whole state (its cache) every step.
+    return state.replace(model=jax.lax.cond(state.skipped, lambda _: state.model, roll, None))
 
   def propose(self, draft_params, state, tokens, seq_lens, key, sampler: Sampler, topology):
     if not self.supports(topology):
