@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Optional
+from typing import Any, Optional
 
 EXPERIMENTS = ("gamma_sweep", "adaptive", "temperature_sweep", "drafts_alpha", "tree_sweep",
                "draft_free")
@@ -26,8 +26,12 @@ DRAFT_FREE = ("prompt_lookup", "jacobi", "jacobi_random", "lookahead")
 LOOKUP_SUFFIX = "+lookup"
 # Drafts whose drafter brings its own tree (``Drafter.default_tree``): no γ to sweep.
 OWN_TREE_DRAFTS = ("lookahead", "medusa")
-# The tag of a sampled dynamic tree in --sweep_trees (sampled:w1:w2:..., nodes per depth).
+# The tag of a sampled dynamic tree in --sweep_trees (sampled:w1:w2:..., nodes per depth)
+# and in a run's recorded setting; DYNAMIC tags an EAGLE-2 tree's setting (``tree_setting``).
 SAMPLED = "sampled"
+DYNAMIC = "dynamic"
+# The γ sweep's temperatures: the paper's T = 0 (argmax) and T = 1 (standard sampling).
+SWEEP_TEMPERATURES = (0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +99,14 @@ class ExperimentConfig:
     fresh: ignore a partial run of the same config in ``out`` and start over
       (the old log is kept beside, renamed; see ``progress.py``).
     sweep_trees: dynamic trees timed in the γ sweep's rounds beside its chains, where the
-      drafter builds them (``sweep_tree``): EAGLE-2 trees as (top_k, depth, nodes), default
-      one of 4 nodes, 4 deep, frontier 4 (the tree the adaptive policy's calibration
-      prices), and sampled dynamic trees as ("sampled", widths per depth...); () for
-      chains only. They need no calibration; the tree sweep compares trees in depth.
+      drafter builds them, as ``sweep_tree`` entries: EAGLE-2 trees as "top_k:depth:nodes",
+      sampled dynamic trees as "sampled:w1:w2:..." (nodes per depth), each at every sweep
+      temperature or, with "@T", at that one. Default: EAGLE-2's tree of 4 nodes, 4 deep,
+      frontier 4 at T = 0 and the 3-node sampled tree (2, 1) at T = 1, the best tree of
+      each in benchmarks/results/sampled_trees.md and experiments/results/sampled_trees/
+      (a sampled tree's drawn children pay at T > 0; at T = 0 EAGLE-2's top-k children
+      accept 4–6% more). () for chains only. They need no calibration; the tree sweep
+      compares trees in depth.
     tree_budgets: node budgets N of the tree sweep's best static trees.
     calibration_tree: branching of the full tree whose counters, on
       training-side prompts (never the evaluated ones), give the per-depth,
@@ -147,7 +155,7 @@ class ExperimentConfig:
   workers: int = 2
   stop_at_eos: bool = False
   fresh: bool = False
-  sweep_trees: tuple[tuple, ...] = ((4, 4, 4),)
+  sweep_trees: tuple[str, ...] = ("4:4:4@0", "sampled:2:1@1")
   tree_budgets: tuple[int, ...] = (4, 8, 16)
   calibration_tree: tuple[int, ...] = (6, 3, 2, 1)
   calibration_prompts: int = 8
@@ -177,13 +185,17 @@ class ExperimentConfig:
       values = getattr(self, name)
       if not values or any(int(v) != v or v < 1 for v in values):
         raise ValueError(f"--{name} must be integers >= 1, got {values}")
+    timed = []
     for spec in self.sweep_trees:
       try:
-        sweep_tree(spec)
+        tree, temperatures = sweep_tree(spec)
       except ValueError as e:
-        raise ValueError(f"--sweep_trees: {':'.join(map(str, spec))}: {e}") from None
-    for name in ("gammas", "temperatures", "tree_budgets", "sweep_trees", "alpha_drafts",
-                 "draft_free_drafts"):
+        raise ValueError(f"--sweep_trees: {spec}: {e}") from None
+      for t in temperatures:
+        if (tree, t) in timed:
+          raise ValueError(f"--sweep_trees: {spec} times the same tree twice at T = {t:g}")
+        timed.append((tree, t))
+    for name in ("gammas", "temperatures", "tree_budgets", "alpha_drafts", "draft_free_drafts"):
       values = getattr(self, name)
       if len(set(values)) != len(values):
         raise ValueError(f"--{name} lists a value twice: {values}")
@@ -249,7 +261,7 @@ class ExperimentConfig:
     """The most draft nodes one step may verify (sizes the shared KV cache)."""
     nodes = max(self.all_gammas)
     if "gamma_sweep" in self.experiments and self.sweep_trees:
-      nodes = max(nodes, *(sweep_tree(t).cache_headroom for t in self.sweep_trees))
+      nodes = max(nodes, *(sweep_tree(t)[0].cache_headroom for t in self.sweep_trees))
     if "tree_sweep" in self.experiments:
       calibration = sum(math.prod(self.calibration_tree[:d + 1])
                         for d in range(len(self.calibration_tree)))
@@ -301,35 +313,77 @@ def parse_ints(value: str, name: str) -> tuple[int, ...]:
     raise ValueError(f"--{name} must be a comma-separated list of integers, got {value!r}") from None
 
 
-def parse_trees(value: str, name: str) -> tuple[tuple, ...]:
-  """"4:4:4,sampled:3:3:2" -> ((4, 4, 4), ("sampled", 3, 3, 2)): EAGLE-2 dynamic trees as
-  top_k:depth:nodes, sampled dynamic trees as sampled:widths per depth."""
-  trees = []
-  for v in value.split(","):
-    if not v.strip():
-      continue
-    parts = [x.strip() for x in v.split(":")]
-    sampled = parts[0] == SAMPLED
+def parse_trees(value: str, name: str) -> tuple[str, ...]:
+  """"4:4:4@0, sampled:3:3:2" -> ("4:4:4@0", "sampled:3:3:2"): the comma-separated entries,
+  stripped, each checked against the grammar of ``sweep_tree`` (a ValueError naming the
+  flag otherwise)."""
+  trees = tuple("".join(v.split()) for v in value.split(",") if v.strip())
+  for v in trees:
     try:
-      ints = tuple(int(x) for x in parts[sampled:])
-    except ValueError:
-      ints = None
-    if not ints or (not sampled and len(ints) != 3):
+      sweep_tree(v)
+    except _SpecError:
       raise ValueError(f"--{name} must be a comma-separated list of top_k:depth:nodes "
-                       f"(EAGLE-2) or sampled:w1:w2:... (widths per depth), got {v!r}")
-    trees.append(((SAMPLED,) if sampled else ()) + ints)
-  return tuple(trees)
+                       f"(EAGLE-2) or sampled:w1:w2:... (widths per depth), each optionally "
+                       f"@T for one temperature of {_temperatures()}, got {v!r}") from None
+    except ValueError:
+      pass  # a well-formed entry the tree itself refuses: the config names it
+  return trees
 
 
-def sweep_tree(spec: tuple):
-  """A ``sweep_trees`` entry as the decoder's tree: (k, D, N) -> ``DynamicTree``,
-  ("sampled", w₁, …) -> ``SampledDynamicTree``; ValueError on anything else."""
+class _SpecError(ValueError):
+  """A ``sweep_trees`` entry that does not follow its grammar."""
+
+
+def _temperatures() -> str:
+  return " or ".join(f"{t:g}" for t in SWEEP_TEMPERATURES)
+
+
+def sweep_tree(spec: str) -> tuple[Any, tuple[float, ...]]:
+  """A ``sweep_trees`` entry -> (the decoder's tree, the sweep temperatures it is timed at):
+  "k:D:N" -> ``DynamicTree(k, D, N)`` (EAGLE-2), "sampled:w₁:w₂:…" ->
+  ``SampledDynamicTree((w₁, w₂, …))``; a suffix "@T" times it at that one temperature of
+  ``SWEEP_TEMPERATURES``, else at each. ValueError on anything else (the tree's own
+  message where the grammar holds but the tree is invalid)."""
   from specjax.speculative.tree import DynamicTree, SampledDynamicTree
-  if spec and spec[0] == SAMPLED:
-    return SampledDynamicTree(tuple(spec[1:]))
-  if len(spec) != 3:
-    raise ValueError(f"{spec} is neither top_k:depth:nodes nor sampled:widths")
-  return DynamicTree(*spec)
+  body, at, temperature = spec.partition("@")
+  temperatures = SWEEP_TEMPERATURES
+  if at:
+    try:
+      temperatures = (float(temperature),)
+    except ValueError:
+      temperatures = ()
+    if not temperatures or temperatures[0] not in SWEEP_TEMPERATURES:
+      raise _SpecError(f"{spec!r}: @T must be one of the sweep's temperatures, "
+                       f"{_temperatures()}")
+  parts = body.split(":")
+  sampled = parts[0] == SAMPLED
+  try:
+    ints = tuple(int(x) for x in parts[sampled:])
+  except ValueError:
+    ints = ()
+  if not ints or (not sampled and len(ints) != 3):
+    raise _SpecError(f"{spec!r} is neither top_k:depth:nodes nor sampled:widths")
+  tree = SampledDynamicTree(ints) if sampled else DynamicTree(*ints)
+  return tree, temperatures
+
+
+def tree_setting(tree) -> tuple:
+  """A dynamic tree as ``SpecRun.tree`` records it (JSON-friendly): ("dynamic", k, D, N)
+  for EAGLE-2's, ("sampled", w₁, …) for a sampled one; ``setting_tree`` inverts it."""
+  from specjax.speculative.tree import DynamicTree
+  if isinstance(tree, DynamicTree):
+    return (DYNAMIC, tree.top_k, tree.depth, tree.num_nodes)
+  return (SAMPLED,) + tuple(tree.widths)
+
+
+def setting_tree(setting: tuple):
+  """``tree_setting``'s inverse: ("dynamic", k, D, N) or ("sampled", w₁, …) -> the tree."""
+  from specjax.speculative.tree import DynamicTree, SampledDynamicTree
+  if setting[0] == DYNAMIC:
+    return DynamicTree(*setting[1:])
+  if setting[0] == SAMPLED:
+    return SampledDynamicTree(tuple(setting[1:]))
+  raise ValueError(f"{setting} is no dynamic tree's setting")
 
 
 def parse_floats(value: str, name: str) -> tuple[float, ...]:

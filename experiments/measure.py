@@ -77,7 +77,7 @@ from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 
 from experiments import checks
-from experiments.config import SAMPLED, ExperimentConfig, sweep_tree
+from experiments.config import DYNAMIC, SAMPLED, ExperimentConfig, setting_tree
 from experiments.models import Draft, Target
 from experiments.phase_timing import fused_phase_seconds
 from experiments.progress import ProgressLog
@@ -272,8 +272,8 @@ def tree_shape(tree: Optional[tuple], gamma: int):
   policy's) -> the decoder's topology (an adaptive policy's: the chain of its largest γ)."""
   if tree is None or tree[0] == ADAPTIVE:
     return TreeTopology.chain(gamma)
-  if tree[0] in ("dynamic", SAMPLED):
-    return sweep_tree(tree[1:] if tree[0] == "dynamic" else tree)
+  if tree[0] in (DYNAMIC, SAMPLED):
+    return setting_tree(tree)
   return TreeTopology(tree)
 
 

@@ -41,7 +41,7 @@ from specjax import theory
 from specjax.speculative.metrics import mean_estimates
 
 from experiments import checks
-from experiments.config import SAMPLED
+from experiments.config import DYNAMIC, SAMPLED
 from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
                                  as_tuple, policy_of, round_decode_speedups,
                                  round_prefill_ratios, round_prefill_shares, round_speedups,
@@ -99,7 +99,7 @@ def shape_name(tree, gamma: int) -> str:
     return "adaptive"
   if tree[0] == SAMPLED:
     return "sampled w=" + ",".join(map(str, tree[1:]))
-  return f"dynamic k={tree[1]}" if tree[0] == "dynamic" else "best tree"
+  return f"dynamic k={tree[1]}" if tree[0] == DYNAMIC else "best tree"
 
 
 def _min_gain(tree) -> Optional[float]:

@@ -79,10 +79,11 @@ flags.DEFINE_integer("extra_rounds", DEFAULT.extra_rounds,
                      "while a setting's speedup (overall or one category's) spreads > 10% "
                      "(timing just that setting on just those batches).")
 flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
-flags.DEFINE_string("sweep_trees", ",".join(":".join(map(str, t)) for t in DEFAULT.sweep_trees),
+flags.DEFINE_string("sweep_trees", ",".join(DEFAULT.sweep_trees),
                     "Dynamic trees timed in the γ sweep's rounds beside its chains where the "
                     "drafter builds them: EAGLE-2 trees as top_k:depth:nodes, sampled dynamic "
-                    "trees as sampled:w1:w2:... (nodes per depth); '' for chains only.")
+                    "trees as sampled:w1:w2:... (nodes per depth), each at T = 0 and 1 or, "
+                    "with a suffix @0 or @1, at that one; '' for chains only.")
 flags.DEFINE_string("tree_budgets", _ints(DEFAULT.tree_budgets),
                     "Node budgets N of the tree sweep's best static "
                     "trees.")

@@ -8,7 +8,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from experiments.config import SAMPLED, sweep_tree
+from experiments.config import SWEEP_TEMPERATURES, sweep_tree, tree_setting
 from experiments.measure import Bench, adaptive_setting, step_cost
 from experiments.models import Draft
 from experiments.prompts import ALL, categories, training_prompts
@@ -16,9 +16,6 @@ from experiments.rows import make_row
 from specjax.speculative.calibration import monotone_costs
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree
-
-SWEEP_TEMPERATURES = (0.0, 1.0)  # the paper's T=0 (argmax) and T=1 (standard sampling)
-
 
 def _rows(bench: Bench, experiment: str, draft: Draft, temperature: float,
           settings: Sequence[tuple[int, Optional[tuple]]], timed: bool = True) -> list[dict]:
@@ -34,16 +31,16 @@ def gamma_sweep(bench: Bench, draft: Draft) -> list[dict]:
   the ``sweep_trees`` dynamic trees (EAGLE-2 and sampled) the drafter builds beside the
   chains; the settings of one temperature share their interleaved rounds."""
   cfg = bench.config
-  trees = [t for t in cfg.sweep_trees if draft.drafter.supports(sweep_tree(t))]
-  if len(trees) < len(cfg.sweep_trees):
+  trees = [sweep_tree(spec) for spec in cfg.sweep_trees]
+  built = [(tree, temps) for tree, temps in trees if draft.drafter.supports(tree)]
+  if len(built) < len(trees):
     logging.info("gamma sweep: %s cannot build %d of the %d dynamic trees; left out",
-                 draft.name, len(cfg.sweep_trees) - len(trees), len(cfg.sweep_trees))
-  settings = [(g, None) for g in cfg.gammas] + [
-      (sweep_tree(t).max_depth, tuple(t) if t[0] == SAMPLED else ("dynamic",) + tuple(t))
-      for t in trees]
+                 draft.name, len(trees) - len(built), len(trees))
   rows = []
-  for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc=f"gamma sweep ({len(settings)} settings)",
-                     unit="T"):
+  for t in tqdm.tqdm(SWEEP_TEMPERATURES, desc=f"gamma sweep ({len(cfg.gammas)} γs, "
+                     f"{len(built)} trees)", unit="T"):
+    settings = [(g, None) for g in cfg.gammas] + [
+        (tree.max_depth, tree_setting(tree)) for tree, temps in built if t in temps]
     rows += _rows(bench, "gamma_sweep", draft, t, settings)
   return rows
 
@@ -158,8 +155,8 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
       if not static.is_chain:
         jobs.append((static.max_depth, static.parents))
       k, d = min(4, n), max(static.max_depth, 2)
-      if d <= n <= k + (d - 1) * k * k and draft.drafter.supports(DynamicTree(k, d, n)):
-        jobs.append((d, ("dynamic", k, d, n)))
+      if d <= n <= k + (d - 1) * k * k and draft.drafter.supports(tree := DynamicTree(k, d, n)):
+        jobs.append((d, tree_setting(tree)))
     logging.info("tree sweep (T=%g): %d settings measured together", t, len(jobs))
     rows += _rows(bench, "tree_sweep", draft, t, jobs)
     policy = _adaptive_over(bench, draft, t, jobs, cal["table"], cal["chain_alpha"],

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from experiments import prompts
-from experiments.config import DRAFT_FREE, ExperimentConfig, parse_trees
+from experiments.config import (DRAFT_FREE, ExperimentConfig, parse_trees, setting_tree,
+                                sweep_tree, tree_setting)
 from experiments.measure import as_tuple, policy_of, tree_shape
 from specjax import theory
+from specjax.speculative.tree import DynamicTree, SampledDynamicTree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW = 8  # max_new_tokens of the smoke run (tests/conftest.py)
@@ -363,13 +365,18 @@ def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, 
     (dict(draft_temperature=1e-6), r"--draft_temperature=1e-06 at T = 0.5: temperature must be"),
     (dict(draft="lookahead"), "--draft=lookahead verifies its own tree, so it has no γ for "
                               "adaptive, gamma_sweep, temperature_sweep"),
-    (dict(sweep_trees=((4, 4, 3),)), "--sweep_trees: 4:4:3: DynamicTree num_nodes=3 < depth=4"),
-    (dict(sweep_trees=((2, 2, 7),)), "--sweep_trees: 2:2:7: .*exceeds the 6 candidates"),
-    (dict(sweep_trees=((0, 2, 2),)), "--sweep_trees: 0:2:2: DynamicTree top_k must be"),
-    (dict(sweep_trees=((4, 4),)), r"--sweep_trees: 4:4: \(4, 4\) is neither top_k:depth:nodes"),
-    (dict(sweep_trees=(("sampled", 2, 0),)), "--sweep_trees: sampled:2:0: SampledDynamicTree "
-                                             "widths must be"),
-    (dict(sweep_trees=((4, 4, 4), (4, 4, 4))), "--sweep_trees lists a value twice"),
+    (dict(sweep_trees=("4:4:3",)), "--sweep_trees: 4:4:3: DynamicTree num_nodes=3 < depth=4"),
+    (dict(sweep_trees=("2:2:7",)), "--sweep_trees: 2:2:7: .*exceeds the 6 candidates"),
+    (dict(sweep_trees=("0:2:2",)), "--sweep_trees: 0:2:2: DynamicTree top_k must be"),
+    (dict(sweep_trees=("4:4",)), "--sweep_trees: 4:4: '4:4' is neither top_k:depth:nodes"),
+    (dict(sweep_trees=("sampled:2:0",)), "--sweep_trees: sampled:2:0: SampledDynamicTree "
+                                         "widths must be"),
+    (dict(sweep_trees=("4:4:4@0.5",)), "--sweep_trees: 4:4:4@0.5: '4:4:4@0.5': @T must be one "
+                                       "of the sweep's temperatures, 0 or 1"),
+    (dict(sweep_trees=("4:4:4", "4:4:4")), "--sweep_trees: 4:4:4 times the same tree twice at "
+                                           "T = 0"),
+    (dict(sweep_trees=("4:4:4", "4:4:4@1")), "--sweep_trees: 4:4:4@1 times the same tree twice "
+                                             "at T = 1"),
     (dict(draft="jacobi+lookup"), "--draft: 'jacobi\\+lookup': \\+lookup adds prompt lookup to a "
                                   "draft model; 'jacobi' is not one"),
     (dict(draft="eagle+lookup+lookup"), "'eagle\\+lookup' is not one"),
@@ -957,21 +964,33 @@ def test_the_tree_sweeps_adaptive_row_chooses_among_its_chains_and_trees(smoke):
 
 
 def test_sweep_trees_parse_from_the_flag_and_size_the_cache():
-  assert parse_trees("4:4:4, 3:3:6,", "sweep_trees") == ((4, 4, 4), (3, 3, 6))
+  assert parse_trees("4:4:4, 3:3:6@1,", "sweep_trees") == ("4:4:4", "3:3:6@1")
   assert parse_trees("", "sweep_trees") == ()
-  assert parse_trees("sampled:3:3:2,4:4:8", "sweep_trees") == (("sampled", 3, 3, 2), (4, 4, 8))
-  for bad in ("4:4", "4:4:x", "4,4,4", "sampled:", "sampled:2:x", "sample:2:2:2"):
+  assert parse_trees("sampled: 3:3:2,4:4:8", "sweep_trees") == ("sampled:3:3:2", "4:4:8")
+  # Well-formed entries the tree refuses pass here; the config names them (above).
+  assert parse_trees("4:4:3", "sweep_trees") == ("4:4:3",)
+  for bad in ("4:4", "4:4:x", "4;4;4", "sampled:", "sampled:2:x", "sample:2:2:2", "4:4:4@",
+              "4:4:4@2", "4:4:4@x", "sampled:2@0@1"):
     with pytest.raises(ValueError, match="--sweep_trees must be a comma-separated list of "
                                          "top_k:depth:nodes"):
       parse_trees(bad, "sweep_trees")
+  assert sweep_tree("4:4:8") == (DynamicTree(4, 4, 8), (0.0, 1.0))
+  assert sweep_tree("sampled:2:1@1") == (SampledDynamicTree((2, 1)), (1.0,))
+  assert sweep_tree("4:4:4@0.0") == (DynamicTree(4, 4, 4), (0.0,))
+  # A run records a tree as a JSON-friendly setting, and reads it back.
+  for tree in (DynamicTree(4, 4, 8), SampledDynamicTree((3, 3, 2))):
+    assert setting_tree(tree_setting(tree)) == tree
+    assert setting_tree(as_tuple(json.loads(json.dumps(tree_setting(tree))))) == tree
+  assert tree_setting(DynamicTree(4, 4, 8)) == ("dynamic", 4, 4, 8)
+  assert tree_setting(SampledDynamicTree((2, 1))) == ("sampled", 2, 1)
   # A dynamic tree writes (D - 1) k drafted slots past the prefix, more than its N nodes.
   chains = ExperimentConfig(experiments=("gamma_sweep",), sweep_trees=())
   assert chains.max_draft_nodes == 4  # the largest γ
-  assert ExperimentConfig(experiments=("gamma_sweep",)).max_draft_nodes == 12  # 4:4:4
+  assert ExperimentConfig(experiments=("gamma_sweep",)).max_draft_nodes == 12  # 4:4:4@0
   assert ExperimentConfig(experiments=("drafts_alpha",)).max_draft_nodes == 4  # no sweep
   # A sampled dynamic tree writes its N nodes (each fed node at its own slot).
   assert ExperimentConfig(experiments=("gamma_sweep",),
-                          sweep_trees=(("sampled", 3, 3, 2),)).max_draft_nodes == 8
+                          sweep_trees=("sampled:3:3:2",)).max_draft_nodes == 8
 
 
 def test_the_gamma_sweep_measures_its_trees_in_one_group_with_its_chains():
@@ -982,8 +1001,7 @@ def test_the_gamma_sweep_measures_its_trees_in_one_group_with_its_chains():
   calls = []
 
   class Bench:
-    config = ExperimentConfig(gammas=(1, 2), sweep_trees=((4, 4, 4), (3, 3, 6),
-                                                          ("sampled", 2, 1)))
+    config = ExperimentConfig(gammas=(1, 2), sweep_trees=("4:4:4", "3:3:6@0", "sampled:2:1@1"))
     batches = []
 
     def spec_many(self, draft, settings, temperature, timed=True):
@@ -993,14 +1011,15 @@ def test_the_gamma_sweep_measures_its_trees_in_one_group_with_its_chains():
   trees_too = types.SimpleNamespace(name="d", drafter=types.SimpleNamespace(
       supports=lambda topology: True))
   assert sweeps.gamma_sweep(Bench(), trees_too) == []
-  settings = [(1, None), (2, None), (4, ("dynamic", 4, 4, 4)), (3, ("dynamic", 3, 3, 6)),
-              (2, ("sampled", 2, 1))]
-  assert calls == [(settings, 0.0, True), (settings, 1.0, True)]
+  chains = [(1, None), (2, None)]
+  eagle2 = (4, ("dynamic", 4, 4, 4))
+  assert calls == [(chains + [eagle2, (3, ("dynamic", 3, 3, 6))], 0.0, True),
+                   (chains + [eagle2, (2, ("sampled", 2, 1))], 1.0, True)]
   calls.clear()
-  chains = types.SimpleNamespace(name="d", drafter=types.SimpleNamespace(
+  chain_only = types.SimpleNamespace(name="d", drafter=types.SimpleNamespace(
       supports=lambda topology: topology.is_chain))
-  sweeps.gamma_sweep(Bench(), chains)
-  assert calls == [(settings[:2], 0.0, True), (settings[:2], 1.0, True)]
+  sweeps.gamma_sweep(Bench(), chain_only)
+  assert calls == [(chains, 0.0, True), (chains, 1.0, True)]
   # The best γ is a chain's even where a tree row (γ = its depth) measured faster.
   row = lambda g, tree, speedup: dict(experiment="gamma_sweep", category="all", gamma=g,
                                       tree=tree, speedup=speedup)
@@ -1008,22 +1027,27 @@ def test_the_gamma_sweep_measures_its_trees_in_one_group_with_its_chains():
                             row(4, ["dynamic", 4, 4, 4], 1.5)], fallback=3) == 2
 
 
-def test_the_gamma_sweep_times_its_dynamic_tree_beside_the_chains(smoke):
-  """The default --sweep_trees (4:4:4) gets a timed, greedy-exact row per temperature in the
-  γ sweep's table, named by its shape."""
+def test_the_gamma_sweep_times_its_dynamic_trees_beside_the_chains(smoke):
+  """The default --sweep_trees (4:4:4@0, sampled:2:1@1) gets a timed row at its temperature
+  in the γ sweep's table, named by its shape: EAGLE-2's tree greedy-exact at T = 0, the
+  sampled tree at T = 1."""
   results, out = smoke
   sweep = [r for r in results["rows"] if r["experiment"] == "gamma_sweep" and r["category"] == "all"]
-  trees = [r for r in sweep if r["tree"] is not None]
-  assert sorted(r["temperature"] for r in trees) == [0.0, 1.0]
-  for r in trees:
-    assert r["tree"] == ["dynamic", 4, 4, 4] and r["gamma"] == 4 and r["num_nodes"] == 4
+  trees = {r["temperature"]: r for r in sweep if r["tree"] is not None}
+  assert sorted(trees) == [0.0, 1.0]
+  eagle2, sampled = trees[0.0], trees[1.0]
+  assert eagle2["tree"] == ["dynamic", 4, 4, 4] and eagle2["gamma"] == 4
+  assert eagle2["num_nodes"] == 4 and eagle2["greedy_match"] == 1.0
+  assert sampled["tree"] == ["sampled", 2, 1] and sampled["gamma"] == 2
+  assert sampled["num_nodes"] == 3 and sampled["shape"] == "sampled w=2,1"
+  for r in trees.values():
     assert r["speedup"] is not None and r["alpha"] is None and r["verify_cost"] is None
-    if r["temperature"] == 0:
-      assert r["greedy_match"] == 1.0
   assert results["best_gamma"] == 2  # the only chain
   section = open(os.path.join(out, "tables.md")).read().split("## Speedup vs γ")[1]
   section = section.split("\n## ")[0]
-  assert section.count("| dynamic k=4 N = 4, D = 4 |") == 2
+  t0, t1 = section.split("### T = 1")
+  assert "| dynamic k=4 N = 4, D = 4 |" in t0 and "sampled" not in t0
+  assert "| sampled w=2,1 N = 3, D = 2 |" in t1 and "dynamic k=4" not in t1
   assert "Dynamic tree rows (`--sweep_trees`: EAGLE-2's top-k children" in section
 
 
