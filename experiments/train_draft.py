@@ -726,7 +726,7 @@ def _warm_params(path: str, dparams, tc, cfg, tok, layers: int | None = None):
   """(the parameters --init_from starts from, their step): a run's last checkpoint, or a
   draft directory's weights, refused unless they are this draft's arrays for this target;
   an EAGLE drafter of ``layers`` < this one's grown to this one's (``eagle.grown``)."""
-  grow = _grows(layers, len(dparams["layers"]))
+  grow = "layers" in dparams and _grows(layers, len(dparams["layers"]))  # EAGLE drafters only
   source = dict(dparams, layers=dparams["layers"][:layers]) if grow else dparams
   if not _is_draft_dir(path):
     weights, step = _last_params(path, source, tc)

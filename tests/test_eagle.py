@@ -12,7 +12,7 @@ import pytest
 from specjax import drafts
 from specjax.distill import eagle, features, teacher, train, vocab
 from specjax.drafters.eagle import (EagleDrafter, eagle_config, eagle_drafter, init_eagle_weights,
-                                    random_eagle_weights)
+                                    pack_eagle_params, random_eagle_weights)
 from specjax.kv_cache import init_cache
 from specjax.loaders import CheckpointError
 from specjax.generate import generate
@@ -140,12 +140,17 @@ def test_draft_packed_beside_a_target_takes_its_layers_and_its_heads_policies(la
   weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
   feature_layers = (0, cfg.num_layers - 1)
   drafter, plain = eagle_drafter(cfg, params, weights, None, feature_layers)
-  _, dp = eagle_drafter(cfg, target, weights, None, feature_layers)
+  _, packed = eagle_drafter(cfg, target, weights, None, feature_layers)
   assert not any(isinstance(w, pk.PackedWeight) for w in jax.tree.leaves(
       plain, is_leaf=lambda x: isinstance(x, pk.PackedWeight)))
-  for w in (dp["fuse"], dp["fc"], dp["layers"][0]["wqkv"]):
+  for w in (packed["fuse"], packed["fc"], packed["layers"][0]["wqkv"]):
     assert isinstance(w, pk.PackedWeight) == layers_kernel
-  assert isinstance(dp["head"], pk.PackedWeight) == (not layers_kernel)
+  assert isinstance(packed["head"], pk.PackedWeight) == (not layers_kernel)
+  # The same packing in float32 panels, to compare with plain (the default float16 rounds:
+  # tests/test_kernels.py).
+  dp = pack_eagle_params(plain, layers, head, panel_dtype=jnp.float32)
+  assert jax.tree.structure(dp, is_leaf=lambda x: isinstance(x, pk.PackedWeight)) == \
+      jax.tree.structure(packed, is_leaf=lambda x: isinstance(x, pk.PackedWeight))
   np.testing.assert_allclose(np.asarray(drafter.plain_params(dp)["head"]),
                              np.asarray(plain["head"]))
   seq = [1, 5, 9, 2, 7, 3]

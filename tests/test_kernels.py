@@ -18,7 +18,7 @@ from specjax.kernels import policy as pol
 from specjax.kernels import streaming_matmul as sm
 from specjax.model import forward
 from specjax.speculative import SpeculativeDecoder
-from specjax.speculative.tree import DynamicTree, TreeTopology
+from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 from specjax.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(not sm.available(), reason=str(sm.unavailable_reason()))
@@ -78,6 +78,81 @@ def test_each_row_is_bit_identical_whatever_else_is_in_the_call(variant):
                                   full[lo:hi])
 
 
+# Every finite float16 value (both zeros, subnormals, normals up to ±65504), as uint16 bits.
+_HALF_BITS = np.arange(1 << 16, dtype=np.uint16)
+FINITE_HALVES = _HALF_BITS.view(np.float16)[np.isfinite(_HALF_BITS.view(np.float16))]
+
+
+def _half_identity(call) -> None:
+  """``call(x, panels)`` of x = [[1]] and float16 panels holding every finite half gives each
+  value back exactly (1 · w + 0 = w: the widening is exact)."""
+  w = FINITE_HALVES.reshape(1, -1)
+  got = np.asarray(call(jnp.ones((1, 1), jnp.float32), w))[0, :w.shape[1]]
+  np.testing.assert_array_equal(got, w[0].astype(np.float32))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m", [1, 3, 6, 7, 13, 30])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_half_panels_give_the_float32_kernels_bits_on_the_same_values(m, prefetch, variant):
+  """Float16 panels are widened as they load: the result is, bit for bit, the float32
+  kernel's on panels holding the same values (every register block, both prefetch paths,
+  a partial k-block)."""
+  x, w = _rand((m, 200), m), _rand((200, 64 * 5 + 9), m + 1).astype(np.float16)
+  f = jax.jit(sm.streaming_matmul, static_argnums=(2, 3))
+  half = f(jnp.asarray(x), jnp.asarray(sm.to_panels(w, variant)), variant, prefetch)
+  full = f(jnp.asarray(x), jnp.asarray(sm.to_panels(w.astype(np.float32), variant)), variant,
+           prefetch)
+  np.testing.assert_array_equal(np.asarray(half), np.asarray(full))
+  _half_identity(lambda x, w: sm.streaming_matmul(x, jnp.asarray(sm.to_panels(w, variant)),
+                                                  variant, prefetch))
+
+
+def test_the_portable_path_widens_every_half_exactly(tmp_path):
+  """The portable build (no AVX2: GCC vector code, its own half -> float conversion) on
+  every finite float16 value, built here as x86-64 baseline code."""
+  import ctypes
+  flags = ("-march=x86-64", "-mtune=generic")
+  path = str(tmp_path / "portable.so")
+  sm.build.build_library(path, flags, sm._SOURCE)
+  lib = ctypes.cdll.LoadLibrary(path)
+  lib.SpecjaxStreamingMatmulIsa.restype = ctypes.c_char_p
+  assert lib.SpecjaxStreamingMatmulIsa() == b"portable"
+  jax.ffi.register_ffi_target("specjax_test_portable_f16",
+                              jax.ffi.pycapsule(lib.SpecjaxStreamingMatmulF16), platform="cpu")
+
+  def call(x, w):
+    panels = jnp.asarray(sm.to_panels(w, width=lib.SpecjaxStreamingMatmulPanel()))
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * panels.shape[2]), jnp.float32)
+    return jax.ffi.ffi_call("specjax_test_portable_f16", out)(x, panels, prefetch=np.int32(0))
+
+  _half_identity(call)
+  x, w = _rand((5, 70), 0), _rand((70, 130), 1).astype(np.float16)
+  np.testing.assert_allclose(np.asarray(call(jnp.asarray(x), w))[:, :130],
+                             x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+def test_half_packed_weights_round_once_and_keep_float32_products():
+  w = _rand((40, 130), 4)
+  rounded = w.astype(np.float16).astype(np.float32)
+  mixed = pol.MatmulPolicy(grid=(3, 4), kernel=(True, False))  # the kernel to 3 rows, XLA beyond
+  pw = pk.pack(w, mixed, dtype=jnp.float16)
+  assert pw.panels.dtype == jnp.float16 and pw.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(pw.unpack()), rounded)
+  np.testing.assert_array_equal(np.asarray(pw.plain), rounded)  # XLA's rows: the same values
+  for rows in (1, 3, 8):
+    x = _rand((rows, 40), rows)
+    got = np.asarray(pk.dense(jnp.asarray(x), pw))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, x @ rounded, rtol=1e-5, atol=1e-5)
+  assert pk.pack_under(pw, mixed, jnp.float16) is pw
+  again = pk.pack_under(pw, mixed)  # float32 panels asked for: repacked from the values
+  assert again.panels.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(again.unpack()), rounded)
+  with pytest.raises(ValueError, match="panels are float32 or float16, not bfloat16"):
+    pk.pack(w, dtype=jnp.bfloat16)
+
+
 def test_pack_unpack_round_trip_and_dense():
   w = _rand((40, 130), 4)
   pw = pk.pack(w)
@@ -104,6 +179,8 @@ def test_bad_inputs_are_refused():
                                                                    width=other)))
   with pytest.raises(ValueError, match="float32"):
     sm.streaming_matmul(jnp.ones((2, 8), jnp.bfloat16), panels)
+  with pytest.raises(ValueError, match="float32 or float16 panels"):
+    sm.streaming_matmul(jnp.ones((2, 8)), panels.astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -488,22 +565,27 @@ def test_mixed_policy_model_matches_plain_on_both_sides_of_the_split(tied):
 
 
 def test_eagle_drafter_of_a_packed_target_is_packed_and_decodes_like_the_plain_one():
-  """``eagle_drafter`` packs the draft like its target; proposals match the plain draft's
-  logits to float tolerance, greedy decoding stays plain greedy, and ``split_params``
-  (training, teacher-forced eval) gets the plain arrays back."""
-  from specjax.drafters.eagle import (eagle_drafter, head_rows, random_eagle_weights,
-                                      split_params)
+  """``eagle_drafter`` packs the draft like its target, in ``DRAFT_PANELS``; in float32
+  panels its proposals match the plain draft's logits to float tolerance and ``split_params``
+  (training, teacher-forced eval) gets the plain arrays back; greedy decoding stays plain
+  greedy either way."""
+  from specjax.drafters.eagle import (DRAFT_PANELS, eagle_drafter, head_rows,
+                                      pack_eagle_params, random_eagle_weights, split_params)
   cfg, params = tiny_model(seed=0)
   weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
   vocab_map = np.arange(0, cfg.vocab_size, 2)
   layers = (0, cfg.num_layers - 1)
   drafter, plain_dp = eagle_drafter(cfg, params, weights, vocab_map, layers)
   packed_target = pk.pack_params(params, cfg.tie_embeddings)
-  _, dp = eagle_drafter(cfg, packed_target, weights, vocab_map, layers)
-  assert all(isinstance(dp[k], pk.PackedWeight) for k in ("fc", "fuse", "head"))
-  assert isinstance(dp["layers"][0]["wqkv"], pk.PackedWeight)
+  _, default_dp = eagle_drafter(cfg, packed_target, weights, vocab_map, layers)
+  assert all(isinstance(default_dp[k], pk.PackedWeight) for k in ("fc", "fuse", "head"))
+  assert isinstance(default_dp["layers"][0]["wqkv"], pk.PackedWeight)
+  assert default_dp["head"].panels.dtype == DRAFT_PANELS
   assert not isinstance(plain_dp["head"], pk.PackedWeight)
-  assert head_rows(dp) == head_rows(plain_dp) == len(vocab_map)
+  dp = pack_eagle_params(plain_dp, pk.policy_of(packed_target), pk.head_policy_of(packed_target),
+                         panel_dtype=jnp.float32)
+  assert dp["head"].panels.dtype == jnp.float32
+  assert head_rows(dp) == head_rows(default_dp) == head_rows(plain_dp) == len(vocab_map)
   for a, b in zip(jax.tree.leaves(split_params(dp)), jax.tree.leaves(split_params(plain_dp))):
     np.testing.assert_array_equal(a, b)
   h = jax.random.normal(jax.random.PRNGKey(1), (2, 3, cfg.dim))
@@ -515,7 +597,44 @@ def test_eagle_drafter_of_a_packed_target_is_packed_and_decodes_like_the_plain_o
   prompts = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9]]
   want = specjax.generate(packed_target, cfg, prompts, 12, eos_ids=())
   for tree in (TreeTopology.chain(3), DynamicTree(depth=3, top_k=2, num_nodes=5)):
+    for params_ in (dp, default_dp):
+      out = SpeculativeDecoder(cfg, drafter, tree=tree, eos_ids=()).generate(
+          packed_target, params_, prompts, 12)
+      for row in range(len(prompts)):
+        assert out.generated(row) == want.generated(row)
+
+
+def test_eagle_drafter_in_half_panels_is_the_float32_drafter_on_rounded_weights():
+  """``pack_eagle_params(..., panel_dtype=float16)`` streams every packed matrix in float16;
+  its draft is, bit for bit, the float32-panel draft of the same weights rounded to float16,
+  and greedy decoding with it stays plain greedy (chains, EAGLE-2 and sampled trees)."""
+  from specjax.drafters.eagle import eagle_drafter, pack_eagle_params, random_eagle_weights
+  cfg, params = tiny_model(seed=0)
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
+  packed_target = pk.pack_params(params, cfg.tie_embeddings)
+  layers = (0, cfg.num_layers - 1)
+  drafter, dp32 = eagle_drafter(cfg, packed_target, weights, np.arange(0, cfg.vocab_size, 2),
+                                layers)
+  policies = pk.policy_of(packed_target), pk.head_policy_of(packed_target)
+  dp16 = pack_eagle_params(dp32, *policies, panel_dtype=jnp.float16)
+  packed = [w for w in jax.tree.leaves(dp16, is_leaf=lambda w: isinstance(w, pk.PackedWeight))
+            if isinstance(w, pk.PackedWeight)]
+  assert len(packed) == 7 and all(w.panels.dtype == jnp.float16 for w in packed)
+  # The same values in float32 panels: repacking the float16 draft's weights.
+  rounded = pack_eagle_params(dp16, *policies, panel_dtype=jnp.float32)
+  assert all(w.panels.dtype == jnp.float32 for w in jax.tree.leaves(
+      rounded, is_leaf=lambda w: isinstance(w, pk.PackedWeight)) if isinstance(w, pk.PackedWeight))
+  h = jax.random.normal(jax.random.PRNGKey(1), (2, 3, cfg.dim))
+  np.testing.assert_array_equal(drafter.head_logits(dp16, h), drafter.head_logits(rounded, h))
+  np.testing.assert_allclose(drafter.head_logits(dp16, h), drafter.head_logits(dp32, h),
+                             rtol=1e-2, atol=1e-2)
+  feats = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 2 * cfg.dim))
+  np.testing.assert_array_equal(drafter.fuse(dp16, feats), drafter.fuse(rounded, feats))
+  prompts = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9]]
+  want = specjax.generate(packed_target, cfg, prompts, 12, eos_ids=())
+  for tree in (TreeTopology.chain(3), DynamicTree(depth=3, top_k=2, num_nodes=5),
+               SampledDynamicTree((2, 2, 1))):
     out = SpeculativeDecoder(cfg, drafter, tree=tree, eos_ids=()).generate(
-        packed_target, dp, prompts, 12)
+        packed_target, dp16, prompts, 12)
     for row in range(len(prompts)):
       assert out.generated(row) == want.generated(row)

@@ -32,11 +32,12 @@ class PackedWeight:
 
   Attributes:
     panels: [ceil(N/W), K, W] the columns in panels of W (the kernel's ``panel_width``),
-      zero-padded.
+      zero-padded; float32, or float16 (half the bytes to stream; the kernel widens them to
+      float32 as they load, so products and sums stay float32).
     n: the true N.
     plain: the [K, N] matrix for XLA's dot where ``policy`` does not take the
       kernel (None when it always does, or for a tied head: ``lm_head`` then
-      contracts against the embedding).
+      contracts against the embedding), in float32 with the panels' values.
     policy: for which row counts the kernel runs (static).
   """
 
@@ -47,7 +48,8 @@ class PackedWeight:
 
   @property
   def dtype(self):
-    return self.panels.dtype
+    """The dtype of the weight's products: float32 (float16 panels are widened)."""
+    return jnp.float32 if self.panels.dtype == jnp.float16 else self.panels.dtype
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -56,30 +58,37 @@ class PackedWeight:
   def unpack(self) -> jax.Array:
     """The [K, N] matrix back."""
     p, k, c = self.panels.shape
-    return jnp.transpose(self.panels, (1, 0, 2)).reshape(k, p * c)[:, :self.n]
+    w = jnp.transpose(self.panels, (1, 0, 2)).reshape(k, p * c)[:, :self.n]
+    return w.astype(self.dtype)
 
 
 jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels", "plain"],
                                  meta_fields=["n", "policy"])
 
 
-def pack(w: Any, policy: MatmulPolicy = KERNEL, keep_plain: Optional[bool] = None
-         ) -> PackedWeight:
-  """[K, N] float32 -> PackedWeight; keeps the plain matrix when the policy ever takes XLA."""
+def pack(w: Any, policy: MatmulPolicy = KERNEL, keep_plain: Optional[bool] = None,
+         dtype: Any = jnp.float32) -> PackedWeight:
+  """[K, N] float32 -> PackedWeight with panels of ``dtype`` (``sm.PANEL_DTYPES``; float16
+  rounds the weight once, here); keeps the plain matrix, in float32 with the panels' values,
+  when the policy ever takes XLA."""
+  if jnp.dtype(dtype) not in sm.PANEL_DTYPES:
+    raise ValueError(f"panels are float32 or float16, not {jnp.dtype(dtype)}")
   keep_plain = not policy.always if keep_plain is None else keep_plain
-  return PackedWeight(panels=jnp.asarray(sm.to_panels(np.asarray(w, np.float32))),
-                      n=int(w.shape[1]), plain=jnp.asarray(w) if keep_plain else None,
+  w = np.asarray(np.asarray(w, np.float32), jnp.dtype(dtype))
+  return PackedWeight(panels=jnp.asarray(sm.to_panels(w)), n=int(w.shape[1]),
+                      plain=jnp.asarray(w, jnp.float32) if keep_plain else None,
                       policy=policy)
 
 
-def pack_under(w: Any, policy: MatmulPolicy) -> Any:
+def pack_under(w: Any, policy: MatmulPolicy, dtype: Any = jnp.float32) -> Any:
   """A [K, N] weight, plain or packed, as ``policy`` wants it: kept when already packed under
-  it, plain where the policy never takes the kernel, packed (again) otherwise."""
+  it in panels of ``dtype``, plain where the policy never takes the kernel, packed (again)
+  otherwise."""
   if isinstance(w, PackedWeight):
-    if w.policy == policy:
+    if w.policy == policy and w.panels.dtype == jnp.dtype(dtype):
       return w
     w = unpacked(w)
-  return w if policy.never else pack(w, policy)
+  return w if policy.never else pack(w, policy, dtype=dtype)
 
 
 def unpacked(w: Any) -> jax.Array:

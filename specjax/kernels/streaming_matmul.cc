@@ -1,4 +1,7 @@
 // Streaming small-M matmul for CPU decoding: y[M, P*W] = x[M, K] @ panels[P, K, W].
+// The panels hold float32, or IEEE float16 widened to float32 in registers as they are
+// loaded (half the bytes to stream; the products and sums stay float32, so a float16
+// panel gives the bits of the float32 kernel on the same values).
 //
 // Decode and verify steps multiply a handful of rows (M = batch x new tokens)
 // by every weight matrix. Library GEMMs pack their operands for large M, which
@@ -51,13 +54,13 @@
 #include "xla/ffi/api/ffi.h"
 
 #if defined(SPECJAX_ISA_AVX2)
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "SPECJAX_ISA_AVX2 needs -mavx2 -mfma"
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "SPECJAX_ISA_AVX2 needs -mavx2 -mfma -mf16c"
 #endif
 #define SPECJAX_AVX2 1
 #elif defined(__AVX512F__)
 #define SPECJAX_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPECJAX_AVX2 1
 #endif
 
@@ -77,6 +80,9 @@ constexpr const char* kIsa = "avx512";
 constexpr int kLanes = 16;
 typedef __m512 vf;
 inline vf Load(const float* p) { return _mm512_loadu_ps(p); }
+inline vf Load(const uint16_t* p) {  // IEEE half -> float32, exact
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void Store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf Zero() { return _mm512_setzero_ps(); }
 inline vf Fma(vf acc, vf w, float x) { return _mm512_fmadd_ps(w, _mm512_set1_ps(x), acc); }
@@ -97,6 +103,9 @@ constexpr const char* kIsa = "avx2";
 constexpr int kLanes = 8;
 typedef __m256 vf;
 inline vf Load(const float* p) { return _mm256_loadu_ps(p); }
+inline vf Load(const uint16_t* p) {  // IEEE half -> float32, exact (F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void Store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf Zero() { return _mm256_setzero_ps(); }
 inline vf Fma(vf acc, vf w, float x) { return _mm256_fmadd_ps(w, _mm256_set1_ps(x), acc); }
@@ -113,6 +122,31 @@ constexpr const char* kIsa = "portable";
 constexpr int kLanes = 16;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 inline vf Load(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+// IEEE half bits -> the float32 of the same value (normals, subnormals, zeros, inf, NaN).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = 113;
+    uint32_t m = man;
+    while (!(m & 0x400)) { m <<= 1; --e; }
+    bits = sign | (uint32_t(e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline vf Load(const uint16_t* p) {
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = HalfToFloat(p[i]);
+  return v;
+}
 inline void Store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 inline vf Zero() { return vf{}; }
 inline vf Fma(vf acc, vf w, float x) { return acc + w * x; }  // FMA via -ffp-contract=fast
@@ -125,13 +159,23 @@ constexpr bool kBlocked = false;
 #endif
 
 constexpr int kPanel = kVecs * kLanes;  // columns per panel (W)
-constexpr int kLines = kPanel / 16;     // 64-byte cache lines per panel row
 constexpr int kGroup = 64 / kPanel;     // panels per work item
 
+// 64-byte cache lines per panel row of weights of type T (float, or uint16_t: IEEE half
+// bits); a row of less than a line (AVX2's 16 halves) counts as one.
+template <typename T>
+constexpr int kLines = std::max<int>(1, kPanel * sizeof(T) / 64);
+
+// Prefetches line ``l`` of panel row ``row`` (of T weights) into the cache of ``locality``.
+template <typename T, int Locality>
+inline void PrefetchLine(const T* panel, int64_t row, int l) {
+  __builtin_prefetch(reinterpret_cast<const char*>(panel + row * kPanel) + l * 64, 0, Locality);
+}
+
 // One k step of a tile: C weight vectors serve R rows.
-template <int R, int C>
+template <int R, int C, typename T>
 __attribute__((always_inline)) inline void Step(vf (&acc)[R][C], const float* __restrict x,
-                                                int64_t K, const float* __restrict w,
+                                                int64_t K, const T* __restrict w,
                                                 int64_t k) {
   vf wv[C];
 #pragma GCC unroll 8
@@ -147,25 +191,26 @@ __attribute__((always_inline)) inline void Step(vf (&acc)[R][C], const float* __
 // What each pass over a panel prefetches: the streaming pass, panel rows kAhead ahead of
 // its own (when several rows are computed: at M = 1 the hardware prefetcher keeps up and
 // software prefetch only costs); the passes from cache, lines of the next panel.
+template <typename T>
 struct Prefetch {
-  const float* next = nullptr;  // the next panel this thread will likely compute, or null
-  bool ahead = false;           // the first pass prefetches kAhead panel rows ahead
-  int pass = 0;                 // passes over the current panel so far
-  int passes = 1;               // passes in all (row blocks)
+  const T* next = nullptr;  // the next panel this thread will likely compute, or null
+  bool ahead = false;       // the first pass prefetches kAhead panel rows ahead
+  int pass = 0;             // passes over the current panel so far
+  int passes = 1;           // passes in all (row blocks)
   // Lines [lo, hi) of each next-panel row fall to this pass; none with a single pass.
   void Lines(int* lo, int* hi) const {
-    const int per = (kLines + passes - 1) / passes;  // every line falls to some pass
-    *lo = std::min(pass * per, kLines);
-    *hi = std::min(*lo + per, kLines);
+    const int per = (kLines<T> + passes - 1) / passes;  // every line falls to some pass
+    *lo = std::min(pass * per, kLines<T>);
+    *hi = std::min(*lo + per, kLines<T>);
     if (next == nullptr || passes < 2) *lo = *hi = 0;
   }
 };
 
 // R rows x C vectors (columns [0, C * kLanes) of ``panel``), accumulated in registers.
 // U unrolls the k loop (more loads in flight while the panel streams from memory).
-template <int R, int C, int U>
-inline void Tile(const float* __restrict x, int64_t K, const float* __restrict panel,
-                 float* __restrict y, int64_t ldy, Prefetch& pf) {
+template <int R, int C, int U, typename T>
+inline void Tile(const float* __restrict x, int64_t K, const T* __restrict panel,
+                 float* __restrict y, int64_t ldy, Prefetch<T>& pf) {
   int lo, hi;
   pf.Lines(&lo, &hi);
   const bool ahead = kAhead > 0 && pf.ahead && pf.pass == 0;
@@ -180,13 +225,12 @@ inline void Tile(const float* __restrict x, int64_t K, const float* __restrict p
     if (ahead)
       for (int u = 0; u < U; ++u)
         if (k + u + kAhead < K)  // within the panel
-          for (int l = 0; l < kLines; ++l)
-            __builtin_prefetch(panel + (k + u + kAhead) * kPanel + l * 16, 0, kAheadLocality);
+          for (int l = 0; l < kLines<T>; ++l)
+            PrefetchLine<T, kAheadLocality>(panel, k + u + kAhead, l);
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) Step<R, C>(acc, x, K, panel + (k + u) * kPanel, k + u);
     for (int l = lo; l < hi; ++l)
-      for (int u = 0; u < U; ++u)
-        __builtin_prefetch(pf.next + (k + u) * kPanel + l * 16, 0, kPrefetchL2);
+      for (int u = 0; u < U; ++u) PrefetchLine<T, kPrefetchL2>(pf.next, k + u, l);
   }
   for (; k < K; ++k) Step<R, C>(acc, x, K, panel + k * kPanel, k);
 #pragma GCC unroll 8
@@ -220,10 +264,10 @@ constexpr int64_t kKBlock = 32;  // panel rows per k-block of PanelBlocked (8 KB
 // back to it, so each output is still one FMA per k in k order (float32 stores and loads are
 // exact). Meanwhile it prefetches ``rows`` panel rows from ``pre`` into L2, one per k step
 // (into L1 instead: 1.00-1.04x the per-panel passes at M = 7-17, against 0.90-0.95x).
-template <int R, int C>
-inline void TileRange(const float* __restrict x, int64_t K, const float* __restrict panel,
+template <int R, int C, typename T>
+inline void TileRange(const float* __restrict x, int64_t K, const T* __restrict panel,
                       float* __restrict y, int64_t ldy, int64_t k0, int64_t k1,
-                      const float* pre, int64_t rows) {
+                      const T* pre, int64_t rows) {
   vf acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -232,8 +276,7 @@ inline void TileRange(const float* __restrict x, int64_t K, const float* __restr
   for (int64_t k = k0; k < k1; ++k) {
     const int64_t i = k - k0;
     if (i < rows)
-      for (int l = 0; l < kLines; ++l)
-        __builtin_prefetch(pre + i * kPanel + l * 16, 0, kPrefetchL2);
+      for (int l = 0; l < kLines<T>; ++l) PrefetchLine<T, kPrefetchL2>(pre, i, l);
     Step<R, C>(acc, x, K, panel + k * kPanel, k);
   }
 #pragma GCC unroll 8
@@ -247,12 +290,13 @@ inline void TileRange(const float* __restrict x, int64_t K, const float* __restr
 // (of this panel, or the first of ``next``) into L2, so the stream from memory goes on while
 // the later row blocks compute (per panel, each pass after the first re-reads the whole panel
 // from L2, and only the next-panel prefetch streams meanwhile).
-void PanelBlocked(const float* x, int64_t M, int64_t K, const float* panel, float* y,
-                  int64_t ldy, const float* next) {
+template <typename T>
+void PanelBlocked(const float* x, int64_t M, int64_t K, const T* panel, float* y,
+                  int64_t ldy, const T* next) {
   const int passes = (M + B - 1) / B;
   for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
     const int64_t k1 = std::min(K, k0 + kKBlock);
-    const float* pre = nullptr;
+    const T* pre = nullptr;
     int64_t pre_rows = 0;
     if (k1 < K) { pre = panel + k1 * kPanel; pre_rows = std::min(kKBlock, K - k1); }
     else if (next != nullptr) { pre = next; pre_rows = std::min(kKBlock, K); }
@@ -271,10 +315,11 @@ void PanelBlocked(const float* x, int64_t M, int64_t K, const float* panel, floa
 // over the whole panel (the first from memory, the others from cache), or with
 // ``prefetch`` past B rows on AVX-512 PanelBlocked's turns. ``next``: the panel to
 // prefetch during the passes from cache, or null.
-void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
-           const float* next, bool prefetch) {
+template <typename T>
+void Panel(const float* x, int64_t M, int64_t K, const T* panel, float* y, int64_t ldy,
+           const T* next, bool prefetch) {
   if (kBlocked && prefetch && M > B) return PanelBlocked(x, M, K, panel, y, ldy, next);
-  Prefetch pf;
+  Prefetch<T> pf;
   pf.next = next;
   pf.ahead = M > 1 && (prefetch || !kAheadByAttribute);
   pf.passes = (M + B - 1) / B;
@@ -283,9 +328,12 @@ void Panel(const float* x, int64_t M, int64_t K, const float* panel, float* y, i
   });
 }
 
+// Panels of float32 (F32) or IEEE float16 (F16: uint16_t bits, widened as they load).
+template <ffi::DataType D>
 ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                               ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y,
+                               ffi::Buffer<D> panels, ffi::ResultBuffer<ffi::F32> y,
                                int32_t prefetch) {
+  using T = ffi::NativeType<D>;
   const auto xd = x.dimensions();
   const auto pd = panels.dimensions();
   if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1])
@@ -294,7 +342,7 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("streaming_matmul: want y [M, P * W]");
   const float* xs = x.typed_data();
-  const float* ps = panels.typed_data();
+  const T* ps = panels.typed_data();
   float* ys = y->typed_data();
   const int64_t M = xd[0], K = xd[1], P = pd[0];
   if (M == 0) return ffi::Error::Success();  // nothing to read or write
@@ -325,10 +373,19 @@ extern "C" int SpecjaxStreamingMatmulPanel() { return kPanel; }
 // from 2 where it drives the streaming pass's prefetch, else past one pass (B + 1).
 extern "C" int SpecjaxStreamingMatmulPrefetchRows() { return kAheadByAttribute ? 2 : B + 1; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxStreamingMatmul, StreamingMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxStreamingMatmul, StreamingMatmulImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prefetch"));
+
+// The same with float16 panels.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxStreamingMatmulF16, StreamingMatmulImpl<ffi::F16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("prefetch"));

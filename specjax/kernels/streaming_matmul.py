@@ -1,7 +1,9 @@
 """Streaming small-M matmul for CPU decode and verify steps, beside its reference.
 
 ``streaming_matmul(x, panels)`` computes ``x @ w`` for x [M, K] and a weight
-stored as column panels ``panels[p] = w[:, Wp : Wp + W]`` ([P, K, W]). The panel
+stored as column panels ``panels[p] = w[:, Wp : Wp + W]`` ([P, K, W]), of float32 or of
+float16 (``HALF``: widened to float32 as each vector loads, so half the bytes stream and
+the result is the float32 kernel's on the same float16 values, bit for bit). The panel
 width W is the built library's (``panel_width``): 64 floats on AVX-512 and the
 portable path, 16 (one cache line per panel row) on AVX2; ``to_panels`` packs
 for it.
@@ -46,13 +48,16 @@ _TARGET = "specjax_streaming_matmul"
 # Compiler flags per variant; "avx2" defines SPECJAX_ISA_AVX2 (see the .cc header).
 VARIANTS = {
     "native": ("-march=native",),
-    "avx2": ("-march=native", "-mavx2", "-mfma", "-DSPECJAX_ISA_AVX2"),
+    "avx2": ("-march=native", "-mavx2", "-mfma", "-mf16c", "-DSPECJAX_ISA_AVX2"),
 }
 _SOURCE = os.path.join(os.path.dirname(__file__), "streaming_matmul.cc")
 
 
 # The width packing uses where no kernel is built (the reference contraction takes any).
 DEFAULT_PANEL = 64
+# The panel dtypes the kernel reads: float32, and float16 widened to float32 in registers.
+PANEL_DTYPES = (jnp.float32, jnp.float16)
+HALF = jnp.float16
 
 
 def _one_pass_rows(source: str = _SOURCE) -> int:
@@ -104,8 +109,8 @@ def _register(variant: str = "native") -> Optional[str]:
     return "disabled by SPECJAX_NO_KERNELS"
   if jax.default_backend() != "cpu":
     return f"backend is {jax.default_backend()}, not cpu"
-  if variant == "avx2" and not {"avx2", "fma"} <= cpu_flags():
-    return "this CPU has no AVX2/FMA"
+  if variant == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+    return "this CPU has no AVX2/FMA/F16C"
   try:
     path = _library_path(variant)
     if not os.path.exists(path):
@@ -113,6 +118,8 @@ def _register(variant: str = "native") -> Optional[str]:
     lib = ctypes.cdll.LoadLibrary(path)
     jax.ffi.register_ffi_target(_target(variant),
                                 jax.ffi.pycapsule(lib.SpecjaxStreamingMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(_target(variant, HALF),
+                                jax.ffi.pycapsule(lib.SpecjaxStreamingMatmulF16), platform="cpu")
     lib.SpecjaxStreamingMatmulIsa.restype = ctypes.c_char_p
     _ISA[variant] = lib.SpecjaxStreamingMatmulIsa().decode()
     lib.SpecjaxStreamingMatmulPanel.restype = ctypes.c_int
@@ -124,8 +131,9 @@ def _register(variant: str = "native") -> Optional[str]:
   return None
 
 
-def _target(variant: str) -> str:
-  return _TARGET if variant == "native" else f"{_TARGET}_{variant}"
+def _target(variant: str, dtype=jnp.float32) -> str:
+  name = _TARGET if variant == "native" else f"{_TARGET}_{variant}"
+  return name + ("_f16" if jnp.dtype(dtype) == jnp.float16 else "")
 
 
 def available(variant: str = "native") -> bool:
@@ -156,9 +164,11 @@ def prefetch_rows(variant: str = "native") -> int:
 
 def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
                      prefetch: bool = False) -> jax.Array:
-  """x [M, K] float32 @ panels [P, K, W] float32 -> [M, P * W] float32 (CPU kernel).
+  """x [M, K] float32 @ panels [P, K, W] float32 or float16 -> [M, P * W] float32 (CPU kernel).
 
-  W must be the variant's ``panel_width``: pack with ``to_panels(w, variant)``.
+  W must be the variant's ``panel_width``: pack with ``to_panels(w, variant)``. Float16
+  panels are widened to float32 as they load: the bits of float32 panels holding the same
+  values, with half the bytes read.
 
   ``prefetch``: software-prefetch the next panel while one is computed from cache
   (M > ONE_PASS_ROWS; on the AVX-512 path the row blocks then take turns over k-blocks of
@@ -174,10 +184,11 @@ def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
   if x.ndim != 2 or panels.ndim != 3 or panels.shape[1:] != (x.shape[1], width):
     raise ValueError(f"want x [M, K] and panels [P, K, {width}] (the {variant} kernel's "
                      f"panel width), got {x.shape} and {panels.shape}")
-  if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-    raise ValueError(f"streaming_matmul is float32 only, got {x.dtype} and {panels.dtype}")
+  if x.dtype != jnp.float32 or panels.dtype not in PANEL_DTYPES:
+    raise ValueError(f"streaming_matmul takes float32 x and float32 or float16 panels, got "
+                     f"{x.dtype} and {panels.dtype}")
   out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * width), jnp.float32)
-  return jax.ffi.ffi_call(_target(variant), out, vmap_method="sequential")(
+  return jax.ffi.ffi_call(_target(variant, panels.dtype), out, vmap_method="sequential")(
       x, panels, prefetch=np.int32(bool(prefetch)))
 
 
