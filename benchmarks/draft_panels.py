@@ -26,7 +26,7 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from benchmarks.common import provenance, write_markdown
+from benchmarks.common import provenance, temperature_list, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
@@ -37,10 +37,11 @@ from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.calibration import loop_step_seconds
 from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 
-PROMPTS = flags.DEFINE_integer("prompts", 5, "held-out prompts (round-robin over categories)")
-NEW = flags.DEFINE_integer("new_tokens", 64, "tokens generated per prompt")
-REPEATS = flags.DEFINE_integer("repeats", 2, "timed runs per prompt and method")
-TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "temperatures")
+PROMPTS = flags.DEFINE_integer("prompts", 5, "held-out prompts (round-robin over categories)",
+                               lower_bound=1)
+NEW = flags.DEFINE_integer("new_tokens", 64, "tokens generated per prompt", lower_bound=2)
+REPEATS = flags.DEFINE_integer("repeats", 2, "timed runs per prompt and method", lower_bound=1)
+TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "temperatures (0: greedy)")
 OUT = flags.DEFINE_string("out", "benchmarks/results/draft_panels.md", "markdown output")
 
 CACHE = 512
@@ -50,19 +51,8 @@ METHODS = [(f"chain γ={g}", TreeTopology.chain(g)) for g in (1, 2, 3, 4)] + [
     ("sampled w=2,1", SampledDynamicTree((2, 1)))]
 
 
-def _check_flags() -> None:
-  if PROMPTS.value < 1 or NEW.value < 2 or REPEATS.value < 1:
-    raise app.UsageError("--prompts and --repeats must be >= 1, --new_tokens >= 2")
-  try:
-    temps = [float(t) for t in TEMPS.value]
-  except ValueError:
-    raise app.UsageError(f"--temperatures must be numbers, got {TEMPS.value}") from None
-  if not temps or any(not np.isfinite(t) or t < 0 for t in temps):
-    raise app.UsageError(f"--temperatures must be finite numbers >= 0, got {TEMPS.value}")
-
-
 def main(_):
-  _check_flags()
+  temperatures = temperature_list(TEMPS)
   probe_output_dir(OUT.value.rsplit("/", 1)[0] or ".")
   target = load_target("smollm2")
   draft = load_draft("eagle", target, lambda: [])
@@ -80,7 +70,7 @@ def main(_):
            "Command: `python -m benchmarks.draft_panels " + " ".join(
                f"--{f.name}={','.join(f.value) if isinstance(f.value, list) else f.value}"
                for f in (PROMPTS, NEW, REPEATS, TEMPS)) + "`", ""]
-  for temp in [float(t) for t in TEMPS.value]:
+  for temp in temperatures:
     sampler = make_sampler(temp)
     plain = lambda p, s: specjax.generate(target.params, target.cfg, [p], new, sampler, seed=s,
                                           cache_size=CACHE, eos_ids=())

@@ -544,6 +544,14 @@ def test_sampled_trees_benchmark_rejects_bad_flags_before_loading(tmp_path):
            ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
+def test_draft_panels_benchmark_rejects_bad_flags_before_loading(tmp_path):
+  (tmp_path / "file").write_text("")
+  _refuses("draft_panels", (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
+           (["--temperatures=x"], "--temperatures takes numbers"),
+           (["--prompts=0"], "flag --prompts=0"), (["--new_tokens=1"], "flag --new_tokens=1"),
+           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+
+
 def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
   _refuses("continuous_batching", (["--slots=0"], "slot counts must be >= 1"),
            (["--budget_spread=2"], "flag --budget_spread=2"),
