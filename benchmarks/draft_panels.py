@@ -30,8 +30,7 @@ from benchmarks.common import provenance, temperature_list, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
-from specjax.drafters.eagle import pack_eagle_params
-from specjax.kernels.packed import head_policy_of, policy_of
+from specjax.drafts import default_eagle_drafter
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.calibration import loop_step_seconds
@@ -56,16 +55,17 @@ def main(_):
   probe_output_dir(OUT.value.rsplit("/", 1)[0] or ".")
   target = load_target("smollm2")
   draft = load_draft("eagle", target, lambda: [])
-  policies = policy_of(target.params), head_policy_of(target.params)
-  params = {p: pack_eagle_params(draft.params, *policies, panel_dtype=jnp.dtype(p))
-            for p in PANELS}
+  # Each dtype packed from the stored weights (repacking packed params keeps them rounded).
+  params = {p: default_eagle_drafter(target.cfg, target.params, target.tokenizer,
+                                     panel_dtype=jnp.dtype(p))[1] for p in PANELS}
   evals = default_prompts(PROMPTS.value)
   prompts = [target.encode(p.text) for p in evals]
   new = NEW.value
   lines = ["# The EAGLE drafter's panels in float32 or float16 (SmolLM2-135M-Instruct, batch 1)",
            "", f"{provenance()}; draft `{draft.name}` ({draft.note}); {len(prompts)} prompts "
            f"({', '.join(sorted({p.category for p in evals}))}), {new} new tokens, "
-           f"{REPEATS.value} runs per prompt and method, plain and both drafts interleaved; "
+           f"{REPEATS.value} runs per prompt and method, plain and both drafts interleaved "
+           "(the drafts' order alternating by run); "
            "medians over prompts × runs, prefill excluded.", "",
            "Command: `python -m benchmarks.draft_panels " + " ".join(
                f"--{f.name}={','.join(f.value) if isinstance(f.value, list) else f.value}"
@@ -87,11 +87,11 @@ def main(_):
         dec.generate(target.params, params[p], [prompts[0]], 4, cache_size=CACHE)
       t1s, steps = [], {p: [] for p in PANELS}
       calls, toks, equal = dict.fromkeys(PANELS, 0), dict.fromkeys(PANELS, 0), {}
-      for _ in range(REPEATS.value):
+      for rep in range(REPEATS.value):
         for i, prompt in enumerate(prompts):
           ref = plain(prompt, i)
           t1s.append(loop_step_seconds([ref]))
-          for p in PANELS:
+          for p in PANELS[::1 if (rep + i) % 2 == 0 else -1]:
             out = dec.generate(target.params, params[p], [prompt], new, seed=i,
                                cache_size=CACHE)
             steps[p].append(loop_step_seconds([out]))

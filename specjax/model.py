@@ -79,7 +79,7 @@ def compute_dtype(params: Params) -> jnp.dtype:
 
 def cast_params(params: Any, dtype) -> Any:
   """Every floating-point array of a parameter pytree in ``dtype``; integer arrays (vocabulary
-  maps) and packed CPU weights (float32 only, ``kernels.packed``) are left as they are."""
+  maps) and packed CPU weights (float32 or float16 panels, ``kernels.packed``) are left as they are."""
   dtype = jnp.dtype(dtype)
 
   def cast(x):

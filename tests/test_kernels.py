@@ -93,7 +93,7 @@ def _half_identity(call) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("m", [1, 3, 6, 7, 13, 30])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 30])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_half_panels_give_the_float32_kernels_bits_on_the_same_values(m, prefetch, variant):
   """Float16 panels are widened as they load: the result is, bit for bit, the float32
@@ -153,6 +153,14 @@ def test_half_packed_weights_round_once_and_keep_float32_products():
   np.testing.assert_array_equal(np.asarray(again.unpack()), rounded)
   with pytest.raises(ValueError, match="panels are float32 or float16, not bfloat16"):
     pk.pack(w, dtype=jnp.bfloat16)
+
+
+def test_a_weight_beyond_float16s_range_stays_float32(caplog):
+  w = _rand((8, 70), 5)
+  w[3, 7] = 1e5
+  pw = pk.pack(w, dtype=jnp.float16)
+  assert pw.panels.dtype == jnp.float32 and "exceeds float16's range" in caplog.text
+  np.testing.assert_array_equal(np.asarray(pw.unpack()), w)
 
 
 def test_pack_unpack_round_trip_and_dense():
@@ -567,12 +575,12 @@ def test_mixed_policy_model_matches_plain_on_both_sides_of_the_split(tied):
 
 
 def test_eagle_drafter_of_a_packed_target_is_packed_and_decodes_like_the_plain_one():
-  """``eagle_drafter`` packs the draft like its target, in ``DRAFT_PANELS``; in float32
-  panels its proposals match the plain draft's logits to float tolerance and ``split_params``
-  (training, teacher-forced eval) gets the plain arrays back; greedy decoding stays plain
-  greedy either way."""
-  from specjax.drafters.eagle import (DRAFT_PANELS, eagle_drafter, head_rows,
-                                      pack_eagle_params, random_eagle_weights, split_params)
+  """``eagle_drafter`` packs the draft like its target, in ``draft_panel_dtype()`` by default;
+  in float32 panels its proposals match the plain draft's logits to float tolerance and
+  ``split_params`` (training, teacher-forced eval) gets the plain arrays back; greedy
+  decoding stays plain greedy either way."""
+  from specjax.drafters.eagle import (draft_panel_dtype, eagle_drafter, head_rows,
+                                      random_eagle_weights, split_params)
   cfg, params = tiny_model(seed=0)
   weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
   vocab_map = np.arange(0, cfg.vocab_size, 2)
@@ -582,10 +590,9 @@ def test_eagle_drafter_of_a_packed_target_is_packed_and_decodes_like_the_plain_o
   _, default_dp = eagle_drafter(cfg, packed_target, weights, vocab_map, layers)
   assert all(isinstance(default_dp[k], pk.PackedWeight) for k in ("fc", "fuse", "head"))
   assert isinstance(default_dp["layers"][0]["wqkv"], pk.PackedWeight)
-  assert default_dp["head"].panels.dtype == DRAFT_PANELS
+  assert default_dp["head"].panels.dtype == draft_panel_dtype()
   assert not isinstance(plain_dp["head"], pk.PackedWeight)
-  dp = pack_eagle_params(plain_dp, pk.policy_of(packed_target), pk.head_policy_of(packed_target),
-                         panel_dtype=jnp.float32)
+  _, dp = eagle_drafter(cfg, packed_target, weights, vocab_map, layers, jnp.float32)
   assert dp["head"].panels.dtype == jnp.float32
   assert head_rows(dp) == head_rows(default_dp) == head_rows(plain_dp) == len(vocab_map)
   for a, b in zip(jax.tree.leaves(split_params(dp)), jax.tree.leaves(split_params(plain_dp))):
@@ -606,6 +613,13 @@ def test_eagle_drafter_of_a_packed_target_is_packed_and_decodes_like_the_plain_o
         assert out.generated(row) == want.generated(row)
 
 
+def test_draft_panels_are_float16_only_where_the_kernel_widens_halves_in_hardware(monkeypatch):
+  from specjax.drafters.eagle import draft_panel_dtype
+  assert (draft_panel_dtype() == jnp.float16) == (sm.isa() in ("avx512", "avx2"))
+  monkeypatch.setattr(sm, "widens_halves_in_hardware", lambda variant="native": False)
+  assert draft_panel_dtype() == jnp.float32
+
+
 def test_eagle_drafter_in_half_panels_is_the_float32_drafter_on_rounded_weights():
   """``pack_eagle_params(..., panel_dtype=float16)`` streams every packed matrix in float16;
   its draft is, bit for bit, the float32-panel draft of the same weights rounded to float16,
@@ -615,10 +629,10 @@ def test_eagle_drafter_in_half_panels_is_the_float32_drafter_on_rounded_weights(
   weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(5), num_fused=2)
   packed_target = pk.pack_params(params, cfg.tie_embeddings)
   layers = (0, cfg.num_layers - 1)
-  drafter, dp32 = eagle_drafter(cfg, packed_target, weights, np.arange(0, cfg.vocab_size, 2),
-                                layers)
+  vocab_map = np.arange(0, cfg.vocab_size, 2)
+  drafter, dp32 = eagle_drafter(cfg, packed_target, weights, vocab_map, layers, jnp.float32)
+  _, dp16 = eagle_drafter(cfg, packed_target, weights, vocab_map, layers, jnp.float16)
   policies = pk.policy_of(packed_target), pk.head_policy_of(packed_target)
-  dp16 = pack_eagle_params(dp32, *policies, panel_dtype=jnp.float16)
   packed = [w for w in jax.tree.leaves(dp16, is_leaf=lambda w: isinstance(w, pk.PackedWeight))
             if isinstance(w, pk.PackedWeight)]
   assert len(packed) == 7 and all(w.panels.dtype == jnp.float16 for w in packed)
@@ -630,6 +644,7 @@ def test_eagle_drafter_in_half_panels_is_the_float32_drafter_on_rounded_weights(
   np.testing.assert_array_equal(drafter.head_logits(dp16, h), drafter.head_logits(rounded, h))
   np.testing.assert_allclose(drafter.head_logits(dp16, h), drafter.head_logits(dp32, h),
                              rtol=1e-2, atol=1e-2)
+  assert not np.array_equal(drafter.head_logits(dp16, h), drafter.head_logits(dp32, h))
   feats = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 2 * cfg.dim))
   np.testing.assert_array_equal(drafter.fuse(dp16, feats), drafter.fuse(rounded, feats))
   prompts = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9]]

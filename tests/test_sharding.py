@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
@@ -317,7 +318,7 @@ def test_packed_draft_weights_are_unpacked_by_their_drafter():
   from specjax.testing import make_drafter
   cfg, params = tiny_model()
   drafter, dp = make_drafter("eagle", cfg, params, [])
-  packed = pack_eagle_params(drafter.plain_params(dp), KERNEL)
+  packed = pack_eagle_params(drafter.plain_params(dp), KERNEL, panel_dtype=jnp.float32)
   assert isinstance(packed["head"], PackedWeight)
   mesh = sharding.make_mesh(1, 1)
   with pytest.raises(ValueError, match="drafter=drafter"):

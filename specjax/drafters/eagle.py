@@ -58,6 +58,7 @@ from specjax.drafters.reduced_vocab import lift_logits
 from specjax.drafters.residual_head import target_head
 from specjax.drafters.tree_draft import check_tree_draw, grow_tree, vocab_maps
 from specjax.generate import over_backlog, over_chunks
+from specjax.kernels import streaming_matmul as sm
 from specjax.kernels.accumulate import einsum_f32
 from specjax.kernels.packed import (PROJECTIONS, PackedWeight, head_policy_of, pack_under,
                                     policy_of, unpacked)
@@ -306,9 +307,6 @@ class EagleDrafter(Drafter):
     return state  # the cache already stops at the last pair of true features
 
 
-# The dtype of a packed draft's panels (``pack_eagle_params``): float16 streams half the
-# bytes of float32, 5-11% faster speculative steps on a Zen 5 (draft_panels.md).
-DRAFT_PANELS = jnp.float16
 # The trained entries of the draft params (the fusion pair only with feature_layers);
 # the rest are the target's arrays.
 TRAINED_KEYS = ("embed_norm", "feature_norm", "fc", "fc_bias", "layers", "fuse_norms", "fuse")
@@ -332,22 +330,31 @@ def head_rows(dp: Params) -> int:
   return head.shape[1] if isinstance(head, PackedWeight) else head.shape[-2]
 
 
+def draft_panel_dtype():
+  """The default dtype of a packed draft's panels: float16 where the kernel widens halves in
+  hardware (``streaming_matmul.widens_halves_in_hardware``: half the bytes a draft step
+  streams, 1-10% faster speculative steps on a Zen 5, ``benchmarks/results/draft_panels.md``),
+  else float32."""
+  return jnp.float16 if sm.widens_halves_in_hardware() else jnp.float32
+
+
 def pack_eagle_params(dp: Params, policy: MatmulPolicy,
                       head_policy: Optional[MatmulPolicy] = None,
-                      panel_dtype: Any = DRAFT_PANELS) -> Params:
+                      panel_dtype: Any = None) -> Params:
   """Inference draft params with ``fc``, the fusion and the layers' projections packed for the
   streaming matmul under ``policy`` (the target's layers': ``packed.policy_of``), the head
   under ``head_policy`` (the target's head's: ``packed.head_policy_of``; default ``policy``),
-  in panels of ``panel_dtype`` (``DRAFT_PANELS``, float16, by default; float32 keeps every
-  bit).
+  in panels of ``panel_dtype`` (default ``draft_panel_dtype()``; float32 keeps every bit of
+  plain params).
 
   Float16 panels halve the bytes a draft step streams (the kernel widens them to float32 as
   they load; products and sums stay float32). They round the packed weights to float16 once,
   here: a drafter stored in float16 (the shipped ones) keeps its trained weights exactly, and
-  the head's rows of the target round. Any fixed draft keeps verification exact, so the
-  output law is unchanged; what can change is which drafts are made (none did at T = 0 on
-  the 5 built-in prompts: ``benchmarks/results/draft_panels.md``). ``split_params`` of such
-  params gives the rounded values, which decoding uses.
+  the head's rows of the target round (as do a bfloat16 checkpoint's weights). Any fixed
+  draft keeps verification exact, so the output law is unchanged; what can change is which
+  drafts are made. ``split_params`` of such params gives the rounded values, which decoding
+  uses; packed params repacked in float32 keep them rounded (pack the plain params again
+  for the original values).
 
   A one-layer drafter multiplies a few rows (γ + 1 pending pairs, a tree level's
   k nodes) by small matrices at every draft step: the shapes where the kernel
@@ -358,6 +365,7 @@ def pack_eagle_params(dp: Params, policy: MatmulPolicy,
   head_policy = policy if head_policy is None else head_policy
   if policy.never and head_policy.never:
     return dp
+  panel_dtype = draft_panel_dtype() if panel_dtype is None else panel_dtype
   pack = lambda w, p: pack_under(w, p, panel_dtype)
   layer = lambda l: {k: pack(v, policy) if k in PROJECTIONS else v for k, v in l.items()}
   head = dp["head"]  # packed: [D, Vd] panels; plain: [Vd, D]
@@ -453,9 +461,11 @@ def eagle_params(target_cfg: ModelConfig, target_params: Params, weights: Params
 
 def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Params,
                   vocab_map: Optional[np.ndarray] = None,
-                  feature_layers: tuple[int, ...] = ()) -> tuple[EagleDrafter, Params]:
+                  feature_layers: tuple[int, ...] = (), panel_dtype: Any = None
+                  ) -> tuple[EagleDrafter, Params]:
   """(drafter, draft_params) for trained EAGLE ``weights`` on this target; the draft's
-  matrices are packed like the target's (``pack_eagle_params``), plain for plain targets."""
+  matrices are packed like the target's, in panels of ``panel_dtype`` (``pack_eagle_params``),
+  plain for plain targets."""
   num_layers = len(weights["layers"])
   if weights["fc"].shape != (2 * target_cfg.dim, target_cfg.dim):
     raise ValueError(f"EAGLE weights of width {weights['fc'].shape[1]} do not fit a target of "
@@ -468,6 +478,7 @@ def eagle_drafter(target_cfg: ModelConfig, target_params: Params, weights: Param
   drafter = EagleDrafter(eagle_config(target_cfg, num_layers), feature_layers=feature_layers)
   dp = eagle_params(target_cfg, target_params, weights, vocab_map)
   drafter.check_params(dp)
-  dp = pack_eagle_params(dp, policy_of(target_params), head_policy_of(target_params))
+  dp = pack_eagle_params(dp, policy_of(target_params), head_policy_of(target_params),
+                         panel_dtype)
   return drafter, dp
 

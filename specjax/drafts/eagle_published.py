@@ -313,9 +313,10 @@ def _vocab_map(ckpt: _Checkpoint, vd: int, v: int) -> np.ndarray:
 # ------------------------------------------------------------------ loading
 
 
-def load_published_eagle(path: str, target_cfg: ModelConfig, target_params: Params
-                         ) -> tuple[EagleDrafter, Params]:
-  """(EagleDrafter, draft_params) of a SafeAILab EAGLE-1/2 or EAGLE-3 checkpoint directory.
+def load_published_eagle(path: str, target_cfg: ModelConfig, target_params: Params,
+                         panel_dtype=None) -> tuple[EagleDrafter, Params]:
+  """(EagleDrafter, draft_params) of a SafeAILab EAGLE-1/2 or EAGLE-3 checkpoint directory,
+  packed like the target in panels of ``panel_dtype`` (``drafters.eagle.pack_eagle_params``).
 
   Raises:
     ValueError: a drafter built for another target (hidden size, vocabulary, d2t's
@@ -376,7 +377,7 @@ def load_published_eagle(path: str, target_cfg: ModelConfig, target_params: Para
     drafter = EagleDrafter(cfg, feature_layers=layers, arch=eagle_arch.EAGLE3)
   drafter.check_params(dp)
   return drafter, pack_eagle_params(dp, policy_of(target_params),
-                                    head_policy_of(target_params))
+                                    head_policy_of(target_params), panel_dtype)
 
 
 def published_kind(drafter: EagleDrafter) -> str:

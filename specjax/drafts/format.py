@@ -204,8 +204,9 @@ def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
 
 
 def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
-               tokenizer_sha256: Optional[str] = None):
-  """(EagleDrafter, draft_params) for ``target``, refusing weights made for another target.
+               tokenizer_sha256: Optional[str] = None, panel_dtype=None):
+  """(EagleDrafter, draft_params) for ``target``, refusing weights made for another target;
+  packed like the target in panels of ``panel_dtype`` (``drafters.eagle.pack_eagle_params``).
 
   Raises:
     ValueError: another tokenizer, vocabulary or model width.
@@ -215,7 +216,7 @@ def load_eagle(path: str, target_cfg: ModelConfig, target_params: Params, *,
 
   meta, weights, vocab_map = _load_eagle_weights(path, target_cfg, tokenizer_sha256)
   return eagle_drafter(target_cfg, target_params, weights, vocab_map,
-                       tuple(meta.get("feature_layers", ())))
+                       tuple(meta.get("feature_layers", ())), panel_dtype)
 
 
 def _load_eagle_weights(path: str, target_cfg: ModelConfig, tokenizer_sha256: Optional[str]

@@ -63,10 +63,12 @@ def default_drafter(tokenizer=None, target_vocab_size: Optional[int] = None,
   return _model_drafter(cfg, params, vocab_map, in_map, target_vocab_size, target_embed)
 
 
-def default_eagle_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):
-  """The shipped EAGLE draft for SmolLM2-135M-Instruct: (EagleDrafter, draft_params)."""
+def default_eagle_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None,
+                          panel_dtype=None):
+  """The shipped EAGLE draft for SmolLM2-135M-Instruct: (EagleDrafter, draft_params), packed
+  like the target in panels of ``panel_dtype`` (``drafters.eagle.pack_eagle_params``)."""
   return load_eagle(DEFAULT_EAGLE_DIR, target_cfg, target_params,
-                    tokenizer_sha256=_fingerprint(tokenizer))
+                    tokenizer_sha256=_fingerprint(tokenizer), panel_dtype=panel_dtype)
 
 
 def default_medusa_drafter(target_cfg: ModelConfig, target_params: Params, tokenizer=None):

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from specjax.kernels import streaming_matmul as sm
 from specjax.kernels.accumulate import einsum_f32
@@ -68,16 +69,28 @@ jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels", "plain"],
 
 def pack(w: Any, policy: MatmulPolicy = KERNEL, keep_plain: Optional[bool] = None,
          dtype: Any = jnp.float32) -> PackedWeight:
-  """[K, N] float32 -> PackedWeight with panels of ``dtype`` (``sm.PANEL_DTYPES``; float16
-  rounds the weight once, here); keeps the plain matrix, in float32 with the panels' values,
-  when the policy ever takes XLA."""
+  """[K, N] float32 -> PackedWeight with panels of ``dtype`` (``sm.PANEL_DTYPES``); keeps the
+  plain matrix when the policy ever takes XLA.
+
+  Float16 rounds the weight once, here, and the plain copy then holds the rounded values in
+  float32, so both paths multiply by the same weight. A weight float16 cannot hold (a finite
+  value beyond ±65504) stays in float32 panels, with a warning.
+  """
   if jnp.dtype(dtype) not in sm.PANEL_DTYPES:
     raise ValueError(f"panels are float32 or float16, not {jnp.dtype(dtype)}")
   keep_plain = not policy.always if keep_plain is None else keep_plain
-  w = np.asarray(np.asarray(w, np.float32), jnp.dtype(dtype))
-  return PackedWeight(panels=jnp.asarray(sm.to_panels(w)), n=int(w.shape[1]),
-                      plain=jnp.asarray(w, jnp.float32) if keep_plain else None,
-                      policy=policy)
+  values = np.asarray(w, np.float32)
+  plain = w
+  if jnp.dtype(dtype) == jnp.float16:
+    with np.errstate(over="ignore"):  # checked just below
+      half = values.astype(np.float16)
+    if np.array_equal(np.isfinite(half), np.isfinite(values)):
+      values, plain = half, half.astype(np.float32)
+    else:
+      logging.warning("specjax: a [%d, %d] weight exceeds float16's range (max |w| %.3g); its "
+                      "panels stay float32", *values.shape, np.nanmax(np.abs(values)))
+  return PackedWeight(panels=jnp.asarray(sm.to_panels(values)), n=int(values.shape[1]),
+                      plain=jnp.asarray(plain) if keep_plain else None, policy=policy)
 
 
 def pack_under(w: Any, policy: MatmulPolicy, dtype: Any = jnp.float32) -> Any:

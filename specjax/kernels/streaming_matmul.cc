@@ -6,7 +6,7 @@
 // Decode and verify steps multiply a handful of rows (M = batch x new tokens)
 // by every weight matrix. Library GEMMs pack their operands for large M, which
 // on many CPUs makes M = 2..16 cost 2-3x the bandwidth-bound M = 1 GEMV. Here
-// the weight is stored once, at load, as column panels of W floats so that
+// the weight is stored once, at load, as column panels of W values so that
 // each panel is one contiguous [K, W] stream; every panel is read from memory
 // once and reused from cache for all M rows, so the cost of a matmul stays
 // close to one read of the weights for M up to a few dozen.
@@ -25,8 +25,9 @@
 // Prefetch (the ``prefetch`` attribute): for M > 6 a panel is read several
 // times (one pass per row block); the passes share out the lines of each row of
 // the panel this thread will probably claim next and software-prefetch them into
-// L2 (on AVX2 a panel row is one line: all in the first pass); on AVX-512 the
-// row blocks instead take turns over k-blocks of the panel (32 rows, 8 KB, in L1),
+// L2 (on AVX2 a panel row is one line, or half of one in float16: all in the first
+// pass); on AVX-512 the row blocks instead take turns over k-blocks of the panel (32
+// rows, 8 KB of float32, in L1),
 // sharing out the next k-block's prefetch (PanelBlocked). There the
 // attribute also makes the streaming pass (the first, from memory) prefetch the
 // panel kAhead rows ahead (into L2; AVX2's into L1) for any M > 1, which AVX2 always
@@ -43,7 +44,7 @@
 // are shared out dynamically over XLA's intra-op thread pool.
 //
 // Build variants: -march=native picks the best path of the build machine;
-// defining SPECJAX_ISA_AVX2 (with -mavx2 -mfma) forces the AVX2 path so it is
+// defining SPECJAX_ISA_AVX2 (with -mavx2 -mfma -mf16c) forces the AVX2 path so it is
 // tested on AVX-512 machines too.
 
 #include <algorithm>
@@ -88,10 +89,10 @@ inline vf Zero() { return _mm512_setzero_ps(); }
 inline vf Fma(vf acc, vf w, float x) { return _mm512_fmadd_ps(w, _mm512_set1_ps(x), acc); }
 constexpr int kVecs = 4;  // vectors per panel row
 constexpr int kUnroll = 1;  // 2 and 4 measured the same on an Intel Xeon
-// With the prefetch attribute, the streaming pass prefetches 32 panel rows (8 KB) ahead
-// into L2 (prefetcht1): into L1 at 16 rows it took 0.84-0.88x the pass without it at
-// M = 3-6 on an Intel Xeon, into L2 at 24-64 rows 0.88-0.93x of that at M = 4-6
-// (benchmarks/kernel_variants/README.md).
+// With the prefetch attribute, the streaming pass prefetches 32 panel rows ahead (8 KB of
+// float32, 4 of float16) into L2 (prefetcht1): into L1 at 16 rows it took 0.84-0.88x the
+// pass without it at M = 3-6 on an Intel Xeon, into L2 at 24-64 rows 0.88-0.93x of that at
+// M = 4-6 (benchmarks/kernel_variants/README.md; float32 panels).
 constexpr int kAhead = 32;
 constexpr int kAheadLocality = kPrefetchL2;
 constexpr bool kAheadByAttribute = true;
@@ -258,7 +259,7 @@ inline void ForRowBlocks(int64_t M, F&& block) {
   }
 }
 
-constexpr int64_t kKBlock = 32;  // panel rows per k-block of PanelBlocked (8 KB on AVX-512)
+constexpr int64_t kKBlock = 32;  // panel rows per k-block of PanelBlocked (8 KB of float32)
 
 // Rows [0, R) over panel rows [k0, k1): the accumulators start from y (zero at k0 = 0) and go
 // back to it, so each output is still one FMA per k in k order (float32 stores and loads are

@@ -155,6 +155,13 @@ def panel_width(variant: str = "native") -> int:
   return _PANEL[variant] if available(variant) else DEFAULT_PANEL
 
 
+def widens_halves_in_hardware(variant: str = "native") -> bool:
+  """Whether the variant's kernel widens float16 panels with a vector instruction (AVX-512's
+  and AVX2's paths: ``vcvtph2ps``); the portable path converts each value in software, so
+  float16 panels may be slower than float32 ones there."""
+  return isa(variant) in ("avx512", "avx2")
+
+
 def prefetch_rows(variant: str = "native") -> int:
   """The fewest rows at which ``streaming_matmul(prefetch=True)`` differs from ``False``:
   2 where the flag also drives the streaming pass's prefetch (the AVX-512 path), else
