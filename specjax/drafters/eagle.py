@@ -333,7 +333,7 @@ def head_rows(dp: Params) -> int:
 def draft_panel_dtype():
   """The default dtype of a packed draft's panels: float16 where the kernel widens halves in
   hardware (``streaming_matmul.widens_halves_in_hardware``: half the bytes a draft step
-  streams, 1-10% faster speculative steps on a Zen 5, ``benchmarks/results/draft_panels.md``),
+  streams, 1-11% faster speculative decoding on a Zen 5, ``benchmarks/results/draft_panels.md``),
   else float32."""
   return jnp.float16 if sm.widens_halves_in_hardware() else jnp.float32
 
