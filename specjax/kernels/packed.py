@@ -38,7 +38,7 @@ class PackedWeight:
     n: the true N.
     plain: the [K, N] matrix for XLA's dot where ``policy`` does not take the
       kernel (None when it always does, or for a tied head: ``lm_head`` then
-      contracts against the embedding), in float32 with the panels' values.
+      contracts against the embedding); with float16 panels, their values in float32.
     policy: for which row counts the kernel runs (static).
   """
 
