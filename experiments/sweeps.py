@@ -17,6 +17,7 @@ from specjax.speculative.calibration import monotone_costs
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree
 
+
 def _rows(bench: Bench, experiment: str, draft: Draft, temperature: float,
           settings: Sequence[tuple[int, Optional[tuple]]], timed: bool = True) -> list[dict]:
   """Rows (overall and per category) of ``(γ, tree)`` settings at one temperature, the timed
