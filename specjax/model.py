@@ -40,7 +40,7 @@ from specjax import param_layout
 from specjax.config import ModelConfig
 from specjax.kernels.accumulate import einsum_f32
 from specjax.kernels.packed import PackedWeight, uses_kernel
-from specjax.rope import apply_rope, inverse_frequencies
+from specjax.rope import apply_rope, inverse_frequencies, rope_tables
 from specjax.sharding import dense
 
 Params = dict[str, Any]
@@ -96,9 +96,9 @@ def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
   return jnp.broadcast_to(tri, (batch_size, num_tokens, num_tokens))
 
 
-def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
+def _layer(cfg: ModelConfig, p: Params, x: jax.Array, rope: tuple[jax.Array, jax.Array],
            k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, mask: jax.Array,
-           inv_freq: np.ndarray, attention_impl: str, attn_prefix: Optional[jax.Array] = None):
+           attention_impl: str, attn_prefix: Optional[jax.Array] = None):
   # The T new tokens are the last T slots of a window of W = mask.shape[-1]
   # slots that starts at ``start`` (W = T except while drafting a tree).
   write_start = start + (mask.shape[-1] - x.shape[1])
@@ -111,8 +111,8 @@ def _layer(cfg: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
   if "bqkv" in p:
     qkv = qkv + p["bqkv"]
   qkv = qkv.reshape(b, t, kh, (g + 2) * h)  # per kv head: G queries, key, value
-  q = apply_rope(qkv[..., :g * h].reshape(b, t, n, h), positions, inv_freq)
-  k = apply_rope(qkv[..., g * h:(g + 1) * h], positions, inv_freq)
+  q = apply_rope(qkv[..., :g * h].reshape(b, t, n, h), rope)
+  k = apply_rope(qkv[..., g * h:(g + 1) * h], rope)
   v = qkv[..., (g + 1) * h:]
   k_cache = kvc.write_layer(k_cache, k, write_start)
   v_cache = kvc.write_layer(v_cache, v, write_start)
@@ -179,11 +179,11 @@ def run_layers(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Ar
     mask = causal_mask(b, t)
   if num_valid is None:
     num_valid = jnp.full((b,), t, jnp.int32)
-  inv_freq = inverse_frequencies(cfg)
+  rope = rope_tables(positions, inverse_frequencies(cfg))
   ks, vs, inter = [], [], []
   for l, p in enumerate(params["layers"]):
-    x, k_l, v_l = _layer(cfg, p, x, positions, cache.k[l], cache.v[l], cache.lengths,
-                         mask, inv_freq, attention_impl, attn_prefix if l == 0 else None)
+    x, k_l, v_l = _layer(cfg, p, x, rope, cache.k[l], cache.v[l], cache.lengths,
+                         mask, attention_impl, attn_prefix if l == 0 else None)
     ks.append(k_l)
     vs.append(v_l)
     if l in return_layers:

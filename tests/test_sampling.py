@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import Greedy, Sampling, make_sampler, sample_from, scale_temperature
+from specjax.sampling import (Greedy, Sampling, first_argmax, make_sampler, sample_from,
+                              scale_temperature)
 
 V = 50
 
@@ -47,6 +48,26 @@ def test_greedy_probs_are_one_hot_argmax():
   tokens, sample_probs = Greedy().sample(jax.random.PRNGKey(0), jnp.asarray(logits))
   np.testing.assert_array_equal(np.asarray(tokens), logits.argmax(-1))
   np.testing.assert_array_equal(np.asarray(sample_probs), probs)
+
+
+def test_first_argmax_is_jnp_argmax_on_every_kind_of_row():
+  rng = np.random.default_rng(0)
+  rows = rng.normal(size=(6, 1000)).astype(np.float32)
+  rows[1, [3, 700]] = 9.0           # a tie: the first id wins
+  rows[2, [5, 8]] = np.inf          # +inf ties
+  rows[3] = -np.inf                 # all -inf: id 0
+  rows[4, [40, 90]] = np.nan        # NaN: the first NaN (jnp.argmax's rule)
+  rows[5, 999] = 50.0               # the last id
+  x = jnp.asarray(rows)
+  want = np.asarray(jnp.argmax(x, axis=-1))
+  np.testing.assert_array_equal(first_argmax(x), want)
+  assert want.tolist()[1:] == [3, 5, 0, 40, 999]
+  assert first_argmax(x).dtype == jnp.int32
+  # any leading shape, under jit; a wrong rule (the last maximal id) differs on the tie
+  batch = jnp.asarray(rng.normal(size=(2, 3, 4, 257)).astype(np.float32)).at[1, 2, 0, 9].set(7.0)
+  np.testing.assert_array_equal(jax.jit(first_argmax)(batch), jnp.argmax(batch, axis=-1))
+  last = rows.shape[1] - 1 - np.argmax(rows[1, ::-1])
+  assert last == 700 != int(first_argmax(x)[1])
 
 
 def test_top1_sampling_matches_greedy():

@@ -46,7 +46,7 @@ from specjax.config import ModelConfig
 from specjax.generate import check_sampler, generate_packed, last_tokens, prefill
 from specjax.model import Params, compute_dtype, forward, target_features
 from specjax.prompts import pack_prompts
-from specjax.sampling import Greedy, Sampler
+from specjax.sampling import Greedy, Sampler, first_argmax
 from specjax.sequences import append
 from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.block_verification import VERIFICATIONS
@@ -109,11 +109,15 @@ class TargetScores(NamedTuple):
     cache: the target cache with the block written at slots s − 1 … s − 1 + N.
     hidden: [B, N + 1, F] the target's features of the block (for EAGLE; see
       ``Drafter.target_feature_layers``).
+    argmax: [B, N + 1] int32, the argmax of ``p`` where the target decodes greedily (``p``
+      is its one-hot), else None: greedy acceptance and the drafters that read the
+      target's predictions take it instead of searching ``p`` again.
   """
 
   p: jax.Array
   cache: kvc.KVCache
   hidden: jax.Array
+  argmax: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +280,11 @@ class SpeculativeDecoder:
     out = forward(target_params, self.target_cfg, block, positions, state.target_cache, mask,
                   num_valid=jnp.full((b,), t, jnp.int32), attention_impl=self.attention_impl,
                   return_layers=layers)
-    return TargetScores(p=self.sampler.probs(out.logits), cache=out.cache,
-                        hidden=target_features(out, layers))
+    hidden = target_features(out, layers)
+    if isinstance(self.sampler, Greedy):
+      tokens, p = self.sampler.sample(None, out.logits)
+      return TargetScores(p=p, cache=out.cache, hidden=hidden, argmax=tokens)
+    return TargetScores(p=self.sampler.probs(out.logits), cache=out.cache, hidden=hidden)
 
   def block_layout(self, proposal: Proposal) -> tuple[jax.Array, jax.Array]:
     """(depth [B or 1, N + 1], ancestor mask [B, N + 1, N + 1]) of the verified block: the
@@ -294,7 +301,7 @@ class SpeculativeDecoder:
       return accept_typical(key, proposal, scores.p, self.tree, self.verification)
     return accept_tree(key, proposal, scores.p, self.tree,
                        greedy=isinstance(self.sampler, Greedy),
-                       block=self.verification == "block")
+                       block=self.verification == "block", target_argmax=scores.argmax)
 
   def commit(self, state: SpecState, proposal: Proposal, acc: TreeAcceptance,
              scores: TargetScores, draft_state: Any) -> tuple[SpecState, jax.Array]:
@@ -315,7 +322,7 @@ class SpeculativeDecoder:
       hidden = jnp.take_along_axis(scores.hidden, along[:, :, None], axis=1)
       draft_state = self.drafter.observe(draft_state, hidden, start)
     if self.drafter.reads_target_predictions():
-      predictions = jnp.argmax(scores.p, axis=-1).astype(jnp.int32)
+      predictions = first_argmax(scores.p) if scores.argmax is None else scores.argmax
       draft_state = self.drafter.observe_block(draft_state, predictions, acc.num_accepted)
     accepted = AcceptedPath(start=start, path=acc.path, num_accepted=acc.num_accepted)
     new = new.replace(target_cache=cache.with_lengths(new.seq_lens - 1),

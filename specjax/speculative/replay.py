@@ -125,7 +125,7 @@ def _replay(dec: SpeculativeDecoder, target_params: Params, draft_params: Any,
     argmax = jnp.take_along_axis(future, pos + 1, axis=1)
     scores = TargetScores(p=jax.nn.one_hot(argmax, cfg.vocab_size, dtype=jnp.float32),
                           cache=cache, hidden=jnp.take_along_axis(hidden_all, pos[..., None],
-                                                                  axis=1))
+                                                                  axis=1), argmax=argmax)
     new = dec.finish(st, proposal, scores, k_accept, new_draft_state, rng)
     # The shared cache stays the continuation's (commit may have compacted the copy it got).
     return new.replace(target_cache=cache.with_lengths(new.seq_lens - 1))

@@ -40,14 +40,14 @@ token 2 is emitted. P(0) = 0.5, P(1) = 0.5·0.6 = 0.3, P(2) = 0.2 — exactly p.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from specjax import sharding
 from specjax.attention import ACCELERATORS, pallas_variant
-from specjax.sampling import sample_from
+from specjax.sampling import first_argmax, sample_from
 from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import finite_probs
 from specjax.speculative.block_verification import accept_block
@@ -148,7 +148,7 @@ def resolve_greedy_impl(impl: str, backend: str | None = None) -> str:
 
 
 def accept_greedy(proposal: Proposal, p: jax.Array, topology: TreeTopology, *,
-                  impl: str = "auto") -> TreeAcceptance:
+                  impl: str = "auto", target: Optional[jax.Array] = None) -> TreeAcceptance:
   """The deepest path agreeing with the target's argmax (``p`` one-hot or not).
 
   Args:
@@ -159,9 +159,11 @@ def accept_greedy(proposal: Proposal, p: jax.Array, topology: TreeTopology, *,
       ``pallas_kernels.tree_verify`` on TPU and GPU and in the jnp rule below
       elsewhere. Both take the same argmax of ``p`` and give the same path, n and
       next token (tests/test_tree_verify.py).
+    target: [B, N + 1] the argmax of ``p`` (first maximal id), where the caller has it;
+      ``p`` is then not read.
   """
   b, n = proposal.tokens.shape
-  target = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [B, N+1]
+  target = first_argmax(p) if target is None else target.astype(jnp.int32)  # [B, N+1]
   resolved = resolve_greedy_impl(impl)
   if resolved != "reference":
     return _greedy_by_kernel(proposal, target, topology, resolved)
@@ -303,7 +305,8 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
 
 def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: TreeTopology,
                 *, greedy: bool = False, block: bool = False,
-                greedy_impl: str = "auto") -> TreeAcceptance:
+                greedy_impl: str = "auto",
+                target_argmax: Optional[jax.Array] = None) -> TreeAcceptance:
   """Runs the lossless rule that matches the proposal (see the module docstring).
 
   Args:
@@ -317,6 +320,8 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
       the chain rule's draw over the vocabulary.
     block: judge a chain jointly (``block_verification``) instead of token by token.
     greedy_impl: static, where the greedy rule walks the tree (``resolve_greedy_impl``).
+    target_argmax: with ``greedy``, [B, N + 1] the argmax of ``p`` where the caller has it
+      (the greedy rule then reads no distribution).
   """
   b, n = proposal.tokens.shape
   if n != topology.num_nodes or p.shape[:2] != (b, n + 1):
@@ -325,7 +330,7 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
   p = finite_probs(p)
   chain_of_draws = proposal.parents is None and topology.is_chain and proposal.draw == "sampled"
   if greedy:
-    acc = accept_greedy(proposal, p, topology, impl=greedy_impl)
+    acc = accept_greedy(proposal, p, topology, impl=greedy_impl, target=target_argmax)
     if chain_of_draws:  # the chain rule's β, without its (here deterministic) residual draw
       acc = acc._replace(beta=jnp.sum(jnp.minimum(p[:, :n], finite_probs(proposal.q)), axis=-1))
     return acc
