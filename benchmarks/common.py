@@ -11,7 +11,7 @@ import re
 import subprocess
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -77,8 +77,24 @@ def op_times(fn: Callable[[], object], hlo_text: str, repeats: int = 5) -> dict[
   """Seconds per call of ``fn`` (one jitted program, warm) spent in each kind of operation,
   from a ``jax.profiler`` trace of ``repeats`` calls: each custom call under its target's
   name (the CPU kernels), "XLA ops" for the rest of the program's thunks, and "between
-  ops" for the executor's time outside any of them. ``hlo_text``: the compiled program
+  ops" for the executor's time outside them. ``hlo_text``: the compiled program
   (``forward_fn(...).hlo_text()``), which names each custom call's target."""
+  return op_profile(fn, hlo_text, repeats).kinds
+
+
+class OpProfile(NamedTuple):
+  """Seconds per call by kind of operation (``op_times``) and by operation (HLO name)."""
+  kinds: dict[str, float]
+  ops: dict[str, float]
+
+
+def op_profile(fn: Callable[[], object], hlo_text: str, repeats: int = 5,
+               module: Optional[str] = None) -> OpProfile:
+  """``op_times``, with each operation's own time beside the kinds' (``OpProfile``).
+  ``module``: count only the thunks of the XLA module of this name (e.g. "jit_run": the
+  decoding loop, without the prefill that the same call runs first), and no "between ops"
+  (the executors' spans, nested in loops, name no module). A thunk's time excludes the
+  thunks nested in it (a while loop's, its body's)."""
   target = dict(re.findall(r"%?([^\s%]+) = [^\n]*custom_call_target=\"([^\"]+)\"", hlo_text))
   with tempfile.TemporaryDirectory() as directory:
     with jax.profiler.trace(directory):
@@ -87,21 +103,40 @@ def op_times(fn: Callable[[], object], hlo_text: str, repeats: int = 5) -> dict[
     path = max(glob.glob(f"{directory}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
     data = jax.profiler.ProfileData.from_file(path)
   totals: dict[str, float] = {}
+  ops: dict[str, float] = {}
   executed = 0.0
   for plane in data.planes:
-    for line in plane.lines:  # the executor's thread: its runs and the thunks inside them
+    for line in plane.lines:  # an executor's thread: its runs and the thunks inside them
       events = list(line.events)
-      if not any(e.name == "ThunkExecutor::Execute" for e in events):
-        continue
-      for event in events:
-        op = dict(event.stats).get("hlo_op")
-        if event.name == "ThunkExecutor::Execute":
-          executed += event.duration_ns
-        elif op is not None and not event.name.startswith("end: "):
-          kind = target.get(op, "XLA ops")
-          totals[kind] = totals.get(kind, 0.0) + event.duration_ns
-  totals["between ops"] = max(0.0, executed - sum(totals.values()))
-  return {k: v / repeats / 1e9 for k, v in totals.items()}
+      executed += sum(e.duration_ns for e in events if e.name == "ThunkExecutor::Execute")
+      for op, seconds in _exclusive_ns(events, module).items():
+        kind = target.get(op, "XLA ops")
+        totals[kind] = totals.get(kind, 0.0) + seconds
+        ops[op] = ops.get(op, 0.0) + seconds
+  if module is None:
+    totals["between ops"] = max(0.0, executed - sum(totals.values()))
+  return OpProfile(kinds={k: v / repeats / 1e9 for k, v in totals.items()},
+                   ops={k: v / repeats / 1e9 for k, v in ops.items()})
+
+
+def _exclusive_ns(events, module: Optional[str]) -> dict[str, float]:
+  """{HLO op: nanoseconds} of a trace line's thunks (of ``module``, or all), each without the
+  thunks nested in it: a while loop's thunk spans its body's, which are traced too."""
+  thunks = sorted(((e.start_ns, e.start_ns + e.duration_ns, dict(e.stats).get("hlo_op"))
+                   for e in events
+                   if dict(e.stats).get("hlo_op") is not None and not e.name.startswith("end: ")
+                   and module in (None, dict(e.stats).get("hlo_module"))),
+                  key=lambda t: (t[0], -t[1]))
+  out: dict[str, float] = {}
+  stack: list[tuple[float, str]] = []  # (end, op) of the thunks that enclose the current one
+  for start, end, op in thunks:
+    while stack and stack[-1][0] <= start:
+      stack.pop()
+    if stack:  # nested: its time is its parent's no more
+      out[stack[-1][1]] = out.get(stack[-1][1], 0.0) - (end - start)
+    out[op] = out.get(op, 0.0) + (end - start)
+    stack.append((end, op))
+  return out
 
 
 def forward_time(cfg, params, num_tokens: int, context: int = 200, repeats: int = 15,

@@ -33,14 +33,20 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
   """(cos, sin) [B, T, 1, H/2] of ``positions`` [B, T]: computed once per forward and read by
   every layer's queries and keys (``apply_rope``).
 
-  The optimisation barrier keeps them one computation. Without it XLA:CPU fuses the cos
-  and sin into each layer's rotation and evaluates them again for every head: in the
-  verify of a 16-node tree that was 0.065 ms a layer, ~2 ms of SmolLM2's 30-layer forward,
-  on an AMD EPYC. The values are the same either way (the same cos and sin of the same
-  angles)."""
+  On CPU they are computed inside a conditional whose two branches are the same (so the
+  predicate does not matter), which XLA cannot fuse into its users: otherwise XLA:CPU
+  (which drops optimisation barriers before it fuses) evaluates the cos and sin again in
+  every layer's rotation, once per head. In the verify of a 16-node tree that took 0.065 ms
+  a layer, ~2 ms of SmolLM2's 30-layer forward, on an AMD EPYC. The values are the same
+  either way (the same cos and sin of the same angles)."""
   angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
-  return jax.lax.optimization_barrier((jnp.cos(angles)[:, :, None, :],
-                                       jnp.sin(angles)[:, :, None, :]))
+
+  def tables(a):
+    return jnp.cos(a)[:, :, None, :], jnp.sin(a)[:, :, None, :]
+
+  if jax.default_backend() != "cpu":
+    return tables(angles)
+  return jax.lax.cond(jnp.any(positions > 0), tables, tables, angles)
 
 
 def apply_rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:

@@ -552,6 +552,31 @@ def test_draft_panels_benchmark_rejects_bad_flags_before_loading(tmp_path):
            ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
+def test_step_profile_benchmark_rejects_bad_flags_before_loading(tmp_path):
+  (tmp_path / "file").write_text("")
+  _refuses("step_profile", (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
+           (["--methods=chain:x"], "--methods: 'chain:x'"),
+           (["--methods=tree:4"], "is not plain, chain:γ, dynamic:k:D:N"),
+           (["--methods=chain:0"], "--methods: 'chain:0'"),
+           (["--prompts=0"], "flag --prompts=0"),
+           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+
+
+def test_op_profile_counts_a_loop_thunk_without_the_thunks_nested_in_it():
+  from types import SimpleNamespace
+  from benchmarks.common import _exclusive_ns
+
+  def ev(op, start, dur, module="jit_run"):
+    return SimpleNamespace(name=op, start_ns=start, duration_ns=dur,
+                           stats=[("hlo_op", op), ("hlo_module", module)])
+  events = [ev("while.1", 0, 100), ev("dot", 10, 30), ev("while.2", 50, 40), ev("add", 60, 5),
+            ev("exp", 120, 7), ev("prefill_op", 200, 50, module="jit_prefill"),
+            SimpleNamespace(name="end: dot", start_ns=40, duration_ns=1, stats=[])]
+  assert _exclusive_ns(events, "jit_run") == {"while.1": 30, "dot": 30, "while.2": 35,
+                                              "add": 5, "exp": 7}
+  assert _exclusive_ns(events, None)["prefill_op"] == 50
+
+
 def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
   _refuses("continuous_batching", (["--slots=0"], "slot counts must be >= 1"),
            (["--budget_spread=2"], "flag --budget_spread=2"),

@@ -13,6 +13,7 @@ from specjax.config import RopeScaling
 from specjax.generate import prefill
 from specjax.loaders import load_hf, save_hf
 from specjax.model import causal_mask, forward
+from specjax.rope import inverse_frequencies, rope_tables
 from specjax.testing import tiny_model
 
 CACHE = 32
@@ -148,6 +149,24 @@ def test_default_mask_is_causal(model):
   explicit = forward(params, cfg, tokens, _positions(2, 0, FULL), cache,
                      mask=causal_mask(2, FULL)).logits
   np.testing.assert_array_equal(np.asarray(implicit), np.asarray(explicit))
+
+
+def test_rope_tables_are_computed_once_per_forward(model):
+  # XLA:CPU fused the cos and sin into every layer's rotation (once per head); rope_tables
+  # keeps them one computation (a conditional's two branches), and the values are unchanged.
+  cfg, params = model
+  tokens = jnp.asarray(_tokens(cfg, 1, 9, seed=6))
+  cache = kvc.init_cache(cfg, 1, CACHE)
+  run = jax.jit(lambda t, p: forward(params, cfg, t, p, cache).logits)
+  hlo = run.lower(tokens, _positions(1, 3, 9)).compile().as_text()
+  if jax.default_backend() == "cpu":
+    assert cfg.num_layers >= 2 and hlo.count("cosine(") <= 2, hlo.count("cosine(")
+  positions = _positions(2, 0, 9) * 7
+  cos, sin = rope_tables(positions, inverse_frequencies(cfg))
+  angles = np.asarray(positions, np.float32)[..., None] * inverse_frequencies(cfg)
+  np.testing.assert_allclose(np.asarray(cos)[:, :, 0], np.cos(angles), atol=2e-6)
+  np.testing.assert_allclose(np.asarray(sin)[:, :, 0], np.sin(angles), atol=2e-6)
+  assert cos.shape == sin.shape == (2, 9, 1, cfg.head_dim // 2)
 
 
 def test_rollback_equals_never_writing_the_rejected_tokens(model):
