@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding
 from specjax.config import ModelConfig
 
 
@@ -38,13 +39,14 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
   (which drops optimisation barriers before it fuses) evaluates the cos and sin again in
   every layer's rotation, once per head. In the verify of a 16-node tree that took 0.065 ms
   a layer, ~2 ms of SmolLM2's 30-layer forward, on an AMD EPYC. The values are the same
-  either way (the same cos and sin of the same angles)."""
+  either way (the same cos and sin of the same angles). Not under a mesh of several devices,
+  where the predicate would cost a reduction across them in every forward."""
   angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
 
   def tables(a):
     return jnp.cos(a)[:, :, None, :], jnp.sin(a)[:, :, None, :]
 
-  if jax.default_backend() != "cpu":
+  if jax.default_backend() != "cpu" or sharding.multi_device():
     return tables(angles)
   return jax.lax.cond(jnp.any(positions > 0), tables, tables, angles)
 
