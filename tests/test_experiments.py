@@ -577,6 +577,18 @@ def test_op_profile_counts_a_loop_thunk_without_the_thunks_nested_in_it():
   assert _exclusive_ns(events, None)["prefill_op"] == 50
 
 
+def test_bandwidth_spells_splits_rounds_at_the_midpoint_and_refuses_bad_flags(tmp_path):
+  from benchmarks.bandwidth_spells import split_spells
+  t1 = np.array([9.5, 9.6, 13.9, 9.4, 14.1, 13.8] * 5) * 1e-3
+  fast, threshold = split_spells(t1)
+  assert fast.tolist() == [True, True, False, True, False, False] * 5
+  assert 9.6e-3 < threshold < 13.8e-3
+  (tmp_path / "file").write_text("")
+  _refuses("bandwidth_spells", (["--tokens=0,2"], "--tokens must list integers >= 1"),
+           (["--seconds=0"], "flag --seconds=0"),
+           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+
+
 def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
   _refuses("continuous_batching", (["--slots=0"], "slot counts must be >= 1"),
            (["--budget_spread=2"], "flag --budget_spread=2"),
