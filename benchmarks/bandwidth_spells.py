@@ -9,13 +9,14 @@ speeds of reading memory: a plain decoding step of ~9.5 ms and one of ~13-14 ms.
 two timings taken in different spells is wrong, and even within one spell the verify cost
 T(t)/T(1) differs if the forwards over several tokens gain less from the fast spell than
 the one-token step does. This benchmark runs warm forwards over each of ``--tokens`` new
-tokens in turn (one round: every T once, ~0.1 s) for ``--seconds``, splits the rounds by
+tokens in turn (one round: every T once, ~50 ms) for ``--seconds``, splits the rounds by
 their T = 1 time into the fast and the slow spell (below / above the midpoint of its 10th
 and 90th percentiles), and reports each spell's median times and median per-round costs.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -39,7 +40,7 @@ def split_spells(t1: np.ndarray) -> tuple[np.ndarray, float]:
 
 def main(_):
   tokens = sorted(set(int_list(TOKENS)) | {1})
-  probe_output_dir(OUT.value.rsplit("/", 1)[0] or ".")
+  probe_output_dir(os.path.dirname(OUT.value) or ".")
   target = load_target("smollm2")
   fns = {t: forward_fn(target.cfg, target.params, t) for t in tokens}
   for f in fns.values():  # compile and warm

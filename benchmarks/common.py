@@ -108,7 +108,10 @@ def op_profile(fn: Callable[[], object], hlo_text: str, repeats: int = 5,
   for plane in data.planes:
     for line in plane.lines:  # an executor's thread: its runs and the thunks inside them
       events = list(line.events)
-      executed += sum(e.duration_ns for e in events if e.name == "ThunkExecutor::Execute")
+      spans = [e.duration_ns for e in events if e.name == "ThunkExecutor::Execute"]
+      if module is None and not spans:
+        continue  # a whole program's breakdown reads its executors' threads only
+      executed += sum(spans)
       for op, seconds in _exclusive_ns(events, module).items():
         kind = target.get(op, "XLA ops")
         totals[kind] = totals.get(kind, 0.0) + seconds

@@ -25,6 +25,7 @@ decoding's loop), ``chain:γ``, ``dynamic:k:D:N`` (EAGLE-2 trees) and ``sampled:
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Optional
 
@@ -90,7 +91,7 @@ def _shape(hlo: str, op: str) -> str:
 def main(_):
   temps = temperature_list(TEMPS)
   methods = [(spec, parse_method(spec)) for spec in METHODS.value]
-  probe_output_dir(OUT.value.rsplit("/", 1)[0] or ".")
+  probe_output_dir(os.path.dirname(OUT.value) or ".")
   target = load_target("smollm2")
   draft = load_draft(DRAFT.value, target, lambda: [])
   evals = default_prompts(PROMPTS.value)

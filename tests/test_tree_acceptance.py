@@ -321,6 +321,13 @@ def test_accept_greedy_picks_the_deepest_matching_path():
     # accept_tree(greedy=True) is the same rule.
     acc2 = accept_tree(jax.random.PRNGKey(0), prop, p, topo, greedy=True)
     np.testing.assert_array_equal(acc2.path, acc.path)
+    # ... and given the argmax instead of searching p (a greedy verify's TargetScores.argmax)
+    argmax = jnp.argmax(p, axis=-1).astype(jnp.int32)
+    acc3 = accept_tree(jax.random.PRNGKey(0), prop, p, topo, greedy=True, target_argmax=argmax)
+    np.testing.assert_array_equal(acc3.path, acc.path)
+    assert int(acc3.next_token[0]) == nxt_tok
+  with pytest.raises(ValueError, match="target_argmax of shape"):
+    accept_tree(jax.random.PRNGKey(0), prop, p, topo, greedy=True, target_argmax=argmax[:, 1:])
 
 
 # --- the chain fast path --------------------------------------------------------------------

@@ -327,6 +327,8 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
   if n != topology.num_nodes or p.shape[:2] != (b, n + 1):
     raise ValueError(f"proposal of {n} nodes and p of shape {p.shape} do not match the topology "
                      f"of {topology.num_nodes} nodes")
+  if target_argmax is not None and target_argmax.shape != (b, n + 1):
+    raise ValueError(f"target_argmax of shape {target_argmax.shape}, want {(b, n + 1)}")
   p = finite_probs(p)
   chain_of_draws = proposal.parents is None and topology.is_chain and proposal.draw == "sampled"
   if greedy:
