@@ -17,12 +17,11 @@ and 90th percentiles), and reports each spell's median times and median per-roun
 from __future__ import annotations
 
 import os
-import time
-
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import command_line, forward_fn, int_list, provenance, write_markdown
+from benchmarks.common import (command_line, forward_fn, int_list, interleaved_times,
+                               provenance, write_markdown)
 from experiments.machine import probe_output_dir
 from experiments.models import load_target
 
@@ -43,18 +42,8 @@ def main(_):
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   target = load_target("smollm2")
   fns = {t: forward_fn(target.cfg, target.params, t) for t in tokens}
-  for f in fns.values():  # compile and warm
-    f()
-    f()
-  rounds = []
-  end = time.time() + SECONDS.value
-  while time.time() < end:
-    r = {}
-    for t, f in fns.items():
-      start = time.perf_counter()
-      f()
-      r[t] = time.perf_counter() - start
-    rounds.append(r)
+  times = interleaved_times(fns, 0, seconds=SECONDS.value)
+  rounds = [{t: times[t][i] for t in tokens} for i in range(len(times[1]))]
   t1 = np.array([r[1] for r in rounds])
   fast, threshold = split_spells(t1)
   lines = ["# The verify cost in a host's fast and slow spells (SmolLM2-135M, batch 1)", "",

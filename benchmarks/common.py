@@ -28,14 +28,18 @@ def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
   return float(np.median(interleaved_times({0: fn}, repeats)[0]))
 
 
-def interleaved_times(fns: dict, repeats: int) -> dict:
+def interleaved_times(fns: dict, repeats: int, seconds: Optional[float] = None) -> dict:
   """{key: [seconds of each call]} of ``repeats`` rounds that call every ``fns[key]()`` in
   turn, after one warm-up call each (compilation), so that load from elsewhere on the
-  machine hits them alike."""
+  machine hits them alike; the i-th entries of the lists are one round's. With ``seconds``,
+  rounds run until that much time has passed instead (at least one)."""
   for f in fns.values():
     f()
   runs = {key: [] for key in fns}
-  for _ in range(repeats):
+  end = None if seconds is None else time.time() + seconds
+  done = 0
+  while (done < repeats) if end is None else (done == 0 or time.time() < end):
+    done += 1
     for key, f in fns.items():
       start = time.perf_counter()
       f()

@@ -84,7 +84,7 @@ def parse_method(spec: str):
 
 def _shape(hlo: str, op: str) -> str:
   """The result shape of ``op`` in the compiled program ``hlo`` (for the listing)."""
-  m = re.search(rf"\n\s*%?{re.escape(op)} = (\S+)", hlo)
+  m = re.search(rf"\n\s*%?{re.escape(op)} = (\([^)]*\)|\S+)", hlo)
   return m.group(1) if m else "?"
 
 
