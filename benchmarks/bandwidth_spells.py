@@ -21,20 +21,13 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import (command_line, forward_fn, int_list, interleaved_times,
-                               provenance, write_markdown)
+                               provenance, split_spells, write_markdown)
 from experiments.machine import probe_output_dir
 from experiments.models import load_target
 
 TOKENS = flags.DEFINE_list("tokens", ["1", "2", "4", "8"], "new tokens per forward (T)")
 SECONDS = flags.DEFINE_float("seconds", 100.0, "how long to run rounds", lower_bound=1.0)
 OUT = flags.DEFINE_string("out", "benchmarks/results/bandwidth_spells.md", "markdown output")
-
-
-def split_spells(t1: np.ndarray) -> tuple[np.ndarray, float]:
-  """(a bool mask of the fast rounds, the threshold): below the midpoint of the 10th and 90th
-  percentiles of the rounds' T = 1 times."""
-  threshold = float(np.mean(np.percentile(t1, [10, 90])))
-  return t1 < threshold, threshold
 
 
 def main(_):

@@ -2,7 +2,8 @@
 
 Usage:
   python -m benchmarks.kernel_ab --sources a.cc,a.cc:prefetch,b.cc[,...]
-      [--rows 1,3,5,9,17,33] [--repeats 7] [--out benchmarks/results/kernel_ab.md]
+      [--rows 1,3,5,9,17,33] [--repeats 7 | --seconds 120] [--spells]
+      [--out benchmarks/results/kernel_ab.md]
 
 Each source is built like ``specjax/kernels/streaming_matmul.cc`` (same
 compiler flags as the "native" variant) into its own library and FFI target,
@@ -12,7 +13,13 @@ versions are timed alternately per row count M (load from elsewhere hits them
 alike); medians and ranges are reported. Every version must give bit-identical
 results to the first (the kernel's contract: one FMA per k, in k order), else
 the run stops. ``path:prefetch`` runs a source with its ``prefetch`` attribute
-on. To try a change: copy the source, edit the copy, pass both.
+on (1: hinted into L2), ``path:nta`` with mode 2 (non-temporal; sources since that mode). To try a change: copy the source, edit the copy, pass both.
+
+``--seconds`` runs rounds (every version at every M once) for that long instead of
+``--repeats`` rounds. ``--spells`` splits the rounds into the host's fast and slow memory
+spells by each round's total time (``common.split_spells``; every version has one call at
+every M in each round, so the split favours none) and reports each spell apart: on the Zen 5
+EPYCs a variant can win in one spell and lose in the other.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import provenance, write_markdown
+from benchmarks.common import interleaved_times, provenance, split_spells, write_markdown
 from specjax.kernels import policy as pol
 from specjax.kernels import streaming_matmul as sm
 from specjax.kernels.packed import unpack_params
@@ -36,7 +43,11 @@ from specjax.loaders import load_model
 
 SOURCES = flags.DEFINE_list("sources", None, "kernel sources to compare (the first is the base)")
 ROWS = flags.DEFINE_list("rows", ["1", "3", "5", "9", "17", "33"], "row counts M")
-REPEATS = flags.DEFINE_integer("repeats", 7, "timed calls per version and M")
+REPEATS = flags.DEFINE_integer("repeats", 7, "timed calls per version and M", lower_bound=1)
+SECONDS = flags.DEFINE_float("seconds", None, "run rounds for this long instead of --repeats",
+                             lower_bound=1.0)
+SPELLS = flags.DEFINE_bool("spells", False, "report the fast and slow memory spells apart "
+                           "(split by each round's total time)")
 OUT = flags.DEFINE_string("out", "benchmarks/results/kernel_ab.md", "markdown output")
 
 
@@ -64,11 +75,20 @@ def build(source: str, name: str, workdir: str):
 def main(_):
   if not SOURCES.value:
     raise SystemExit("--sources needs at least one kernel source")
-  entries = [(s.removesuffix(":prefetch"), s.endswith(":prefetch")) for s in SOURCES.value]
+  suffixes = {":prefetch": 1, ":nta": 2}
+  entries = []
+  for s in SOURCES.value:
+    mode = next((v for k, v in suffixes.items() if s.endswith(k)), 0)
+    entries.append((s.removesuffix(":prefetch").removesuffix(":nta"), mode))
   missing = [path for path, _ in entries if not os.path.isfile(path)]
   if missing:
     raise SystemExit(f"no such source: {', '.join(missing)}")
-  rows = [int(m) for m in ROWS.value]
+  try:
+    rows = [int(m) for m in ROWS.value]
+  except ValueError:
+    rows = [0]
+  if min(rows) < 1:
+    raise SystemExit(f"--rows must list integers >= 1, got {','.join(ROWS.value)}")
   cfg, params = load_model(packed=False)
   weights = pol.projection_weights(unpack_params(params, cfg.tie_embeddings),
                                    cfg.tie_embeddings, num_layers=cfg.num_layers)
@@ -87,32 +107,48 @@ def main(_):
       for s, f, p in zip(SOURCES.value[1:], fns[1:], panels[1:]):
         if not np.array_equal(base, np.asarray(f(p, xs[m]))):
           raise SystemExit(f"{s} is not bit-identical to {SOURCES.value[0]} at M = {m}")
-    times = {m: [[] for _ in fns] for m in rows}
-    for _ in range(REPEATS.value):
-      for m in rows:
-        for i, f in enumerate(fns):
-          t = time.perf_counter()
-          f(panels[i], xs[m]).block_until_ready()
-          times[m][i].append(time.perf_counter() - t)
-  names = [os.path.basename(path) + (" +prefetch" if pf else "") for path, pf in entries]
+    calls = {(m, i): functools.partial(lambda f, p, x: f(p, x).block_until_ready(), f,
+                                       panels[i], xs[m])
+             for m in rows for i, f in enumerate(fns)}
+    runs = interleaved_times(calls, REPEATS.value, seconds=SECONDS.value)
+  names = [os.path.basename(path) + {0: "", 1: " +prefetch", 2: " +nta"}[pf]
+           for path, pf in entries]
   mb = sum(w.nbytes for w in weights) / 1e6
   flops = sum(w.size for w in weights) * 2
+  rounds = len(runs[rows[0], 0])
+  how = (f"{rounds} rounds in {SECONDS.value:g} s" if SECONDS.value
+         else f"{REPEATS.value} alternating calls per version")
+  flag_text = (f" --seconds={SECONDS.value:g}" if SECONDS.value else f" --repeats={REPEATS.value}")
   lines = ["# Streaming-matmul source A/B (SmolLM2-135M projections and head, f32)", "",
            f"{provenance()}; {len(weights)} matrices, {mb:.0f} MB; median [min, max] of "
-           f"{REPEATS.value} alternating calls per version.", "",
+           f"{how} (a round calls every version at every M in turn).", "",
            "Command: `python -m benchmarks.kernel_ab --sources=" + ",".join(SOURCES.value)
-           + f" --rows={','.join(ROWS.value)} --repeats={REPEATS.value}"
-           + (f" --out={OUT.value}`" if OUT.value != OUT.default else "`"), "",
-           "| M | " + " | ".join(f"{n} ms" for n in names) + " | "
-           + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + f" | {names[0]} GFLOP/s |",
-           "|---" * (2 * len(names) + 1) + "|"]
-  for m in rows:
-    med = [np.median(t) for t in times[m]]
-    cells = [f"{v * 1e3:.1f} [{min(t) * 1e3:.1f}, {max(t) * 1e3:.1f}]"
-             for v, t in zip(med, times[m])]
-    lines.append(f"| {m} | " + " | ".join(cells) + " | "
-                 + " | ".join(f"{v / med[0]:.2f}" for v in med[1:])
-                 + f" | {flops * m / med[0] / 1e9:.0f} |")
+           + f" --rows={','.join(ROWS.value)}{flag_text}" + (" --spells" if SPELLS.value else "")
+           + (f" --out={OUT.value}`" if OUT.value != OUT.default else "`")]
+  if SPELLS.value:
+    fast, threshold = split_spells(np.sum(list(runs.values()), axis=0))
+    lines += ["", f"A round is in the fast spell when its calls took under {threshold:.2f} s "
+              "in all (`common.split_spells`)."]
+    spells = [(f"Fast spell ({int(fast.sum())} rounds)", fast),
+              (f"Slow spell ({int((~fast).sum())} rounds)", ~fast)]
+  else:
+    spells = [(None, np.ones(rounds, bool))]
+  for title, sel in spells:
+    lines += [""] + ([f"## {title}", ""] if title else [])
+    if not sel.any():
+      lines.append("No rounds.")
+      continue
+    lines += ["| M | " + " | ".join(f"{n} ms" for n in names) + " | "
+              + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + f" | {names[0]} GFLOP/s |",
+              "|---" * (2 * len(names) + 1) + "|"]
+    for m in rows:
+      ts = [np.asarray(runs[m, i])[sel] for i in range(len(fns))]
+      med = [np.median(t) for t in ts]
+      cells = [f"{v * 1e3:.1f} [{t.min() * 1e3:.1f}, {t.max() * 1e3:.1f}]"
+               for v, t in zip(med, ts)]
+      lines.append(f"| {m} | " + " | ".join(cells) + " | "
+                   + " | ".join(f"{v / med[0]:.2f}" for v in med[1:])
+                   + f" | {flops * m / med[0] / 1e9:.0f} |")
   write_markdown(OUT.value, lines)
 
 

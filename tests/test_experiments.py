@@ -578,7 +578,7 @@ def test_op_profile_counts_a_loop_thunk_without_the_thunks_nested_in_it():
 
 
 def test_bandwidth_spells_splits_rounds_at_the_midpoint_and_refuses_bad_flags(tmp_path):
-  from benchmarks.bandwidth_spells import split_spells
+  from benchmarks.common import split_spells
   t1 = np.array([9.5, 9.6, 13.9, 9.4, 14.1, 13.8] * 5) * 1e-3
   fast, threshold = split_spells(t1)
   assert fast.tolist() == [True, True, False, True, False, False] * 5
@@ -587,6 +587,15 @@ def test_bandwidth_spells_splits_rounds_at_the_midpoint_and_refuses_bad_flags(tm
   _refuses("bandwidth_spells", (["--tokens=0,2"], "--tokens must list integers >= 1"),
            (["--seconds=0"], "flag --seconds=0"),
            ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+
+
+def test_kernel_ab_refuses_bad_flags_before_building():
+  src = "specjax/kernels/streaming_matmul.cc"
+  _refuses("kernel_ab", ([], "--sources needs at least one"),
+           (["--sources=/nonexistent.cc"], "no such source"),
+           ([f"--sources={src}", "--rows=0,2"], "--rows must list integers >= 1"),
+           ([f"--sources={src}", "--rows=a"], "--rows must list integers >= 1"),
+           ([f"--sources={src}", "--seconds=0"], "flag --seconds=0"))
 
 
 def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():

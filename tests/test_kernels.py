@@ -94,10 +94,10 @@ def _half_identity(call) -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 30])
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_half_panels_give_the_float32_kernels_bits_on_the_same_values(m, prefetch, variant):
   """Float16 panels are widened as they load: the result is, bit for bit, the float32
-  kernel's on panels holding the same values (every register block, both prefetch paths,
+  kernel's on panels holding the same values (every register block, every prefetch mode,
   a partial k-block)."""
   x, w = _rand((m, 200), m), _rand((200, 64 * 5 + 9), m + 1).astype(np.float16)
   f = jax.jit(sm.streaming_matmul, static_argnums=(2, 3))
@@ -294,21 +294,28 @@ def test_policy_never_chooses_the_slower_path():
 
 
 def test_policy_prefetches_only_where_the_prefetching_kernel_was_faster():
-  # (XLA, kernel, kernel with prefetch): prefetch wins at 8 and 16, but at 64 XLA is
-  # faster than both, so no kernel (and no prefetch) there; at 4 rows (one pass over each
-  # panel, where prefetch does nothing) its faster time is noise and not taken.
-  timings = {1: (20.0, 14.0, 15.0), 4: (40.0, 30.0, 25.0), 8: (60.0, 40.0, 33.0),
-             16: (70.0, 50.0, 45.0), 64: (100.0, 120.0, 110.0)}
+  # (XLA, kernel, kernel prefetching into L2, non-temporally): into L2 wins at 8, the
+  # non-temporal hint at 16, but at 64 XLA is faster than every mode, so no kernel (and no
+  # prefetch) there; at 4 rows (one pass over each panel, where prefetch does nothing) a
+  # mode's faster time is noise and not taken. A grid point timed without the prefetching
+  # modes (below ``prefetch_rows``, ``measure``) runs without.
+  timings = {1: (20.0, 14.0, 15.0, 16.0), 4: (40.0, 30.0, 25.0, 24.0),
+             8: (60.0, 40.0, 33.0, 35.0), 16: (70.0, 50.0, 45.0, 44.0),
+             64: (100.0, 120.0, 110.0, 105.0)}
   p = pol.choose(timings)
   assert [p.use_kernel(m) for m in (1, 4, 8, 16, 64)] == [True, True, True, True, False]
-  assert [p.prefetch_at(m) for m in (1, 4, 7, 8, 16)] == [False, False, True, True, True]
+  assert [p.prefetch_at(m) for m in (1, 4, 7, 8, 16)] == [0, 0, 1, 1, 2]
   assert p.ratios[1] == pytest.approx(30.0 / 40.0)  # the mode that runs
-  assert p.ratios[2] == pytest.approx(33.0 / 60.0)  # the faster mode's ratio
-  assert "prefetching at M = 8, 16" in p.describe()
+  assert p.ratios[2] == pytest.approx(33.0 / 60.0)  # the fastest mode's ratio
+  assert p.ratios[3] == pytest.approx(44.0 / 70.0)
+  assert "prefetching into L2 at M = 8; prefetching non-temporal at M = 16" in p.describe()
   assert pol.MatmulPolicy.from_json(json.loads(json.dumps(p.to_json()))) == p
-  assert pol.choose({1: (2.0, 1.0, 1.5)}).prefetch == ()  # never: no per-M list kept
+  assert pol.choose({1: (2.0, 1.0, 1.5, 1.2)}).prefetch == ()  # never: no per-M list kept
+  assert pol.choose({1: (2.0, 1.0), 8: (3.0, 2.0, 1.0, 1.5)}).prefetch == (0, 1)
   with pytest.raises(ValueError, match="prefetch"):
-    pol.MatmulPolicy(grid=(1, 2), kernel=(True, True), prefetch=(True,))
+    pol.MatmulPolicy(grid=(1, 2), kernel=(True, True), prefetch=(1,))
+  with pytest.raises(ValueError, match="prefetch"):
+    pol.MatmulPolicy(grid=(1,), kernel=(True,), prefetch=(3,))
 
 
 def test_one_pass_rows_is_read_from_the_kernels_row_block(tmp_path):
@@ -324,15 +331,16 @@ def test_one_pass_rows_is_read_from_the_kernels_row_block(tmp_path):
 
 
 def test_prefetch_rows_says_from_which_m_the_flag_changes_the_kernel():
-  # AVX-512's flag also drives the streaming pass's prefetch (M > 1); elsewhere only the
+  # AVX-512's flag also drives the streaming pass's prefetch (any M); elsewhere only the
   # passes from cache prefetch, past one pass. The policy measures from there on.
-  first = {"avx512": 2, "avx2": sm.ONE_PASS_ROWS + 1, "portable": sm.ONE_PASS_ROWS + 1}
+  first = {"avx512": 1, "avx2": sm.ONE_PASS_ROWS + 1, "portable": sm.ONE_PASS_ROWS + 1}
   for variant in VARIANTS:
     assert sm.prefetch_rows(variant) == first[sm.isa(variant)]
   timings = {1: (20.0, 14.0, 13.0), 4: (40.0, 30.0, 25.0), 8: (60.0, 40.0, 33.0)}
   assert [pol.choose(timings, prefetch_rows=2).prefetch_at(m) for m in (1, 2, 4, 8)] == [
-      False, True, True, True]
-  assert [pol.choose(timings).prefetch_at(m) for m in (1, 4, 8)] == [False, False, True]
+      0, 1, 1, 1]
+  assert [pol.choose(timings, prefetch_rows=1).prefetch_at(m) for m in (1, 8)] == [1, 1]
+  assert [pol.choose(timings).prefetch_at(m) for m in (1, 4, 8)] == [0, 0, 1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -341,15 +349,23 @@ def test_prefetch_rows_says_from_which_m_the_flag_changes_the_kernel():
 # AVX-512 taking turns over k-blocks of 32 panel rows: K = 200 ends in a partial block, 64
 # in whole ones, 20 is less than one).
 @pytest.mark.parametrize("k", [200, 64, 20])
-@pytest.mark.parametrize("rows", [2, 6, 7, 9, 12, 17, 30])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 9, 12, 17, 30])
 def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, k, variant):
   w = _rand((k, 64 * 9 + 5), rows)
   panels = jnp.asarray(sm.to_panels(w, variant))
   x = jnp.asarray(_rand((rows, k), rows + 1))
   a = np.asarray(sm.streaming_matmul(x, panels, variant))
-  b = np.asarray(sm.streaming_matmul(x, panels, variant, prefetch=True))
-  np.testing.assert_array_equal(a, b)
-  np.testing.assert_allclose(b, np.asarray(sm.reference(x, panels)), rtol=1e-5, atol=1e-4)
+  for mode in (1, 2):  # into L2, non-temporal
+    b = np.asarray(sm.streaming_matmul(x, panels, variant, prefetch=mode))
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(a, np.asarray(sm.reference(x, panels)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [3, -1, 1.5, "2"])
+def test_unknown_prefetch_modes_are_refused(bad):
+  panels = jnp.asarray(sm.to_panels(_rand((16, 64), 0)))
+  with pytest.raises((ValueError, TypeError), match="prefetch"):
+    sm.streaming_matmul(jnp.zeros((1, 16), jnp.float32), panels, prefetch=bad)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -548,7 +564,10 @@ def test_close_calls_are_the_row_counts_the_kernel_neither_clearly_wins_nor_lose
 def test_real_measurement_covers_the_grid(xla_transposed):
   w = [_rand((64, 128), 0), _rand((128, 64), 1)]
   t = pol.measure(w, grid=(1, 3), repeats=1, xla_transposed=xla_transposed)
-  assert set(t) == {1, 3} and all(len(v) == 3 and min(v) > 0 for v in t.values())
+  # XLA and the kernel everywhere; its prefetching modes from ``prefetch_rows`` on.
+  first = sm.prefetch_rows()
+  assert set(t) == {1, 3} and all(min(v) > 0 for v in t.values())
+  assert [len(t[m]) for m in (1, 3)] == [4 if m >= first else 2 for m in (1, 3)]
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -6,8 +6,8 @@ before it had an AVX2 path: no fixed rule holds everywhere. So on first use
 ``policy_for`` times both on the model's own projection weights (every layer's:
 the whole stream a forward reads) for a grid of row counts M (decode M = batch,
 verify M = batch x (γ + 1), prefill chunks M = batch x 64), keeps the kernel
-exactly where it was faster, with its software prefetch on where that was faster
-still, and caches the decision on disk, keyed by CPU model and flags, jaxlib
+exactly where it was faster, with the fastest of its software-prefetch modes (off, hinted
+into L2, non-temporal: ``streaming_matmul.PREFETCH_MODES``), and caches the decision on disk, keyed by CPU model and flags, jaxlib
 version, kernel source and the weight shapes (``cache_key``).
 ``SPECJAX_MATMUL=xla|kernel|auto`` overrides it (default ``auto``).
 
@@ -31,10 +31,11 @@ every one-row product, where measured apart both parts take the kernel (kernel/X
 0.90 for the layers, 0.95 for the head at M = 1) and a one-token forward is 1.23x
 faster for it (``benchmarks/results/matmul_parts_avx2.md``).
 
-Worked example: measured medians (ms) {1: (20, 14, 15), 16: (70, 50, 45),
-128: (230, 260, 250)} as (XLA, kernel, kernel with prefetch) give the policy
-"kernel for M <= 16, prefetching at 16, XLA's dot beyond": M = 5 takes the
-decision of the next grid point (16), M = 512 that of the last (128).
+Worked example: measured medians (ms) {1: (20, 14, 15, 16), 16: (70, 50, 45, 47),
+128: (230, 260, 250, 240)} as (XLA, kernel, kernel prefetching into L2, kernel prefetching
+non-temporally) give the policy "kernel for M <= 16, prefetching into L2 at 16, XLA's dot
+beyond": M = 5 takes the decision of the next grid point (16), M = 512 that of the last
+(128).
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ class MatmulPolicy:
     kernel: per grid point, whether the kernel runs there. Rows m take the
       decision of the smallest grid point >= m, and of the last one beyond.
     source: why (``"measured"``, ``"SPECJAX_MATMUL=xla"``, ...), for logs.
-    ratios: per grid point, measured kernel time / XLA time, the faster of the
-      kernel's two modes (empty if not measured).
-    prefetch: per grid point, whether the kernel software-prefetches there
-      (``streaming_matmul(prefetch=)``); empty: never.
+    ratios: per grid point, measured kernel time / XLA time, the fastest of the
+      kernel's modes (empty if not measured).
+    prefetch: per grid point, the kernel's prefetch mode there
+      (``streaming_matmul(prefetch=)``, a key of ``PREFETCH_MODES``); empty: never.
     contended: measured while other work ran on the machine (``other_work``): cached
       provisionally, and timed again by the next process that starts on a quiet machine.
   """
@@ -90,12 +91,13 @@ class MatmulPolicy:
   kernel: tuple[bool, ...]
   source: str = ""
   ratios: tuple[float, ...] = ()
-  prefetch: tuple[bool, ...] = ()
+  prefetch: tuple[int, ...] = ()
   contended: bool = False
 
   def __post_init__(self):
     if not self.grid or len(self.grid) != len(self.kernel) or list(self.grid) != sorted(
-        set(self.grid)) or self.grid[0] < 1 or len(self.prefetch) not in (0, len(self.grid)):
+        set(self.grid)) or self.grid[0] < 1 or len(self.prefetch) not in (0, len(self.grid)) \
+        or any(p not in sm.PREFETCH_MODES for p in self.prefetch):
       raise ValueError(f"bad policy grid {self.grid} / decisions {self.kernel} / prefetch "
                        f"{self.prefetch}")
 
@@ -106,9 +108,9 @@ class MatmulPolicy:
     """Whether a product with ``rows`` rows goes to the kernel."""
     return self.kernel[self._at(rows)]
 
-  def prefetch_at(self, rows: int) -> bool:
-    """Whether the kernel software-prefetches for ``rows`` rows."""
-    return bool(self.prefetch) and self.prefetch[self._at(rows)]
+  def prefetch_at(self, rows: int) -> int:
+    """The kernel's prefetch mode for ``rows`` rows (0: none)."""
+    return int(self.prefetch[self._at(rows)]) if self.prefetch else 0
 
   @property
   def never(self) -> bool:
@@ -131,9 +133,10 @@ class MatmulPolicy:
           ranges.append(f"{name} for M {start}-{end}" if end else f"{name} for M >= {start}")
           start = m + 1
       what = ", ".join(ranges)
-    prefetching = [str(m) for m, k, p in zip(self.grid, self.kernel, self.prefetch) if k and p]
-    if prefetching:
-      what += "; prefetching at M = " + ", ".join(prefetching)
+    for mode, name in sm.PREFETCH_MODES.items():
+      rows = [str(m) for m, k, p in zip(self.grid, self.kernel, self.prefetch) if k and p == mode]
+      if mode and rows:
+        what += f"; prefetching {name} at M = " + ", ".join(rows)
     text = f"{what} ({self.source}{', under load: provisional' if self.contended else ''})"
     if self.ratios:
       text += "; kernel/XLA time at M = " + ", ".join(
@@ -147,7 +150,7 @@ class MatmulPolicy:
   def from_json(cls, d: dict) -> "MatmulPolicy":
     return cls(grid=tuple(d["grid"]), kernel=tuple(bool(k) for k in d["kernel"]),
                source=d.get("source", ""), ratios=tuple(d.get("ratios", ())),
-               prefetch=tuple(bool(p) for p in d.get("prefetch", ())),
+               prefetch=tuple(int(p) for p in d.get("prefetch", ())),
                contended=bool(d.get("contended", False)))
 
 
@@ -157,17 +160,16 @@ KERNEL = MatmulPolicy(grid=(1,), kernel=(True,), source="streaming kernel")
 
 def choose(timings: dict[int, tuple[float, ...]], source: str = "measured",
            prefetch_rows: Optional[int] = None) -> MatmulPolicy:
-  """The policy from {M: (XLA seconds, kernel seconds[, kernel-with-prefetch seconds])}:
-  the kernel only where one of its modes was faster than XLA, prefetching where that
-  mode was the faster of the two, from ``prefetch_rows`` rows on (below, the two modes run
-  the same code and a difference measured there is noise; default ONE_PASS_ROWS + 1: up to
-  ONE_PASS_ROWS rows the kernel reads each panel once and only its passes from cache
-  prefetch, unless the kernel says otherwise, ``streaming_matmul.prefetch_rows``)."""
+  """The policy from {M: (XLA seconds, kernel seconds, [kernel seconds in prefetch mode 1,
+  [mode 2]])}: the kernel only where one of its modes was faster than XLA, in the fastest of
+  them, prefetching only from ``prefetch_rows`` rows on (below, the modes run the same code
+  and a difference measured there is noise; default ONE_PASS_ROWS + 1: up to ONE_PASS_ROWS
+  rows the kernel reads each panel once and only its passes from cache prefetch, unless the
+  kernel says otherwise, ``streaming_matmul.prefetch_rows``)."""
   grid = tuple(sorted(timings))
   first = sm.ONE_PASS_ROWS + 1 if prefetch_rows is None else prefetch_rows
-  prefetch = tuple(m >= first and len(timings[m]) > 2 and timings[m][2] < timings[m][1]
-                   for m in grid)
-  best = {m: timings[m][2 if p else 1] for m, p in zip(grid, prefetch)}  # the mode that runs
+  prefetch = tuple(int(np.argmin(timings[m][1:])) if m >= first else 0 for m in grid)
+  best = {m: timings[m][1 + p] for m, p in zip(grid, prefetch)}  # the mode that runs
   return MatmulPolicy(grid=grid, kernel=tuple(best[m] < timings[m][0] for m in grid),
                       source=source, ratios=tuple(best[m] / timings[m][0] for m in grid),
                       prefetch=prefetch if any(prefetch) else ())
@@ -218,11 +220,13 @@ def close_calls(timings: dict[int, tuple[float, ...]], factor: float = CLOSE_CAL
 
 def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repeats: int = 3,
             variant: str = "native", retime: int = 3, xla_transposed: bool = False
-            ) -> dict[int, tuple[float, float, float]]:
-  """Median seconds of the product chain with XLA's dot, the kernel and the kernel with
-  prefetch, per row count.
+            ) -> dict[int, tuple[float, ...]]:
+  """Median seconds of the product chain with XLA's dot and the kernel in each prefetch mode
+  (``streaming_matmul.PREFETCH_MODES``: off, into L2, non-temporal; the prefetching modes
+  only from ``streaming_matmul.prefetch_rows`` rows on, below which they run the same code),
+  per row count: (XLA, kernel[, mode 1, mode 2]).
 
-  The paths are timed alternately (XLA, kernel, prefetching kernel, XLA, ...)
+  The paths are timed alternately (XLA, kernel, kernel prefetching into L2, ..., XLA, ...)
   after a warm-up, so load from elsewhere on the machine hits them alike. Close calls
   (``close_calls``) get ``retime`` × ``repeats`` more alternating repeats, and their medians
   are taken over all of them. ``xla_transposed``: XLA's dot contracts against each [K, N]
@@ -237,21 +241,23 @@ def measure(weights: Sequence[np.ndarray], grid: Sequence[int] = ROW_GRID, repea
     plain = [jnp.asarray(w) for w in weights]
     xla_dot = lambda x, w: x @ w
   panels = [jnp.asarray(sm.to_panels(w, variant)) for w in weights]
-  fns = (_chain(xla_dot, ks),
-         _chain(functools.partial(sm.streaming_matmul, variant=variant), ks),
-         _chain(functools.partial(sm.streaming_matmul, variant=variant, prefetch=True), ks))
-  args = (plain, panels, panels)
+  fns = (_chain(xla_dot, ks),) + tuple(
+      _chain(functools.partial(sm.streaming_matmul, variant=variant, prefetch=mode), ks)
+      for mode in sm.PREFETCH_MODES)
+  args = (plain,) + (panels,) * len(sm.PREFETCH_MODES)
   rng = np.random.default_rng(0)
   xs = {m: jnp.asarray(rng.standard_normal((m, ks[0]), dtype=np.float32)) for m in grid}
-  times = {m: tuple([] for _ in fns) for m in grid}
+  first = sm.prefetch_rows(variant)
+  paths = {m: len(fns) if m >= first else 2 for m in grid}  # XLA, then the kernel's modes
+  times = {m: tuple([] for _ in range(paths[m])) for m in grid}
   for m in grid:
-    for f, a in zip(fns, args):
+    for f, a in zip(fns[:paths[m]], args):
       f(a, xs[m]).block_until_ready()
 
   def timed(rows: Sequence[int], n: int) -> dict[int, tuple[float, ...]]:
     for _ in range(n):
       for m in rows:
-        for i, (f, a) in enumerate(zip(fns, args)):
+        for i, (f, a) in enumerate(zip(fns[:paths[m]], args)):
           t = time.perf_counter()
           f(a, xs[m]).block_until_ready()
           times[m][i].append(time.perf_counter() - t)

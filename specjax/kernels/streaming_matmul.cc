@@ -22,7 +22,8 @@
 // takes AVX-512's shape, the compiler splitting the vectors. The library
 // reports W (``SpecjaxStreamingMatmulPanel``) and packing follows it.
 //
-// Prefetch (the ``prefetch`` attribute): for M > 6 a panel is read several
+// Prefetch (the ``prefetch`` attribute: 0 off, 1 with the L2 hint, 2 with the non-temporal
+// hint, for every prefetch it turns on): for M > 6 a panel is read several
 // times (one pass per row block); the passes share out the lines of each row of
 // the panel this thread will probably claim next and software-prefetch them into
 // L2 (on AVX2 a panel row is one line, or half of one in float16: all in the first
@@ -30,13 +31,13 @@
 // rows, 8 KB of float32, in L1),
 // sharing out the next k-block's prefetch (PanelBlocked). There the
 // attribute also makes the streaming pass (the first, from memory) prefetch the
-// panel kAhead rows ahead (into L2; AVX2's into L1) for any M > 1, which AVX2 always
-// does. Whether either pays
-// depends on the host (the next-panel prefetch was 12-22% faster on one AVX2 EPYC and
-// 5-40% slower on another, the streaming pass's 12-16% faster at M = 3-6 on an Intel
-// Xeon: benchmarks/kernel_variants/README.md), so ``policy.py`` times it like the
-// kernel itself and turns it on per M, from the first M it changes
-// (``SpecjaxStreamingMatmulPrefetchRows``).
+// panel kAhead rows ahead for any M (AVX2 always does, into L1, for M > 1). Whether
+// either pays, and with which hint, depends on the host (the next-panel prefetch was
+// 12-22% faster on one AVX2 EPYC and 5-40% slower on another, the streaming pass's 12-16%
+// faster at M = 3-6 on an Intel Xeon into L1 and 7-12% more into L2, while on a Zen 5
+// EPYC the non-temporal hint beat L2's by 5-8%: benchmarks/kernel_variants/README.md), so
+// ``policy.py`` times the modes like the kernel itself and picks one per M, from the first
+// M it changes (``SpecjaxStreamingMatmulPrefetchRows``).
 //
 // Each (row, column) accumulates over k = 0..K-1 in order with one fused
 // multiply-add per step, whatever the tile, M, panel split, prefetch or thread count:
@@ -69,8 +70,10 @@
 #include <immintrin.h>
 #endif
 
-// __builtin_prefetch's locality for the L2 cache (prefetcht1 on x86).
+// __builtin_prefetch's locality for the L2 cache (prefetcht1 on x86), and the non-temporal
+// hint (prefetchnta): the two hints the ``prefetch`` attribute chooses between (1 and 2).
 constexpr int kPrefetchL2 = 2;
+constexpr int kPrefetchNta = 0;
 
 namespace ffi = xla::ffi;
 
@@ -90,11 +93,13 @@ inline vf Fma(vf acc, vf w, float x) { return _mm512_fmadd_ps(w, _mm512_set1_ps(
 constexpr int kVecs = 4;  // vectors per panel row
 constexpr int kUnroll = 1;  // 2 and 4 measured the same on an Intel Xeon
 // With the prefetch attribute, the streaming pass prefetches 32 panel rows ahead (8 KB of
-// float32, 4 of float16) into L2 (prefetcht1): into L1 at 16 rows it took 0.84-0.88x the
-// pass without it at M = 3-6 on an Intel Xeon, into L2 at 24-64 rows 0.88-0.93x of that at
-// M = 4-6 (benchmarks/kernel_variants/README.md; float32 panels).
+// float32, 4 of float16) with the attribute's hint: into L1 at 16 rows it took 0.84-0.88x
+// the pass without it at M = 3-6 on an Intel Xeon, into L2 at 24-64 rows 0.88-0.93x of that
+// at M = 4-6; on a Zen 5 EPYC the non-temporal hint took 0.90-0.95x L2's at M = 2-6 in the
+// host's fast memory spells, 64 or 128 rows ahead no better than 32
+// (benchmarks/kernel_variants/README.md; float32 panels).
 constexpr int kAhead = 32;
-constexpr int kAheadLocality = kPrefetchL2;
+constexpr int kAheadLocality = kPrefetchL2;  // unused: the attribute's hint
 constexpr bool kAheadByAttribute = true;
 // With the prefetch attribute, more than B rows run in k-blocks (PanelBlocked): 0.90-0.95x
 // the per-panel passes at M = 7-17 and 0.84x at M = 32 on an Intel Xeon.
@@ -190,8 +195,8 @@ __attribute__((always_inline)) inline void Step(vf (&acc)[R][C], const float* __
 }
 
 // What each pass over a panel prefetches: the streaming pass, panel rows kAhead ahead of
-// its own (when several rows are computed: at M = 1 the hardware prefetcher keeps up and
-// software prefetch only costs); the passes from cache, lines of the next panel.
+// its own (AVX-512: with the attribute, at any M; AVX2: always, when several rows are
+// computed); the passes from cache, lines of the next panel.
 template <typename T>
 struct Prefetch {
   const T* next = nullptr;  // the next panel this thread will likely compute, or null
@@ -209,7 +214,7 @@ struct Prefetch {
 
 // R rows x C vectors (columns [0, C * kLanes) of ``panel``), accumulated in registers.
 // U unrolls the k loop (more loads in flight while the panel streams from memory).
-template <int R, int C, int U, typename T>
+template <int R, int C, int U, int Hint, typename T>
 inline void Tile(const float* __restrict x, int64_t K, const T* __restrict panel,
                  float* __restrict y, int64_t ldy, Prefetch<T>& pf) {
   int lo, hi;
@@ -227,11 +232,11 @@ inline void Tile(const float* __restrict x, int64_t K, const T* __restrict panel
       for (int u = 0; u < U; ++u)
         if (k + u + kAhead < K)  // within the panel
           for (int l = 0; l < kLines<T>; ++l)
-            PrefetchLine<T, kAheadLocality>(panel, k + u + kAhead, l);
+            PrefetchLine<T, kAheadByAttribute ? Hint : kAheadLocality>(panel, k + u + kAhead, l);
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) Step<R, C>(acc, x, K, panel + (k + u) * kPanel, k + u);
     for (int l = lo; l < hi; ++l)
-      for (int u = 0; u < U; ++u) PrefetchLine<T, kPrefetchL2>(pf.next, k + u, l);
+      for (int u = 0; u < U; ++u) PrefetchLine<T, Hint>(pf.next, k + u, l);
   }
   for (; k < K; ++k) Step<R, C>(acc, x, K, panel + k * kPanel, k);
 #pragma GCC unroll 8
@@ -265,7 +270,7 @@ constexpr int64_t kKBlock = 32;  // panel rows per k-block of PanelBlocked (8 KB
 // back to it, so each output is still one FMA per k in k order (float32 stores and loads are
 // exact). Meanwhile it prefetches ``rows`` panel rows from ``pre`` into L2, one per k step
 // (into L1 instead: 1.00-1.04x the per-panel passes at M = 7-17, against 0.90-0.95x).
-template <int R, int C, typename T>
+template <int R, int C, int Hint, typename T>
 inline void TileRange(const float* __restrict x, int64_t K, const T* __restrict panel,
                       float* __restrict y, int64_t ldy, int64_t k0, int64_t k1,
                       const T* pre, int64_t rows) {
@@ -277,7 +282,7 @@ inline void TileRange(const float* __restrict x, int64_t K, const T* __restrict 
   for (int64_t k = k0; k < k1; ++k) {
     const int64_t i = k - k0;
     if (i < rows)
-      for (int l = 0; l < kLines<T>; ++l) PrefetchLine<T, kPrefetchL2>(pre, i, l);
+      for (int l = 0; l < kLines<T>; ++l) PrefetchLine<T, Hint>(pre, i, l);
     Step<R, C>(acc, x, K, panel + k * kPanel, k);
   }
 #pragma GCC unroll 8
@@ -291,7 +296,7 @@ inline void TileRange(const float* __restrict x, int64_t K, const T* __restrict 
 // (of this panel, or the first of ``next``) into L2, so the stream from memory goes on while
 // the later row blocks compute (per panel, each pass after the first re-reads the whole panel
 // from L2, and only the next-panel prefetch streams meanwhile).
-template <typename T>
+template <int Hint, typename T>
 void PanelBlocked(const float* x, int64_t M, int64_t K, const T* panel, float* y,
                   int64_t ldy, const T* next) {
   const int passes = (M + B - 1) / B;
@@ -305,7 +310,7 @@ void PanelBlocked(const float* x, int64_t M, int64_t K, const T* panel, float* y
     int pass = 0;
     ForRowBlocks(M, [&](auto rows, int64_t m) {
       const int64_t lo = std::min(pre_rows, pass++ * per);
-      TileRange<decltype(rows)::value, kVecs>(x + m * K, K, panel, y + m * ldy, ldy, k0, k1,
+      TileRange<decltype(rows)::value, kVecs, Hint>(x + m * K, K, panel, y + m * ldy, ldy, k0, k1,
                                               pre == nullptr ? nullptr : pre + lo * kPanel,
                                               std::min(pre_rows, lo + per) - lo);
     });
@@ -316,16 +321,16 @@ void PanelBlocked(const float* x, int64_t M, int64_t K, const T* panel, float* y
 // over the whole panel (the first from memory, the others from cache), or with
 // ``prefetch`` past B rows on AVX-512 PanelBlocked's turns. ``next``: the panel to
 // prefetch during the passes from cache, or null.
-template <typename T>
+template <int Hint, typename T>
 void Panel(const float* x, int64_t M, int64_t K, const T* panel, float* y, int64_t ldy,
            const T* next, bool prefetch) {
-  if (kBlocked && prefetch && M > B) return PanelBlocked(x, M, K, panel, y, ldy, next);
+  if (kBlocked && prefetch && M > B) return PanelBlocked<Hint>(x, M, K, panel, y, ldy, next);
   Prefetch<T> pf;
   pf.next = next;
-  pf.ahead = M > 1 && (prefetch || !kAheadByAttribute);
+  pf.ahead = kAheadByAttribute ? prefetch : M > 1;
   pf.passes = (M + B - 1) / B;
   ForRowBlocks(M, [&](auto rows, int64_t m) {
-    Tile<decltype(rows)::value, kVecs, kUnroll>(x + m * K, K, panel, y + m * ldy, ldy, pf);
+    Tile<decltype(rows)::value, kVecs, kUnroll, Hint>(x + m * K, K, panel, y + m * ldy, ldy, pf);
   });
 }
 
@@ -342,6 +347,8 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("streaming_matmul: want y [M, P * W]");
+  if (prefetch < 0 || prefetch > 2)
+    return ffi::Error::InvalidArgument("streaming_matmul: prefetch must be 0 (off), 1 (into L2) or 2 (non-temporal)");
   const float* xs = x.typed_data();
   const T* ps = panels.typed_data();
   float* ys = y->typed_data();
@@ -355,8 +362,13 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const int64_t end = std::min(P, (i + 1) * kGroup);
     for (int64_t p = i * kGroup; p < end; ++p) {
       const int64_t guess = p + 1 < end ? p + 1 : (i + workers) * kGroup;
-      Panel(xs, M, K, ps + p * K * kPanel, ys + p * kPanel, P * kPanel,
-            prefetch && guess < P ? ps + guess * K * kPanel : nullptr, prefetch != 0);
+      const T* next = prefetch && guess < P ? ps + guess * K * kPanel : nullptr;
+      if (prefetch == 2)
+        Panel<kPrefetchNta>(xs, M, K, ps + p * K * kPanel, ys + p * kPanel, P * kPanel, next,
+                            true);
+      else
+        Panel<kPrefetchL2>(xs, M, K, ps + p * K * kPanel, ys + p * kPanel, P * kPanel, next,
+                           prefetch != 0);
     }
   });
   return ffi::Error::Success();
@@ -371,8 +383,8 @@ extern "C" const char* SpecjaxStreamingMatmulIsa() { return kIsa; }
 extern "C" int SpecjaxStreamingMatmulPanel() { return kPanel; }
 
 // The fewest rows M at which the ``prefetch`` attribute changes what the kernel does:
-// from 2 where it drives the streaming pass's prefetch, else past one pass (B + 1).
-extern "C" int SpecjaxStreamingMatmulPrefetchRows() { return kAheadByAttribute ? 2 : B + 1; }
+// any where it drives the streaming pass's prefetch, else past one pass (B + 1).
+extern "C" int SpecjaxStreamingMatmulPrefetchRows() { return kAheadByAttribute ? 1 : B + 1; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxStreamingMatmul, StreamingMatmulImpl<ffi::F32>,
                               ffi::Ffi::Bind()

@@ -58,6 +58,10 @@ DEFAULT_PANEL = 64
 # The panel dtypes the kernel reads: float32, and float16 widened to float32 in registers.
 PANEL_DTYPES = (jnp.float32, jnp.float16)
 HALF = jnp.float16
+# ``streaming_matmul(prefetch=)``'s modes: off, the prefetches it turns on hinted into L2
+# (prefetcht1), or non-temporal (prefetchnta). Which is fastest depends on the host and M
+# (``policy.py`` measures them).
+PREFETCH_MODES = {0: "off", 1: "into L2", 2: "non-temporal"}
 
 
 def _one_pass_rows(source: str = _SOURCE) -> int:
@@ -163,27 +167,30 @@ def widens_halves_in_hardware(variant: str = "native") -> bool:
 
 
 def prefetch_rows(variant: str = "native") -> int:
-  """The fewest rows at which ``streaming_matmul(prefetch=True)`` differs from ``False``:
-  2 where the flag also drives the streaming pass's prefetch (the AVX-512 path), else
-  ONE_PASS_ROWS + 1 (only the passes from cache prefetch), also where no kernel is built."""
+  """The fewest rows at which ``streaming_matmul(prefetch=...)`` differs from ``0``: 1 where
+  it also drives the streaming pass's prefetch (the AVX-512 path), else ONE_PASS_ROWS + 1
+  (only the passes from cache prefetch), also where no kernel is built."""
   return _PREFETCH_ROWS[variant] if available(variant) else ONE_PASS_ROWS + 1
 
 
 def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
-                     prefetch: bool = False) -> jax.Array:
+                     prefetch: int = 0) -> jax.Array:
   """x [M, K] float32 @ panels [P, K, W] float32 or float16 -> [M, P * W] float32 (CPU kernel).
 
   W must be the variant's ``panel_width``: pack with ``to_panels(w, variant)``. Float16
   panels are widened to float32 as they load: the bits of float32 panels holding the same
   values, with half the bytes read.
 
-  ``prefetch``: software-prefetch the next panel while one is computed from cache
+  ``prefetch`` (a mode of ``PREFETCH_MODES``: 0 off, 1 hinted into L2, 2 non-temporal; a
+  bool is 0 or 1): software-prefetch the next panel while one is computed from cache
   (M > ONE_PASS_ROWS; on the AVX-512 path the row blocks then take turns over k-blocks of
   32 panel rows, prefetching the next one) and, on the AVX-512 path, the streamed panel
-  ahead of the first pass (M > 1; the AVX2 path always does that); below
-  ``prefetch_rows(variant)`` rows it does nothing. The same bits either way, only the
-  speed differs by host.
+  ahead of the first pass (any M; the AVX2 path always does that for M > 1, into L1);
+  below ``prefetch_rows(variant)`` rows it does nothing. The same bits in every mode, only
+  the speed differs by host.
   """
+  if int(prefetch) not in PREFETCH_MODES or prefetch != int(prefetch):
+    raise ValueError(f"prefetch must be one of {PREFETCH_MODES} (or a bool), got {prefetch!r}")
   reason = _register(variant)
   if reason is not None:
     raise RuntimeError(reason)
@@ -196,7 +203,7 @@ def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
                      f"{x.dtype} and {panels.dtype}")
   out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * width), jnp.float32)
   return jax.ffi.ffi_call(_target(variant, panels.dtype), out, vmap_method="sequential")(
-      x, panels, prefetch=np.int32(bool(prefetch)))
+      x, panels, prefetch=np.int32(prefetch))
 
 
 def to_panels(w: np.ndarray | jax.Array, variant: str = "native",
