@@ -49,9 +49,10 @@ def interleaved_times(fns: dict, repeats: int, seconds: Optional[float] = None) 
 
 def split_spells(t1: np.ndarray) -> tuple[np.ndarray, float]:
   """(a bool mask of the fast rounds, the threshold) of rounds timed ``t1`` (a one-token
-  forward, or the round's whole time): fast below the midpoint of the 10th and 90th percentiles. Some hosts (the Zen 5
-  EPYCs) switch between a fast and a slow memory spell for seconds to a minute
-  (``benchmarks.bandwidth_spells``); ratios are only meaningful within one spell."""
+  forward, or the round's whole time): fast below the midpoint of the 10th and 90th
+  percentiles. Some hosts (the Zen 5 EPYCs) switch between a fast and a slow memory spell for
+  seconds to a minute (``benchmarks.bandwidth_spells``); a ratio of two timings is only
+  meaningful within one spell."""
   threshold = float(np.mean(np.percentile(t1, [10, 90])))
   return np.asarray(t1) < threshold, threshold
 

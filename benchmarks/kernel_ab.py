@@ -13,7 +13,8 @@ versions are timed alternately per row count M (load from elsewhere hits them
 alike); medians and ranges are reported. Every version must give bit-identical
 results to the first (the kernel's contract: one FMA per k, in k order), else
 the run stops. ``path:prefetch`` runs a source with its ``prefetch`` attribute
-on (1: hinted into L2), ``path:nta`` with mode 2 (non-temporal; sources since that mode). To try a change: copy the source, edit the copy, pass both.
+on (1: hinted into L2), ``path:nta`` with mode 2 (non-temporal; only sources that
+have it). To try a change: copy the source, edit the copy, pass both.
 
 ``--seconds`` runs rounds (every version at every M once) for that long instead of
 ``--repeats`` rounds. ``--spells`` splits the rounds into the host's fast and slow memory
@@ -72,6 +73,40 @@ def build(source: str, name: str, workdir: str):
   return matmul, width
 
 
+def spell_tables(runs: dict, rows: list[int], names: list[str], flops: float,
+                 spells: bool) -> list[str]:
+  """Markdown tables of ``runs`` ({(M, version index): [seconds of each round]}): one for all
+  rounds, or with ``spells`` one per memory spell (``common.split_spells`` of each round's
+  total time), each with every version's median [min, max] and its ratio to the first's."""
+  rounds = len(runs[rows[0], 0])
+  lines = []
+  if spells:
+    fast, threshold = split_spells(np.sum(list(runs.values()), axis=0))
+    lines += ["", f"A round is in the fast spell when its calls took under {threshold:.2f} s "
+              "in all (`common.split_spells`)."]
+    parts = [(f"Fast spell ({int(fast.sum())} rounds)", fast),
+             (f"Slow spell ({int((~fast).sum())} rounds)", ~fast)]
+  else:
+    parts = [(None, np.ones(rounds, bool))]
+  for title, sel in parts:
+    lines += [""] + ([f"## {title}", ""] if title else [])
+    if not sel.any():
+      lines.append("No rounds.")
+      continue
+    lines += ["| M | " + " | ".join(f"{n} ms" for n in names) + " | "
+              + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + f" | {names[0]} GFLOP/s |",
+              "|---" * (2 * len(names) + 1) + "|"]
+    for m in rows:
+      ts = [np.asarray(runs[m, i])[sel] for i in range(len(names))]
+      med = [np.median(t) for t in ts]
+      cells = [f"{v * 1e3:.1f} [{t.min() * 1e3:.1f}, {t.max() * 1e3:.1f}]"
+               for v, t in zip(med, ts)]
+      lines.append(f"| {m} | " + " | ".join(cells) + " | "
+                   + " | ".join(f"{v / med[0]:.2f}" for v in med[1:])
+                   + f" | {flops * m / med[0] / 1e9:.0f} |")
+  return lines
+
+
 def main(_):
   if not SOURCES.value:
     raise SystemExit("--sources needs at least one kernel source")
@@ -83,6 +118,10 @@ def main(_):
   missing = [path for path, _ in entries if not os.path.isfile(path)]
   if missing:
     raise SystemExit(f"no such source: {', '.join(missing)}")
+  old = sorted({path for path, mode in entries if mode == 2
+                and "kPrefetchNta" not in open(path).read()})
+  if old:  # a source from before the modes reads any non-zero attribute as "on"
+    raise SystemExit(f"{', '.join(old)} has no non-temporal mode (kPrefetchNta): use :prefetch")
   try:
     rows = [int(m) for m in ROWS.value]
   except ValueError:
@@ -125,30 +164,7 @@ def main(_):
            "Command: `python -m benchmarks.kernel_ab --sources=" + ",".join(SOURCES.value)
            + f" --rows={','.join(ROWS.value)}{flag_text}" + (" --spells" if SPELLS.value else "")
            + (f" --out={OUT.value}`" if OUT.value != OUT.default else "`")]
-  if SPELLS.value:
-    fast, threshold = split_spells(np.sum(list(runs.values()), axis=0))
-    lines += ["", f"A round is in the fast spell when its calls took under {threshold:.2f} s "
-              "in all (`common.split_spells`)."]
-    spells = [(f"Fast spell ({int(fast.sum())} rounds)", fast),
-              (f"Slow spell ({int((~fast).sum())} rounds)", ~fast)]
-  else:
-    spells = [(None, np.ones(rounds, bool))]
-  for title, sel in spells:
-    lines += [""] + ([f"## {title}", ""] if title else [])
-    if not sel.any():
-      lines.append("No rounds.")
-      continue
-    lines += ["| M | " + " | ".join(f"{n} ms" for n in names) + " | "
-              + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + f" | {names[0]} GFLOP/s |",
-              "|---" * (2 * len(names) + 1) + "|"]
-    for m in rows:
-      ts = [np.asarray(runs[m, i])[sel] for i in range(len(fns))]
-      med = [np.median(t) for t in ts]
-      cells = [f"{v * 1e3:.1f} [{t.min() * 1e3:.1f}, {t.max() * 1e3:.1f}]"
-               for v, t in zip(med, ts)]
-      lines.append(f"| {m} | " + " | ".join(cells) + " | "
-                   + " | ".join(f"{v / med[0]:.2f}" for v in med[1:])
-                   + f" | {flops * m / med[0] / 1e9:.0f} |")
+  lines += spell_tables(runs, rows, names, flops, SPELLS.value)
   write_markdown(OUT.value, lines)
 
 

@@ -589,13 +589,33 @@ def test_bandwidth_spells_splits_rounds_at_the_midpoint_and_refuses_bad_flags(tm
            ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
-def test_kernel_ab_refuses_bad_flags_before_building():
+def test_kernel_ab_refuses_bad_flags_before_building(tmp_path):
   src = "specjax/kernels/streaming_matmul.cc"
   _refuses("kernel_ab", ([], "--sources needs at least one"),
            (["--sources=/nonexistent.cc"], "no such source"),
            ([f"--sources={src}", "--rows=0,2"], "--rows must list integers >= 1"),
            ([f"--sources={src}", "--rows=a"], "--rows must list integers >= 1"),
            ([f"--sources={src}", "--seconds=0"], "flag --seconds=0"))
+  old = tmp_path / "old.cc"  # a source from before the prefetch modes
+  old.write_text(open(src).read().replace("kPrefetchNta", "kPrefetchNone"))
+  _refuses("kernel_ab", ([f"--sources={src},{old}:nta"], "has no non-temporal mode"))
+
+
+def test_kernel_ab_reports_each_spell_apart():
+  from benchmarks.kernel_ab import spell_tables
+  # Rounds alternate between a fast (M = 1 at 9-10 ms) and a slow (14 ms) spell; version 1
+  # is 10% faster at M = 4 in the fast spell only.
+  fast = np.arange(40) % 3 == 0
+  runs = {(1, 0): np.where(fast, 9e-3, 14e-3), (1, 1): np.where(fast, 9e-3, 14e-3),
+          (4, 0): np.where(fast, 11e-3, 14.5e-3), (4, 1): np.where(fast, 9.9e-3, 14.5e-3)}
+  lines = spell_tables(runs, [1, 4], ["a", "b"], 1e9, spells=True)
+  text = "\n".join(lines)
+  assert "## Fast spell (14 rounds)" in text and "## Slow spell (26 rounds)" in text
+  fast_part, slow_part = text.split("## Slow spell")
+  assert "| 4 | 11.0 [11.0, 11.0] | 9.9 [9.9, 9.9] | 0.90 |" in fast_part
+  assert "| 4 | 14.5 [14.5, 14.5] | 14.5 [14.5, 14.5] | 1.00 |" in slow_part
+  whole = "\n".join(spell_tables(runs, [1, 4], ["a", "b"], 1e9, spells=False))
+  assert "spell" not in whole and whole.count("| 4 |") == 1
 
 
 def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():

@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -123,15 +124,19 @@ def test_the_portable_path_widens_every_half_exactly(tmp_path):
   jax.ffi.register_ffi_target("specjax_test_portable_f16",
                               jax.ffi.pycapsule(lib.SpecjaxStreamingMatmulF16), platform="cpu")
 
-  def call(x, w):
+  def call(x, w, mode=0):
     panels = jnp.asarray(sm.to_panels(w, width=lib.SpecjaxStreamingMatmulPanel()))
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * panels.shape[2]), jnp.float32)
-    return jax.ffi.ffi_call("specjax_test_portable_f16", out)(x, panels, prefetch=np.int32(0))
+    return jax.ffi.ffi_call("specjax_test_portable_f16", out)(x, panels, prefetch=np.int32(mode))
 
   _half_identity(call)
-  x, w = _rand((5, 70), 0), _rand((70, 130), 1).astype(np.float16)
-  np.testing.assert_allclose(np.asarray(call(jnp.asarray(x), w))[:, :130],
-                             x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
+  for rows in (5, 9):  # one pass; two, where the prefetch modes differ
+    x, w = _rand((rows, 70), 0), _rand((70, 130), 1).astype(np.float16)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    got = [np.asarray(call(jnp.asarray(x), w, mode))[:, :130] for mode in sm.PREFETCH_MODES]
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-4)
+    for g in got[1:]:
+      np.testing.assert_array_equal(g, got[0])
 
 
 def test_half_packed_weights_round_once_and_keep_float32_products():
@@ -294,21 +299,28 @@ def test_policy_never_chooses_the_slower_path():
 
 
 def test_policy_prefetches_only_where_the_prefetching_kernel_was_faster():
-  # (XLA, kernel, kernel prefetching into L2, non-temporally): into L2 wins at 8, the
-  # non-temporal hint at 16, but at 64 XLA is faster than every mode, so no kernel (and no
-  # prefetch) there; at 4 rows (one pass over each panel, where prefetch does nothing) a
-  # mode's faster time is noise and not taken. A grid point timed without the prefetching
-  # modes (below ``prefetch_rows``, ``measure``) runs without.
+  # (XLA, kernel, kernel prefetching into L2, non-temporally): into L2 wins at 8 by a hair,
+  # the non-temporal hint at 16 and 64 clearly, so the non-temporal hint is taken (pooled
+  # over M >= 7), and where it beats no prefetch; at 64 XLA is faster than every mode, so no
+  # kernel there; at 4 rows (one pass over each panel, where prefetch does nothing) a mode's
+  # faster time is noise and not taken. A grid point timed without the prefetching modes
+  # (below ``prefetch_rows``, ``measure``) runs without.
   timings = {1: (20.0, 14.0, 15.0, 16.0), 4: (40.0, 30.0, 25.0, 24.0),
-             8: (60.0, 40.0, 33.0, 35.0), 16: (70.0, 50.0, 45.0, 44.0),
+             8: (60.0, 40.0, 33.0, 34.0), 16: (70.0, 50.0, 45.0, 41.0),
              64: (100.0, 120.0, 110.0, 105.0)}
+  assert pol.pooled_hint(timings, 7) == 2 and pol.pooled_hint(timings, 100) == 1
   p = pol.choose(timings)
   assert [p.use_kernel(m) for m in (1, 4, 8, 16, 64)] == [True, True, True, True, False]
-  assert [p.prefetch_at(m) for m in (1, 4, 7, 8, 16)] == [0, 0, 1, 1, 2]
+  assert [p.prefetch_at(m) for m in (1, 4, 7, 8, 16)] == [0, 0, 2, 2, 2]
   assert p.ratios[1] == pytest.approx(30.0 / 40.0)  # the mode that runs
-  assert p.ratios[2] == pytest.approx(33.0 / 60.0)  # the fastest mode's ratio
-  assert p.ratios[3] == pytest.approx(44.0 / 70.0)
-  assert "prefetching into L2 at M = 8; prefetching non-temporal at M = 16" in p.describe()
+  assert p.ratios[2] == pytest.approx(34.0 / 60.0)  # the pooled hint's, not the faster L2's
+  assert p.ratios[3] == pytest.approx(41.0 / 70.0)
+  assert "prefetching non-temporal at M = 8, 16" in p.describe()
+  slower = {m: t[:3] + (t[2] * 1.1,) for m, t in timings.items()}  # into L2 everywhere
+  assert [pol.choose(slower).prefetch_at(m) for m in (4, 8, 16)] == [0, 1, 1]
+  assert "prefetching into L2 at M = 8, 16" in pol.choose(slower).describe()
+  no_gain = {**timings, 16: (70.0, 40.0, 45.0, 41.0)}  # the hint, but not prefetching at 16
+  assert [pol.choose(no_gain).prefetch_at(m) for m in (8, 16)] == [2, 0]
   assert pol.MatmulPolicy.from_json(json.loads(json.dumps(p.to_json()))) == p
   assert pol.choose({1: (2.0, 1.0, 1.5, 1.2)}).prefetch == ()  # never: no per-M list kept
   assert pol.choose({1: (2.0, 1.0), 8: (3.0, 2.0, 1.0, 1.5)}).prefetch == (0, 1)
@@ -361,7 +373,32 @@ def test_prefetching_kernel_is_bit_identical_to_the_plain_kernel(rows, k, varian
   np.testing.assert_allclose(a, np.asarray(sm.reference(x, panels)), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("bad", [3, -1, 1.5, "2"])
+def test_the_kernel_itself_refuses_an_unknown_prefetch_mode():
+  # Below the Python check: the FFI handler's own range check.
+  sm.available()  # builds and registers the native target
+  panels = jnp.asarray(sm.to_panels(_rand((16, 64), 0)))
+  out = jax.ShapeDtypeStruct((1, panels.shape[0] * panels.shape[2]), jnp.float32)
+  with pytest.raises(Exception, match="prefetch must be 0"):
+    jax.ffi.ffi_call(sm._target("native"), out)(jnp.ones((1, 16), jnp.float32), panels,
+                                                prefetch=np.int32(3)).block_until_ready()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
+                    reason="x86-64 disassembly with objdump")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_prefetch_mode_emits_its_own_hint(variant):
+  """Every mode gives the same bits, so only the code shows a hint wired to the wrong mode:
+  both attribute hints (prefetcht1, prefetchnta) are in every path that prefetches; AVX2's
+  always-on streaming-pass prefetch keeps prefetcht0 (into L1); AVX-512's follows the mode,
+  so it has no prefetcht0."""
+  sm.available(variant)
+  text = subprocess.run(["objdump", "-d", sm._library_path(variant)], capture_output=True,
+                        text=True, check=True).stdout
+  assert "prefetcht1" in text and "prefetchnta" in text
+  assert ("prefetcht0" in text) == (sm.isa(variant) == "avx2")
+
+
+@pytest.mark.parametrize("bad", [3, -1, 1.5, "2", None, "a"])
 def test_unknown_prefetch_modes_are_refused(bad):
   panels = jnp.asarray(sm.to_panels(_rand((16, 64), 0)))
   with pytest.raises((ValueError, TypeError), match="prefetch"):

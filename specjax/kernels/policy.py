@@ -6,8 +6,9 @@ before it had an AVX2 path: no fixed rule holds everywhere. So on first use
 ``policy_for`` times both on the model's own projection weights (every layer's:
 the whole stream a forward reads) for a grid of row counts M (decode M = batch,
 verify M = batch x (γ + 1), prefill chunks M = batch x 64), keeps the kernel
-exactly where it was faster, with the fastest of its software-prefetch modes (off, hinted
-into L2, non-temporal: ``streaming_matmul.PREFETCH_MODES``), and caches the decision on disk, keyed by CPU model and flags, jaxlib
+exactly where it was faster, prefetching where that was faster still (hinted into L2 or
+non-temporal: ``streaming_matmul.PREFETCH_MODES``, the hint chosen once over every row
+count), and caches the decision on disk, keyed by CPU model and flags, jaxlib
 version, kernel source and the weight shapes (``cache_key``).
 ``SPECJAX_MATMUL=xla|kernel|auto`` overrides it (default ``auto``).
 
@@ -31,11 +32,12 @@ every one-row product, where measured apart both parts take the kernel (kernel/X
 0.90 for the layers, 0.95 for the head at M = 1) and a one-token forward is 1.23x
 faster for it (``benchmarks/results/matmul_parts_avx2.md``).
 
-Worked example: measured medians (ms) {1: (20, 14, 15, 16), 16: (70, 50, 45, 47),
+Worked example: measured medians (ms) {1: (20, 14, 15, 16), 16: (70, 50, 45, 44),
 128: (230, 260, 250, 240)} as (XLA, kernel, kernel prefetching into L2, kernel prefetching
-non-temporally) give the policy "kernel for M <= 16, prefetching into L2 at 16, XLA's dot
-beyond": M = 5 takes the decision of the next grid point (16), M = 512 that of the last
-(128).
+non-temporally) give the policy "kernel for M <= 16, prefetching non-temporal at 16, XLA's
+dot beyond" (the non-temporal hint was faster over M = 16 and 128 taken together, and at 16
+faster than no prefetch): M = 5 takes the decision of the next grid point (16), M = 512 that
+of the last (128).
 """
 
 from __future__ import annotations
@@ -158,17 +160,32 @@ XLA = MatmulPolicy(grid=(1,), kernel=(False,), source="XLA's dot")
 KERNEL = MatmulPolicy(grid=(1,), kernel=(True,), source="streaming kernel")
 
 
+def pooled_hint(timings: dict[int, tuple[float, ...]], first: int) -> int:
+  """The prefetch mode, 1 (into L2) or 2 (non-temporal), that was faster over every row count
+  from ``first`` on that timed both (the geometric mean of their ratios); 1 where none did.
+
+  Pooled, not per M: which hint suits the host's memory was the same at every M in the A/Bs
+  (``benchmarks/results/kernel_ab_nta_zen5.md``: 0.92-0.98 at M = 1-16), while one row
+  count's three repeats differ by more than the hints do (identical code ±2%, the hints
+  2-8%), so per M the choice between them was mostly noise."""
+  ratios = [t[3] / t[2] for m, t in timings.items() if m >= first and len(t) > 3]
+  return 2 if ratios and float(np.mean(np.log(ratios))) < 0 else 1
+
+
 def choose(timings: dict[int, tuple[float, ...]], source: str = "measured",
            prefetch_rows: Optional[int] = None) -> MatmulPolicy:
   """The policy from {M: (XLA seconds, kernel seconds, [kernel seconds in prefetch mode 1,
-  [mode 2]])}: the kernel only where one of its modes was faster than XLA, in the fastest of
-  them, prefetching only from ``prefetch_rows`` rows on (below, the modes run the same code
-  and a difference measured there is noise; default ONE_PASS_ROWS + 1: up to ONE_PASS_ROWS
-  rows the kernel reads each panel once and only its passes from cache prefetch, unless the
-  kernel says otherwise, ``streaming_matmul.prefetch_rows``)."""
+  [mode 2]])}: the kernel only where it (prefetching or not) was faster than XLA, prefetching
+  with the ``pooled_hint`` where that was faster than not, and only from ``prefetch_rows``
+  rows on (below, the modes run the same code and a difference measured there is noise;
+  default ONE_PASS_ROWS + 1: up to ONE_PASS_ROWS rows the kernel reads each panel once and
+  only its passes from cache prefetch, unless the kernel says otherwise,
+  ``streaming_matmul.prefetch_rows``)."""
   grid = tuple(sorted(timings))
   first = sm.ONE_PASS_ROWS + 1 if prefetch_rows is None else prefetch_rows
-  prefetch = tuple(int(np.argmin(timings[m][1:])) if m >= first else 0 for m in grid)
+  hint = pooled_hint(timings, first)
+  prefetch = tuple(hint if m >= first and len(timings[m]) > 1 + hint
+                   and timings[m][1 + hint] < timings[m][1] else 0 for m in grid)
   best = {m: timings[m][1 + p] for m, p in zip(grid, prefetch)}  # the mode that runs
   return MatmulPolicy(grid=grid, kernel=tuple(best[m] < timings[m][0] for m in grid),
                       source=source, ratios=tuple(best[m] / timings[m][0] for m in grid),
@@ -213,7 +230,7 @@ CLOSE_CALL = 1.15
 
 
 def close_calls(timings: dict[int, tuple[float, ...]], factor: float = CLOSE_CALL) -> list[int]:
-  """Row counts whose faster kernel mode is within ``factor`` of XLA's time, either way."""
+  """Row counts whose fastest kernel mode is within ``factor`` of XLA's time, either way."""
   return [m for m, (xla, *kernel) in sorted(timings.items())
           if 1 / factor <= min(kernel) / xla <= factor]
 
@@ -339,7 +356,8 @@ def policy_for(params: dict, tie_embeddings: bool,
   """The matmul policy for ``part`` of this model here (its decoder layers' projections or its
   output head, ``PARTS``): ``SPECJAX_MATMUL``, else the cached or new measurement
   (``measure_fn(weights, xla_transposed=...)``). Logs the decision (a warning when it
-  measures: once per machine and part, about 30 s for both on a 2-core Intel Xeon).
+  measures: once per machine and part; for both, about 30 s on a 2-core Intel Xeon when the
+  kernel had two modes to time, under 30 s on a 2-core Zen 5 with three).
 
   A measurement during which ``load_fn()`` (default ``other_work``: other processes'
   runnable threads per CPU, read before and after) reached ``BUSY`` is cached as

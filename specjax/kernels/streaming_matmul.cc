@@ -22,11 +22,11 @@
 // takes AVX-512's shape, the compiler splitting the vectors. The library
 // reports W (``SpecjaxStreamingMatmulPanel``) and packing follows it.
 //
-// Prefetch (the ``prefetch`` attribute: 0 off, 1 with the L2 hint, 2 with the non-temporal
-// hint, for every prefetch it turns on): for M > 6 a panel is read several
+// Prefetch (the ``prefetch`` attribute: 0 off; 1 or 2, every prefetch it turns on hinted
+// into L2 (prefetcht1) or non-temporal (prefetchnta)): for M > 6 a panel is read several
 // times (one pass per row block); the passes share out the lines of each row of
-// the panel this thread will probably claim next and software-prefetch them into
-// L2 (on AVX2 a panel row is one line, or half of one in float16: all in the first
+// the panel this thread will probably claim next and software-prefetch them
+// (on AVX2 a panel row is one line, or half of one in float16: all in the first
 // pass); on AVX-512 the row blocks instead take turns over k-blocks of the panel (32
 // rows, 8 KB of float32, in L1),
 // sharing out the next k-block's prefetch (PanelBlocked). There the
@@ -35,9 +35,10 @@
 // either pays, and with which hint, depends on the host (the next-panel prefetch was
 // 12-22% faster on one AVX2 EPYC and 5-40% slower on another, the streaming pass's 12-16%
 // faster at M = 3-6 on an Intel Xeon into L1 and 7-12% more into L2, while on a Zen 5
-// EPYC the non-temporal hint beat L2's by 5-8%: benchmarks/kernel_variants/README.md), so
-// ``policy.py`` times the modes like the kernel itself and picks one per M, from the first
-// M it changes (``SpecjaxStreamingMatmulPrefetchRows``).
+// EPYC the non-temporal hint took 0.92-0.98x L2's time at M = 2-16:
+// benchmarks/kernel_variants/README.md), so ``policy.py`` times the modes like the kernel
+// itself and picks the hint, then per M whether to prefetch, from the first M the attribute
+// changes (``SpecjaxStreamingMatmulPrefetchRows``).
 //
 // Each (row, column) accumulates over k = 0..K-1 in order with one fused
 // multiply-add per step, whatever the tile, M, panel split, prefetch or thread count:
@@ -95,11 +96,11 @@ constexpr int kUnroll = 1;  // 2 and 4 measured the same on an Intel Xeon
 // With the prefetch attribute, the streaming pass prefetches 32 panel rows ahead (8 KB of
 // float32, 4 of float16) with the attribute's hint: into L1 at 16 rows it took 0.84-0.88x
 // the pass without it at M = 3-6 on an Intel Xeon, into L2 at 24-64 rows 0.88-0.93x of that
-// at M = 4-6; on a Zen 5 EPYC the non-temporal hint took 0.90-0.95x L2's at M = 2-6 in the
-// host's fast memory spells, 64 or 128 rows ahead no better than 32
+// at M = 4-6; on a Zen 5 EPYC the non-temporal hint took 0.95-0.98x L2's at M = 2-6 in the
+// host's fast memory spells, 64 or 128 rows ahead into L2 1.01-1.07x 32 rows'
 // (benchmarks/kernel_variants/README.md; float32 panels).
 constexpr int kAhead = 32;
-constexpr int kAheadLocality = kPrefetchL2;  // unused: the attribute's hint
+constexpr int kAheadLocality = kPrefetchL2;  // not read: this path takes the attribute's hint
 constexpr bool kAheadByAttribute = true;
 // With the prefetch attribute, more than B rows run in k-blocks (PanelBlocked): 0.90-0.95x
 // the per-panel passes at M = 7-17 and 0.84x at M = 32 on an Intel Xeon.
@@ -268,8 +269,9 @@ constexpr int64_t kKBlock = 32;  // panel rows per k-block of PanelBlocked (8 KB
 
 // Rows [0, R) over panel rows [k0, k1): the accumulators start from y (zero at k0 = 0) and go
 // back to it, so each output is still one FMA per k in k order (float32 stores and loads are
-// exact). Meanwhile it prefetches ``rows`` panel rows from ``pre`` into L2, one per k step
-// (into L1 instead: 1.00-1.04x the per-panel passes at M = 7-17, against 0.90-0.95x).
+// exact). Meanwhile it prefetches ``rows`` panel rows from ``pre`` with ``Hint``, one per k
+// step (on an Intel Xeon, into L1: 1.00-1.04x the per-panel passes at M = 7-17, into L2
+// 0.90-0.95x).
 template <int R, int C, int Hint, typename T>
 inline void TileRange(const float* __restrict x, int64_t K, const T* __restrict panel,
                       float* __restrict y, int64_t ldy, int64_t k0, int64_t k1,
@@ -293,9 +295,9 @@ inline void TileRange(const float* __restrict x, int64_t K, const T* __restrict 
 
 // Rows [0, M) of one panel, M > B, in k-blocks of kKBlock panel rows: every row block's pass
 // over a k-block reads it from L1, and the passes share out the prefetch of the next k-block
-// (of this panel, or the first of ``next``) into L2, so the stream from memory goes on while
-// the later row blocks compute (per panel, each pass after the first re-reads the whole panel
-// from L2, and only the next-panel prefetch streams meanwhile).
+// (of this panel, or the first of ``next``, with ``Hint``), so the stream from memory goes on
+// while the later row blocks compute (in per-panel passes, each pass after the first re-reads
+// the whole panel from cache, and only the next-panel prefetch streams meanwhile).
 template <int Hint, typename T>
 void PanelBlocked(const float* x, int64_t M, int64_t K, const T* panel, float* y,
                   int64_t ldy, const T* next) {
@@ -310,9 +312,9 @@ void PanelBlocked(const float* x, int64_t M, int64_t K, const T* panel, float* y
     int pass = 0;
     ForRowBlocks(M, [&](auto rows, int64_t m) {
       const int64_t lo = std::min(pre_rows, pass++ * per);
-      TileRange<decltype(rows)::value, kVecs, Hint>(x + m * K, K, panel, y + m * ldy, ldy, k0, k1,
-                                              pre == nullptr ? nullptr : pre + lo * kPanel,
-                                              std::min(pre_rows, lo + per) - lo);
+      TileRange<decltype(rows)::value, kVecs, Hint>(
+          x + m * K, K, panel, y + m * ldy, ldy, k0, k1,
+          pre == nullptr ? nullptr : pre + lo * kPanel, std::min(pre_rows, lo + per) - lo);
     });
   }
 }
@@ -348,7 +350,8 @@ ffi::Error StreamingMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("streaming_matmul: want y [M, P * W]");
   if (prefetch < 0 || prefetch > 2)
-    return ffi::Error::InvalidArgument("streaming_matmul: prefetch must be 0 (off), 1 (into L2) or 2 (non-temporal)");
+    return ffi::Error::InvalidArgument(
+        "streaming_matmul: prefetch must be 0 (off), 1 (into L2) or 2 (non-temporal)");
   const float* xs = x.typed_data();
   const T* ps = panels.typed_data();
   float* ys = y->typed_data();

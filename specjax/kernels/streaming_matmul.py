@@ -189,7 +189,11 @@ def streaming_matmul(x: jax.Array, panels: jax.Array, variant: str = "native",
   below ``prefetch_rows(variant)`` rows it does nothing. The same bits in every mode, only
   the speed differs by host.
   """
-  if int(prefetch) not in PREFETCH_MODES or prefetch != int(prefetch):
+  try:
+    ok = int(prefetch) in PREFETCH_MODES and prefetch == int(prefetch)
+  except (TypeError, ValueError):
+    ok = False
+  if not ok:
     raise ValueError(f"prefetch must be one of {PREFETCH_MODES} (or a bool), got {prefetch!r}")
   reason = _register(variant)
   if reason is not None:
