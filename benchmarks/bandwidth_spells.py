@@ -53,9 +53,9 @@ def main(_):
     if not sub:
       lines.append(f"| {name} | 0 |" + " – |" * (2 * len(tokens) - 1))
       continue
-    times = " | ".join(f"{np.median([r[t] for r in sub]) * 1e3:.2f}" for t in tokens)
+    medians = " | ".join(f"{np.median([r[t] for r in sub]) * 1e3:.2f}" for t in tokens)
     costs = " | ".join(f"{np.median([r[t] / r[1] for r in sub]):.3f}" for t in tokens if t > 1)
-    lines.append(f"| {name} | {len(sub)} | {times} | {costs} |")
+    lines.append(f"| {name} | {len(sub)} | {medians} | {costs} |")
   write_markdown(OUT.value, lines)
 
 

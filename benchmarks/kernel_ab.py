@@ -29,14 +29,13 @@ import ctypes
 import functools
 import os
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import interleaved_times, provenance, split_spells, write_markdown
+from benchmarks.common import interleaved_times, provenance, spell_tables, write_markdown
 from specjax.kernels import policy as pol
 from specjax.kernels import streaming_matmul as sm
 from specjax.kernels.packed import unpack_params
@@ -71,40 +70,6 @@ def build(source: str, name: str, workdir: str):
     return jax.ffi.ffi_call(name, out)(x, panels, prefetch=np.int32(prefetch))
 
   return matmul, width
-
-
-def spell_tables(runs: dict, rows: list[int], names: list[str], flops: float,
-                 spells: bool) -> list[str]:
-  """Markdown tables of ``runs`` ({(M, version index): [seconds of each round]}): one for all
-  rounds, or with ``spells`` one per memory spell (``common.split_spells`` of each round's
-  total time), each with every version's median [min, max] and its ratio to the first's."""
-  rounds = len(runs[rows[0], 0])
-  lines = []
-  if spells:
-    fast, threshold = split_spells(np.sum(list(runs.values()), axis=0))
-    lines += ["", f"A round is in the fast spell when its calls took under {threshold:.2f} s "
-              "in all (`common.split_spells`)."]
-    parts = [(f"Fast spell ({int(fast.sum())} rounds)", fast),
-             (f"Slow spell ({int((~fast).sum())} rounds)", ~fast)]
-  else:
-    parts = [(None, np.ones(rounds, bool))]
-  for title, sel in parts:
-    lines += [""] + ([f"## {title}", ""] if title else [])
-    if not sel.any():
-      lines.append("No rounds.")
-      continue
-    lines += ["| M | " + " | ".join(f"{n} ms" for n in names) + " | "
-              + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + f" | {names[0]} GFLOP/s |",
-              "|---" * (2 * len(names) + 1) + "|"]
-    for m in rows:
-      ts = [np.asarray(runs[m, i])[sel] for i in range(len(names))]
-      med = [np.median(t) for t in ts]
-      cells = [f"{v * 1e3:.1f} [{t.min() * 1e3:.1f}, {t.max() * 1e3:.1f}]"
-               for v, t in zip(med, ts)]
-      lines.append(f"| {m} | " + " | ".join(cells) + " | "
-                   + " | ".join(f"{v / med[0]:.2f}" for v in med[1:])
-                   + f" | {flops * m / med[0] / 1e9:.0f} |")
-  return lines
 
 
 def main(_):

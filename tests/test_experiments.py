@@ -601,8 +601,27 @@ def test_kernel_ab_refuses_bad_flags_before_building(tmp_path):
   _refuses("kernel_ab", ([f"--sources={src},{old}:nta"], "has no non-temporal mode"))
 
 
+def test_prefetch_modes_benchmark_edits_only_the_policy_and_refuses_bad_flags(tmp_path):
+  from benchmarks.prefetch_modes import EDITS, with_prefetch
+  from specjax.kernels import packed as pk
+  from specjax.kernels import policy as pol
+  policy = pol.MatmulPolicy(grid=(1, 4, 8), kernel=(True, True, True), prefetch=(2, 0, 2))
+  w = pk.pack(np.ones((8, 64), np.float32), policy, keep_plain=False)
+  params = {"layers": [{"wqkv": w}], "norm": np.ones(3)}
+  modes = {a: with_prefetch(params, e)["layers"][0]["wqkv"].policy.prefetch
+           for a, e in EDITS.items()}
+  assert modes == {"measured": (2, 0, 2), "l2": (1, 0, 1), "m1_off": (0, 0, 2), "off": ()}
+  edited = with_prefetch(params, EDITS["l2"])
+  assert edited["layers"][0]["wqkv"].panels is w.panels and edited["norm"] is params["norm"]
+  (tmp_path / "file").write_text("")
+  _refuses("prefetch_modes", (["--arms=fast"], "--arms: unknown fast"),
+           (["--tokens=0"], "--tokens must list integers >= 1"),
+           (["--seconds=0"], "flag --seconds=0"),
+           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+
+
 def test_kernel_ab_reports_each_spell_apart():
-  from benchmarks.kernel_ab import spell_tables
+  from benchmarks.common import spell_tables
   # Rounds alternate between a fast (M = 1 at 9-10 ms) and a slow (14 ms) spell; version 1
   # is 10% faster at M = 4 in the fast spell only.
   fast = np.arange(40) % 3 == 0

@@ -169,6 +169,24 @@ def test_rope_tables_are_computed_once_per_forward(model):
   assert cos.shape == sin.shape == (2, 9, 1, cfg.head_dim // 2)
 
 
+def test_rope_tables_skip_the_conditional_under_a_multi_device_mesh(model, monkeypatch):
+  # Under a mesh of several devices the conditional's predicate would be a reduction across
+  # them in every forward: the tables are computed plainly there, with the same values.
+  from specjax import sharding
+  cfg, _ = model
+  positions = _positions(1, 3, 9)
+  inv = inverse_frequencies(cfg)
+  primitives = lambda: {e.primitive.name for e in jax.make_jaxpr(
+      lambda p: rope_tables(p, inv))(positions).jaxpr.eqns}
+  single = rope_tables(positions, inv)
+  if jax.default_backend() == "cpu":
+    assert "cond" in primitives()
+  monkeypatch.setattr(sharding, "multi_device", lambda: True)
+  assert "cond" not in primitives()
+  for a, b in zip(rope_tables(positions, inv), single):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_rollback_equals_never_writing_the_rejected_tokens(model):
   cfg, params = model
   seqs = _tokens(cfg, 2, 12, seed=6)
