@@ -94,8 +94,13 @@ class ExperimentConfig:
       of a group of timed settings, before any is timed, and the Table-3 drafts' untimed α
       runs, whose compiling then overlaps another's decoding. Changes no measured figure
       (a resumed run may change it); 1 runs them one after another.
-    stop_at_eos: stop rows at EOS. Off by default: every row then generates
-      exactly max_new_tokens with both methods, so speedups are plain time ratios.
+    stop_at_eos: stop rows at EOS (the default: what a user receives, and how Spec-Bench,
+      EAGLE and Medusa time their methods; a row runs on past the end of its answer only
+      to its budget otherwise, into text no user reads and no draft was trained on). At
+      T > 0 the two methods' samples then end at different lengths, and each speculative
+      decode loop is scaled to the length plain decoding's call ran for
+      (``measure.same_length_seconds``). False: every row generates exactly
+      max_new_tokens with both methods.
     fresh: ignore a partial run of the same config in ``out`` and start over
       (the old log is kept beside, renamed; see ``progress.py``).
     sweep_trees: dynamic trees timed in the γ sweep's rounds beside its chains, where the
@@ -115,9 +120,12 @@ class ExperimentConfig:
     dtype: the target's (and its drafts') weights, activations and KV cache: "auto"
       (bfloat16 on GPU and TPU, float32 on CPU), "float32" or "bfloat16". Products
       accumulate and logits and acceptance compute in float32 either way.
-    verification: how the chains' sampled drafts are accepted: "tokenwise" (modified
-      rejection sampling) or "block" (Sun et al. 2024; ``SpeculativeDecoder.verification``).
-      Trees are always verified token-wise.
+    verification: how the chains' sampled drafts are accepted: "block" (the default; Sun et
+      al. 2024, ``SpeculativeDecoder.verification``: as lossless as token-wise and never
+      fewer tokens per call in expectation, +0.3–9% at T > 0 in
+      benchmarks/results/block_verification.md; the same at T = 0) or "tokenwise" (modified
+      rejection sampling, the papers' and the library's default). Trees are always
+      verified token-wise.
     min_gain: the adaptive policies draft only when a draft promises more than this over
       plain decoding (``AdaptiveGamma.min_gain``, default its ``MIN_GAIN``; 0 takes the
       formula's argmax); their settings carry it.
@@ -153,13 +161,13 @@ class ExperimentConfig:
   repeats: int = 2
   extra_rounds: int = 1
   workers: int = 2
-  stop_at_eos: bool = False
+  stop_at_eos: bool = True
   fresh: bool = False
   sweep_trees: tuple[str, ...] = ("4:4:4@0", "sampled:2:1@1")
   tree_budgets: tuple[int, ...] = (4, 8, 16)
   calibration_tree: tuple[int, ...] = (6, 3, 2, 1)
   calibration_prompts: int = 8
-  verification: str = "tokenwise"
+  verification: str = "block"
   dtype: str = "auto"
   min_gain: float = 0.05  # specjax.speculative.adaptive.MIN_GAIN (a test holds them equal)
   evidence: str = "expected"  # AdaptiveGamma.evidence's default (a test holds them equal)

@@ -16,8 +16,10 @@ the γ sweep at one temperature, the tree sweep's jobs at one temperature, or on
      and one plain call per batch and round is the baseline of every setting of
      the group (so a γ sweep times plain decoding once per round, not once per
      γ). The speedup of a setting in a round is Σ plain / Σ speculative seconds
-     (prefill included, identically for both); the reported figure is the
-     median over the rounds that timed all the batches it pools;
+     (prefill included, identically for both; where rows stop at EOS at T > 0, each
+     speculative decode loop scaled to plain decoding's length, ``same_length_seconds``);
+     the reported figure is the median over the rounds that timed all the batches
+     it pools;
   3. every call reports when its prefill ended (``prefill_seconds``), so each
      round also gives the decode-only speedup (Σ plain / Σ speculative loop
      seconds) and the step time of each fused loop, prefill excluded: Σ loop
@@ -285,20 +287,54 @@ def load_average() -> Optional[list[float]]:
     return None
 
 
+def length_scales(run: SpecRun) -> list[float]:
+  """Per batch: the tokens plain decoding's call ran for over the speculative call's (each
+  call's longest row: a batch's loop runs until its last row stops; the calls of a seed
+  generate the same tokens every round). 1 where every row runs to its budget (EOS ignored)
+  and at T = 0 (both methods emit the target's greedy tokens); at T > 0 with rows stopping
+  at EOS the two methods' samples end at different lengths."""
+  if run.plain_generated is None:
+    return [1.0] * len(run.generated)
+  longest = lambda rows: max([len(r) for r in rows] + [1])
+  return [longest(p) / longest(s) for p, s in zip(run.plain_generated, run.generated)]
+
+
+def same_length_seconds(run: SpecRun) -> list[list[Optional[float]]]:
+  """``run.seconds`` with each call's decode loop (its time after prefill) scaled to the
+  length plain decoding's call ran for (``length_scales``): the speculative time of the
+  plain call's output length, so that a speedup compares the same amount of generated text
+  while each call's prefill, a cost per prompt, stays as measured. Unchanged where the
+  lengths agree; records without prefill times scale the whole call."""
+  return scale_loops(run.seconds, run.prefill_seconds, length_scales(run))
+
+
+def scale_loops(seconds: Sequence[Sequence[Optional[float]]],
+                prefill_seconds: Optional[Sequence[Sequence[Optional[float]]]],
+                scales: Sequence[float]) -> list[list[Optional[float]]]:
+  """[rounds][batches] call times with each batch's decode loop (time after prefill) times
+  its scale; without prefill times, the whole call."""
+  prefill = prefill_seconds or [[0.0] * len(row) for row in seconds]
+  return [[None if t is None else pre + (t - pre) * k for t, pre, k in zip(row, pres, scales)]
+          for row, pres in zip(seconds, prefill)]
+
+
 def round_speedups(run: SpecRun, indices: Sequence[int]) -> list[float]:
-  """Per interleaved round: Σ plain seconds / Σ speculative seconds over the given batches."""
-  return checks.round_ratios(run.plain_seconds, run.seconds, indices)
+  """Per interleaved round: Σ plain / Σ speculative seconds over the given batches, the
+  speculative decode loops at plain decoding's lengths (``same_length_seconds``: as timed
+  unless rows stop at EOS at T > 0)."""
+  return checks.round_ratios(run.plain_seconds, same_length_seconds(run), indices)
 
 
 def round_decode_speedups(run: SpecRun, indices: Sequence[int]) -> Optional[list[float]]:
   """Per round that timed the given batches: Σ plain / Σ speculative decode-loop seconds
-  (wall time − prefill) over them; None for runs recorded without prefill times."""
+  (wall time − prefill) over them, at plain decoding's lengths as ``round_speedups``; None
+  for runs recorded without prefill times."""
   if run.prefill_seconds is None or run.plain_prefill_seconds is None:
     return None
   loop = lambda total, pre: np.subtract(checks.round_sums(total, indices),
                                         checks.round_sums(pre, indices))
   return (loop(run.plain_seconds, run.plain_prefill_seconds) /
-          loop(run.seconds, run.prefill_seconds)).tolist()
+          loop(same_length_seconds(run), run.prefill_seconds)).tolist()
 
 
 def round_prefill_ratios(run: SpecRun, indices: Sequence[int]) -> Optional[list[float]]:
@@ -587,9 +623,12 @@ class Bench:
                     desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
     need = {j: list(range(n)) for j in range(len(settings))}
     spec_outs, plain_outs = {}, None  # outputs of each one's last round over every batch
+    scales = {}  # per setting, ``length_scales`` of those outputs
     for r in range(cfg.repeats + cfg.extra_rounds):
-      if r >= cfg.repeats:
-        need = checks.unsteady([(t["plain_seconds"], t["seconds"]) for t in timings], groups)
+      if r >= cfg.repeats:  # spreads of the speedups as reported, at equal lengths
+        need = checks.unsteady([(t["plain_seconds"],
+                                 scale_loops(t["seconds"], t["prefill_seconds"], scales[j]))
+                                for j, t in enumerate(timings)], groups)
         if not need:
           break
         timed = set().union(*need.values())
@@ -618,6 +657,8 @@ class Bench:
               loop_step_seconds([o[i] for i in range(n)]) if full else None)
         if full:
           spec_outs[j] = [outs[j][i] for i in range(n)]
+          scales[j] = [_longest(plain_outs[i], b) / _longest(spec_outs[j][i], b)
+                       for i, b in enumerate(self.batches)]
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
@@ -754,6 +795,12 @@ def _jsonable(x: Any) -> Any:
   if hasattr(x, "tolist"):
     return x.tolist()
   raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+
+
+def _longest(out, batch: Batch) -> int:
+  """Tokens the longest real row of a call generated (at least 1), as ``length_scales``
+  counts them."""
+  return max([int(n) for n in out.num_generated[:batch.num_real]] + [1])
 
 
 def _spec_outputs(outs: Sequence[Any], batches: Sequence[Batch]) -> dict[str, Any]:

@@ -48,11 +48,19 @@ def machine_info(target_params=None) -> dict[str, Any]:
           "python": platform.python_version(), "platform": platform.platform()}
 
 
+_RULE_WORDS = {"tokenwise": "token-wise", "block": "block-wise"}  # --verification in tables
+
+
 def run_summary(run: SpecRun) -> dict[str, Any]:
   """A run's timings and provenance for results.json (the token-level outputs stay in the
-  progress log)."""
+  progress log), with how many tokens each row generated in each method (``tokens``,
+  ``plain_tokens``: per batch, per row), which the speedups' length scaling reads
+  (``measure.same_length_seconds``)."""
   rec = run.to_record()
-  return {k: v for k, v in rec.items() if k not in ("counters", "generated", "plain_generated")}
+  count = lambda generated: None if generated is None else [list(map(len, b)) for b in generated]
+  return dict({k: v for k, v in rec.items()
+               if k not in ("counters", "generated", "plain_generated")},
+              tokens=count(run.generated), plain_tokens=count(run.plain_generated))
 
 
 def write_json(path: str, results: dict) -> None:
@@ -226,7 +234,7 @@ def tables_markdown(results: dict) -> str:
       f"{results['num_prompts']} prompts ({', '.join(results['categories'])}), "
       f"{cfg['max_new_tokens']} new tokens each, batches of {cfg['batch_size']} "
       f"(one category per batch), {'stopping at EOS' if cfg['stop_at_eos'] else 'EOS ignored'}; "
-      f"chains verified {cfg.get('verification', 'tokenwise').replace('tokenwise', 'token-wise')}"
+      f"chains verified {_RULE_WORDS[cfg.get('verification', 'tokenwise')]}"
       f"{' (Sun et al. 2024)' if cfg.get('verification') == 'block' else ''}"
       f"{_draft_temperature_words(cfg.get('draft_temperature', 1.0))}.",
       "",
@@ -234,6 +242,8 @@ def tables_markdown(results: dict) -> str:
       "accept rate = accepted / drafted; tokens/call = emitted tokens (accepted + corrected or "
       "bonus, cut at the budget) per target call. Measured speedup = warm wall time of "
       "`specjax.generate` / warm wall time of speculative decoding on the same batches "
+      "(where rows stop at EOS at T > 0, each speculative decode loop scaled to the length "
+      "plain decoding's call ran for, its prefill as measured) "
       f"({_timing_note(cfg.get('repeats', 1), cfg.get('extra_rounds', 0))}). "
       "Decode-only speedup = the same with each "
       "call's prefill taken out (plain / speculative decode-loop time); plain prefill share = "

@@ -78,7 +78,8 @@ flags.DEFINE_integer("extra_rounds", DEFAULT.extra_rounds,
                      "Up to this many rounds are added, one at a time, "
                      "while a setting's speedup (overall or one category's) spreads > 10% "
                      "(timing just that setting on just those batches).")
-flags.DEFINE_bool("stop_at_eos", False, "Stop rows at EOS (default: exactly max_new_tokens).")
+flags.DEFINE_bool("stop_at_eos", DEFAULT.stop_at_eos, "Stop rows at EOS (speedups at equal "
+                  "lengths); --nostop_at_eos: every row generates exactly max_new_tokens.")
 flags.DEFINE_string("sweep_trees", ",".join(DEFAULT.sweep_trees),
                     "Dynamic trees timed in the γ sweep's rounds beside its chains where the "
                     "drafter builds them: EAGLE-2 trees as top_k:depth:nodes, sampled dynamic "
@@ -94,8 +95,8 @@ flags.DEFINE_integer("calibration_prompts", DEFAULT.calibration_prompts,
                      "Training-side prompts that calibrate the trees "
                      "(never the evaluated ones).")
 flags.DEFINE_enum("verification", DEFAULT.verification, ["tokenwise", "block"],
-                  "Acceptance of the chains' drafts: token-wise modified rejection sampling or "
-                  "block verification (Sun et al. 2024); trees are always token-wise.")
+                  "Acceptance of the chains' drafts: block verification (Sun et al. 2024) or "
+                  "token-wise modified rejection sampling; trees are always token-wise.")
 flags.DEFINE_enum("dtype", DEFAULT.dtype, ["auto", "float32", "bfloat16"],
                   "Weights, activations and KV cache of the target and its drafts; auto is "
                   "bfloat16 on GPU/TPU and float32 on CPU. Products accumulate, and logits "

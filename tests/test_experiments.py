@@ -97,6 +97,7 @@ def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
     assert len(run["seconds"]) == len(run["plain_seconds"]) in (2, 3)
     plain_seconds, seconds = _complete(run, "plain_seconds"), _complete(run, "seconds")
     assert len(seconds) >= 2
+    assert run["tokens"] == run["plain_tokens"]  # EOS never stops the tiny model's rows
     ratios = [sum(p) / sum(s) for p, s in zip(plain_seconds, seconds)]
     key = (run["draft"], run["gamma"], run["temperature"], run["tree"])
     overall = [r for r in timed if (r["draft"], r["gamma"], r["temperature"],
@@ -794,7 +795,8 @@ def test_cpu_info_reads_model_and_simd_flags(tmp_path):
 
 @pytest.mark.heavy  # an experiment run of its own; EOS stops are pinned in the decoders' tests
 def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
-  """With --stop_at_eos, rows end at EOS in both methods; counts and equality still hold."""
+  """With --stop_at_eos, rows end at EOS in both methods; counts and equality still hold,
+  and at T = 1 (samples of different lengths) speedups compare equal lengths."""
   import dataclasses
   import specjax
   from experiments import experiment, models
@@ -809,10 +811,18 @@ def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
   monkeypatch.setattr(experiment, "load_target",
                       lambda source, dtype: dataclasses.replace(target, cfg=cfg))
   config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=3, gammas=(2,),
-                            temperatures=(0.0,), max_new_tokens=NEW, batch_size=1,
+                            temperatures=(0.0, 1.0), max_new_tokens=NEW, batch_size=1,
                             experiments=("gamma_sweep",), sweep_trees=(), cost_steps=2,
                             phase_seconds=0.01, stop_at_eos=True, out=str(tmp_path))
   results = experiment.run(config, command="stop_at_eos test")
+  sampled = [r for r in results["rows"] if r["temperature"] == 1.0 and r["category"] == "all"]
+  run = next(r for r in results["runs"] if r["temperature"] == 1.0 and r["seconds"])
+  scale = [max(p) / max(s) for p, s in zip(run["plain_tokens"], run["tokens"])]
+  assert scale != [1.0] * len(scale)  # the samples' lengths differ here
+  ratios = [sum(p) / sum(pre + (t - pre) * k for t, pre, k in zip(s, pres, scale))
+            for p, s, pres in zip(run["plain_seconds"], run["seconds"], run["prefill_seconds"])
+            if None not in s]
+  assert sampled[0]["speedup"] == pytest.approx(np.median(ratios))
   rows = [r for r in results["rows"] if r["temperature"] == 0.0]
   assert rows and all(r["greedy_match"] == 1.0 for r in rows)
   overall = [r for r in rows if r["category"] == "all"]
@@ -867,7 +877,7 @@ def test_block_verification_runs_the_chains_and_says_so(tmp_path, monkeypatch):
   results = experiment.run(config, command="block verification test")
   assert built and all(d.verification == "block" for d in built)
   assert all(r["greedy_match"] == 1.0 for r in results["rows"] if r["temperature"] == 0.0)
-  assert "chains verified block (Sun et al. 2024)" in open(tmp_path / "tables.md").read()
+  assert "chains verified block-wise (Sun et al. 2024)" in open(tmp_path / "tables.md").read()
 
 
 @pytest.mark.heavy  # an experiment run of its own; Jacobi decoding is pinned in test_jacobi.py

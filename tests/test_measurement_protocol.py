@@ -59,6 +59,37 @@ def test_a_round_that_left_a_batch_out_counts_only_for_the_groups_it_timed():
   assert round_ratios(plain, spec, [1]) == pytest.approx([1.0, 1.2, 1.1])
 
 
+def test_speedups_compare_equal_lengths_the_prefill_as_measured():
+  """Rows stopping at EOS at T > 0: on batch 0 the speculative sample runs 1.5× as long as
+  plain decoding's, so its decode loop (1 s − 0.5 s prefill in round 0) counts at 2/3 of its
+  time; batch 1's lengths agree and stay as timed. The known-wrong variants, the plain
+  ratio of wall times and one that scales the prefill too (per generated token), differ."""
+  from experiments.measure import (SpecRun, length_scales, round_decode_speedups,
+                                   round_speedups, same_length_seconds)
+  toks = lambda *lens: [[[7] * n] for n in lens]
+  run = SpecRun("d", 2, 1.0, counters=[{}, {}], generated=toks(30, 20), steps=[1, 1],
+                seconds=[[1.0, 1.0], [2.0, 1.0]], plain_seconds=[[2.0, 2.0], [2.0, 2.0]],
+                plain_generated=toks(20, 20), prefill_seconds=[[0.5, 0.5], [0.5, 0.5]],
+                plain_prefill_seconds=[[0.5, 0.5], [0.5, 0.5]])
+  assert length_scales(run) == pytest.approx([2 / 3, 1.0])
+  np.testing.assert_allclose(same_length_seconds(run), [[0.5 + 0.5 * 2 / 3, 1.0],
+                                                        [0.5 + 1.5 * 2 / 3, 1.0]])
+  assert round_speedups(run, [0]) == pytest.approx([2.0 / (5 / 6), 2.0 / 1.5])
+  assert round_speedups(run, [1]) == pytest.approx([2.0, 2.0])
+  assert round_speedups(run, [0, 1]) == pytest.approx([4.0 / (11 / 6), 4.0 / 2.5])
+  assert round_decode_speedups(run, [0]) == pytest.approx([1.5 / (1 / 3), 1.5 / 1.0])
+  wall = [4.0 / 2.0, 4.0 / 3.0]
+  per_token = [w * 50 / 40 for w in wall]
+  for wrong in (wall, per_token):
+    assert round_speedups(run, [0, 1]) != pytest.approx(wrong)
+  same = dataclasses.replace(run, generated=toks(20, 20))
+  assert round_speedups(same, [0, 1]) == pytest.approx(wall)
+  # a batch's loop runs for its longest row
+  rows = dataclasses.replace(run, generated=[[[7] * 30, [7] * 5], [[7] * 20]],
+                             plain_generated=[[[7] * 20, [7] * 25], [[7] * 20]])
+  assert length_scales(rows) == pytest.approx([25 / 30, 1.0])
+
+
 @pytest.mark.parametrize("unsteady, rounds", [({}, [1, 1]), ({1: [0, 1]}, [1, 3]),
                                               ({1: [1]}, [1, 3])])
 def test_rounds_are_added_for_the_unsteady_settings_and_batches_only(tmp_path, monkeypatch,
