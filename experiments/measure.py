@@ -123,6 +123,10 @@ class SpecRun:
     replayed: an untimed greedy run replayed against the target's greedy continuations
       (``specjax.speculative.replay``: the outputs and counters of a real run, without its
       verification forwards).
+    group: "" for a setting's own measurement; a name where a setting is timed again in
+      the rounds of another group (``Bench.spec_many``'s ``group``): the adaptive policy's
+      rounds time the sweep's best γ beside it, so that the two compare in the same rounds
+      without replacing the sweep's measurement of that γ.
   """
 
   draft: str
@@ -144,10 +148,11 @@ class SpecRun:
   first_flags: list[str] = dataclasses.field(default_factory=list)
   tree: Optional[tuple] = None
   replayed: bool = False
+  group: str = ""
 
   @property
   def key(self) -> tuple:
-    return (self.draft, self.gamma, self.temperature, self.tree)
+    return (self.draft, self.gamma, self.temperature, self.tree, self.group)
 
   @property
   def num_nodes(self) -> int:
@@ -469,27 +474,34 @@ class Bench:
                               **common)
 
   def spec_many(self, draft: Draft, settings: Sequence[tuple[int, Optional[tuple]]],
-                temperature: float, timed: bool = True) -> list[SpecRun]:
+                temperature: float, timed: bool = True, group: str = "") -> list[SpecRun]:
     """Runs (or returns the cached) ``(γ, tree)`` settings of ``draft`` at one temperature
     (``tree``: None for a chain of γ, else see ``SpecRun.tree``).
 
     The timed settings that are not cached are measured together, in shared
     interleaved rounds (module docstring); untimed ones go through ``untimed_many``. Each
-    is logged as it is stored.
+    is logged as it is stored. A ``group`` (timed only) keeps its runs apart from the same
+    settings' own (``SpecRun.group``): when one of its settings is not cached, all of them
+    are timed again together, so that the group's runs always share their rounds.
     """
+    if group and not timed:
+      raise ValueError("a group of settings is timed together; untimed runs have none")
     def cached(setting) -> bool:
-      run = self.stored(draft, *setting, temperature)
+      run = self.stored(draft, *setting, temperature, group)
       return run is not None and (run.timed or not timed)
 
     todo = [s for s in dict.fromkeys(settings) if not cached(s)]
+    if group and todo:
+      todo = list(dict.fromkeys(settings))
     if timed and todo:
       calls = [(g, tree, self._call(self.decoder(draft, g, temperature, tree), draft))
                for g, tree in todo]
-      for run in self._timed(draft, temperature, calls):
+      for run in self._timed(draft, temperature, calls, together=bool(group)):
+        run.group = group
         self._store_and_log(run)
     elif todo:
       self.untimed_many([(draft, g, tree, temperature) for g, tree in todo])
-    return [self.stored(draft, *s, temperature) for s in settings]
+    return [self.stored(draft, *s, temperature, group) for s in settings]
 
   def untimed_many(self, jobs: Sequence[tuple[Draft, int, Optional[tuple], float]],
                    desc: str = "untimed runs") -> None:
@@ -563,9 +575,12 @@ class Bench:
                                         cache_size=self.cache_size)
 
   def _timed(self, draft: Draft, temperature: float,
-             settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
+             settings: Sequence[tuple[int, Optional[tuple], Callable]],
+             together: bool = False) -> list[SpecRun]:
     """Timed runs of ``(γ, tree, call)`` settings sharing interleaved rounds, the flagged
-    ones measured once more (together)."""
+    ones measured once more (together); ``together``: every setting in every round, an
+    added one or a second measurement included, whenever one of them needs it (a group
+    compared round by round)."""
     released = compile_cache.release_if_crowded()  # a long run's programs near the limit
     plain, first = self._plain(temperature), self.batches[0]
     if released:
@@ -579,17 +594,21 @@ class Bench:
       return time.perf_counter() - start
     compile_s = list(_concurrently(compile_one, [call for _, _, call in settings],
                                    self.config.workers))
-    runs = self._rounds(draft, temperature, plain, settings)
+    runs = self._rounds(draft, temperature, plain, settings, together)
     self._add_costs(draft, temperature, runs)
     for run in runs:
       run.first_flags = run_flags(run, draft_phase=False)
     flagged = [i for i, run in enumerate(runs) if run.first_flags]
+    if together and flagged:
+      for run in runs:
+        run.first_flags = run.first_flags or ["measured again with its group"]
+      flagged = list(range(len(runs)))
     if flagged:
       for i in flagged:
         logging.warning("re-measuring %s γ=%d T=%g%s: %s", draft.name, runs[i].gamma,
                         temperature, " (tree)" if runs[i].tree else "",
                         "; ".join(runs[i].first_flags))
-      again = self._rounds(draft, temperature, plain, [settings[i] for i in flagged])
+      again = self._rounds(draft, temperature, plain, [settings[i] for i in flagged], together)
       self._add_costs(draft, temperature, again)
       for i, run in zip(flagged, again):
         run.first_flags = runs[i].first_flags
@@ -605,7 +624,8 @@ class Bench:
       run.costs = self.draft_cost(draft, temperature, t1)
 
   def _rounds(self, draft: Draft, temperature: float, plain: Callable,
-              settings: Sequence[tuple[int, Optional[tuple], Callable]]) -> list[SpecRun]:
+              settings: Sequence[tuple[int, Optional[tuple], Callable]],
+              together: bool = False) -> list[SpecRun]:
     """``repeats`` interleaved rounds of every setting, then one more at a time
     (``extra_rounds`` at most) for the settings ``checks.unsteady`` picks, on the batches
     of their unsteady groups only: those whose speedup, overall or over one category's
@@ -613,7 +633,8 @@ class Bench:
     setting that times it, in an order rotated by one per batch and round, so no setting
     always runs first (or right after plain decoding) and position effects spread over all
     of them. Each setting keeps the plain times of the rounds (and batches) it took part
-    in; a batch a round left out is None."""
+    in; a batch a round left out is None. ``together``: an added round times every setting
+    on the batches any of them needs."""
     cfg = self.config
     seed, budget, n = cfg.seed, cfg.max_new_tokens, len(self.batches)
     timings = [dict(seconds=[], prefill_seconds=[], step_seconds=[], plain_seconds=[],
@@ -632,6 +653,8 @@ class Bench:
         if not need:
           break
         timed = set().union(*need.values())
+        if together:
+          need = {j: sorted(timed) for j in range(len(settings))}
         bar.total += len(timed)
         logging.info("%s T=%g: round %d for %d setting(s) whose speedup spread > %.0f%%, "
                      "on %d of %d batches", draft.name, temperature, r + 1, len(need),
@@ -766,9 +789,10 @@ class Bench:
     return self._calibrations[key]
 
   def stored(self, draft: Draft, gamma: int, tree: Optional[tuple],
-             temperature: float) -> Optional[SpecRun]:
-    """The run of a setting measured in this run or reused from its log, if any."""
-    return self._specs.get((draft.name, gamma, temperature, tree))
+             temperature: float, group: str = "") -> Optional[SpecRun]:
+    """The run of a setting (timed in ``group``'s rounds: ``SpecRun.group``) measured in this
+    run or reused from its log, if any."""
+    return self._specs.get((draft.name, gamma, temperature, tree, group))
 
   def has_timed(self, draft: Draft, gamma: int, tree: Optional[tuple],
                 temperature: float) -> bool:

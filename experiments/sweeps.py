@@ -9,13 +9,15 @@ import tqdm
 from absl import logging
 
 from experiments.config import SWEEP_TEMPERATURES, sweep_tree, tree_setting
-from experiments.measure import Bench, adaptive_setting, step_cost
+from experiments.measure import Bench, adaptive_setting, round_speedups, step_cost
 from experiments.models import Draft
 from experiments.prompts import ALL, categories, training_prompts
 from experiments.rows import make_row
 from specjax.speculative.calibration import monotone_costs
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree
+
+ADAPTIVE_GROUP = "adaptive"  # SpecRun.group of the adaptive policy's rounds
 
 
 def _rows(bench: Bench, experiment: str, draft: Draft, temperature: float,
@@ -57,7 +59,13 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
   batch waits on (``AdaptiveGamma.prompt_ease``); at one row that changes nothing, and the
   policy starts from its default prior. It drafts only when a draft promises more than
   ``config.min_gain`` over plain decoding, and it counts ``config.evidence`` (its calibration
-  too)."""
+  too).
+
+  It is timed in the same rounds as the sweep's best γ at that temperature, measured again
+  beside it (``ADAPTIVE_GROUP``; the sweep's own measurement stays the sweep's): each row
+  carries that γ (``paired_gamma``) and its speedup in those rounds (``paired_speedup``). On
+  a host whose memory spells move every ratio between rounds, only such a pair says how the
+  policy compares with fixing γ."""
   rows = []
   cfg = bench.config
   gammas = tuple(cfg.gammas)
@@ -70,9 +78,26 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
     if cfg.batch_size > 1:
       alpha, ease = bench.chain_rates(draft, t, _calibration_prompts(bench), max(gammas))
       rates.update(chain_alpha=alpha, prompt_ease=ease)
-    rows += _rows(bench, "adaptive", draft, t,
-                  [adaptive_setting(choices, monotone_costs(choices, costs), **rates)])
+    setting = adaptive_setting(choices, monotone_costs(choices, costs), **rates)
+    rows += _paired_rows(bench, draft, t, setting, _best_gamma_of(bench, sweep))
   return rows
+
+
+def _best_gamma_of(bench: Bench, runs: Sequence) -> int:
+  """γ of the timed chain run with the best speedup over every batch."""
+  everything = range(len(bench.batches))
+  return max(runs, key=lambda run: np.median(round_speedups(run, everything))).gamma
+
+
+def _paired_rows(bench: Bench, draft: Draft, temperature: float, setting: tuple,
+                 gamma: int) -> list[dict]:
+  """Rows (overall and per category) of an adaptive ``setting`` timed in the same rounds as
+  the chain of ``gamma`` (``ADAPTIVE_GROUP``), each with that chain's speedup in them."""
+  policy, fixed = bench.spec_many(draft, [setting, (gamma, None)], temperature,
+                                  group=ADAPTIVE_GROUP)
+  return [dict(make_row("adaptive", policy, bench.batches, c), paired_gamma=gamma,
+               paired_speedup=make_row("adaptive", fixed, bench.batches, c)["speedup"])
+          for c in [ALL] + categories(bench.batches)]
 
 
 def _calibration_prompts(bench: Bench) -> list[list[int]]:

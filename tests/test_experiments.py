@@ -90,8 +90,8 @@ def test_speedups_are_medians_of_interleaved_round_ratios(smoke):
   for r in timed:
     assert r["ar_generated_tokens"] == r["generated_tokens"]
   for run in results["runs"]:
-    if run["seconds"] is None:
-      continue
+    if run["seconds"] is None or run["group"]:  # a chain timed beside the adaptive policy:
+      continue  # its row is the policy's paired_speedup
     # --repeats=2 rounds, and a third where a speedup spread > 10% over the first two
     # (over every batch, or over some category's only: the others are None)
     assert len(run["seconds"]) == len(run["plain_seconds"]) in (2, 3)
@@ -118,7 +118,8 @@ def _complete(run, field):
 
 def test_decode_only_speedups_take_each_calls_prefill_out(smoke):
   results = smoke[0]
-  runs = [r for r in results["runs"] if r["seconds"] is not None]
+  # (a chain timed beside the adaptive policy, in its group, has no row of its own)
+  runs = [r for r in results["runs"] if r["seconds"] is not None and not r["group"]]
   assert runs
   for run in runs:
     for total, pre in (("seconds", "prefill_seconds"),
@@ -1156,18 +1157,25 @@ def test_the_gamma_sweep_times_its_dynamic_trees_beside_the_chains(smoke):
 
 def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
   """The policy chooses among plain decoding and the sweep's γs at the step costs the sweep
-  measured (made non-decreasing), is timed against plain decoding, and is greedy-exact."""
+  measured (made non-decreasing), is timed against plain decoding in the same rounds as the
+  sweep's best γ timed again (the sweep's own run kept), and is greedy-exact."""
   from specjax.speculative.calibration import monotone_costs
   results, out = smoke
   rows = [r for r in results["rows"] if r["experiment"] == "adaptive" and r["category"] == "all"]
   assert {r["temperature"] for r in rows} == {0.0, 1.0}
-  runs = {(r["draft"], r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"])): r
-          for r in results["runs"]}
+  runs = {(r["draft"], r["gamma"], r["temperature"], r["tree"] and tuple(r["tree"]),
+           r["group"]): r for r in results["runs"]}
   for r in rows:
     assert r["shape"] == "adaptive" and r["speedup"] is not None
+    t = r["temperature"]
+    policy_run = runs[("tiny", 2, t, as_tuple(r["tree"]), "adaptive")]
+    beside, own = runs[("tiny", 2, t, None, "adaptive")], runs[("tiny", 2, t, None, "")]
+    assert r["paired_gamma"] == 2 and r["paired_speedup"] is not None
+    # one plain call per batch and round is the baseline of both: the same rounds
+    assert beside["plain_seconds"] == policy_run["plain_seconds"] != own["plain_seconds"]
     policy = policy_of(as_tuple(r["tree"]))
     assert r["tree"][0] == "adaptive" and policy.gammas == (0, 2)  # gammas=(2,)
-    sweep = runs[("tiny", 2, r["temperature"], None)]
+    sweep = runs[("tiny", 2, r["temperature"], None, "")]
     known = lambda xs: np.median([x for x in xs if x is not None])
     cost = known(sweep["step_seconds"]) / known(sweep["plain_step_seconds"])
     assert policy.step_costs == pytest.approx(monotone_costs((0, 2), (1.0, cost)), abs=1e-4)
@@ -1184,6 +1192,7 @@ def test_adaptive_rows_use_the_gamma_sweeps_measured_costs(smoke):
   tables = open(os.path.join(out, "tables.md")).read()
   assert "## Adaptive γ" in tables and "priced for the row they wait on" in tables
   assert "a draft taken only when it promises more than 5% over plain decoding" in tables
+  assert "| γ = 2: " in tables and "timed in the same rounds as the sweep's best γ" in tables
   from experiments.report import tables_markdown  # the same tables from results.json
   with open(os.path.join(out, "results.json")) as f:
     assert tables_markdown(json.load(f)) == tables
@@ -1277,8 +1286,9 @@ def test_batched_adaptive_rows_price_for_the_slowest_row(monkeypatch):
   import types
   from experiments import sweeps
   settings, asked = [], []
-  monkeypatch.setattr(sweeps, "_rows", lambda bench, name, draft, t, jobs: settings.extend(jobs)
-                      or [])
+  monkeypatch.setattr(sweeps, "_paired_rows", lambda bench, draft, t, setting, gamma:
+                      settings.append(setting) or [])
+  monkeypatch.setattr(sweeps, "_best_gamma_of", lambda bench, runs: 3)
   monkeypatch.setattr(sweeps, "step_cost", lambda run: run)
 
   class Bench:

@@ -136,6 +136,30 @@ def test_rounds_are_added_for_the_unsteady_settings_and_batches_only(tmp_path, m
           sorted(len(complete_rounds(run["seconds"], [i])) for i in (0, 1)))
 
 
+def test_a_group_shares_its_added_rounds_and_its_second_measurement(tmp_path, monkeypatch):
+  """The adaptive policy and the sweep's best γ timed beside it (``SpecRun.group``) share
+  every round: an added round the first of them needs, and a second measurement only the
+  policy's flags ask for. Outside a group the unsteady setting alone gets the round."""
+  from experiments import experiment
+  monkeypatch.setattr("experiments.checks.unsteady", lambda timings, groups: {0: [0]})
+  monkeypatch.setattr("experiments.measure.run_flags", lambda run, **_: (
+      ["spread"] if run.tree and run.tree[0] == "adaptive" else []))
+  config = ExperimentConfig(target="tiny", draft="tiny", num_prompts=2, gammas=(1, 2),
+                            temperatures=(0.0,), max_new_tokens=4, batch_size=1,
+                            experiments=("adaptive",), sweep_trees=(), cost_steps=2,
+                            phase_seconds=0.01, repeats=2, extra_rounds=1, out=str(tmp_path))
+  results = experiment.run(config)
+  for t in (0.0, 1.0):
+    group = [r for r in results["runs"] if r["group"] == "adaptive" and r["temperature"] == t]
+    sweep = [r for r in results["runs"] if not r["group"] and r["temperature"] == t]
+    assert len(group) == 2 and len(sweep) == 2
+    fixed, policy = sorted(group, key=lambda r: r["tree"] is not None)
+    assert policy["plain_seconds"] == fixed["plain_seconds"] and len(fixed["seconds"]) == 3
+    assert policy["first_flags"] == ["spread"]
+    assert fixed["first_flags"] == ["measured again with its group"]
+    assert sorted(len(r["seconds"]) for r in sweep) == [2, 3]
+
+
 def test_flagged_setting_is_remeasured_once_and_the_second_kept(tmp_path, monkeypatch):
   from experiments import checks, experiment
   seen = []
@@ -192,14 +216,14 @@ def test_interrupted_run_keeps_finished_settings_and_resumes(tmp_path, monkeypat
   timed = []
   real = Bench._timed
 
-  def record(self, draft, temperature, settings):
+  def record(self, draft, temperature, settings, **kw):
     timed.append((temperature, tuple(g for g, _, _ in settings)))
-    return real(self, draft, temperature, settings)
+    return real(self, draft, temperature, settings, **kw)
 
-  def interrupt_second(self, draft, temperature, settings):
+  def interrupt_second(self, draft, temperature, settings, **kw):
     if len(timed) == 1:
       raise KeyboardInterrupt
-    return record(self, draft, temperature, settings)
+    return record(self, draft, temperature, settings, **kw)
 
   monkeypatch.setattr(Bench, "_timed", interrupt_second)
   with pytest.raises(KeyboardInterrupt):
