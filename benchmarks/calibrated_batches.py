@@ -45,7 +45,7 @@ def _runs(directory: str) -> tuple[dict, list[SpecRun]]:
   runs = {}
   for rec in (line["run"] for line in lines if "run" in line):
     run = SpecRun.from_record(rec)
-    if run.timed and run.tree is None:
+    if run.timed and run.tree is None and not run.group:  # (a group's: the sweep's again)
       runs[run.key] = run  # a re-measured setting's second record replaces the first
   return lines[0]["header"]["config"], list(runs.values())
 

@@ -17,6 +17,8 @@ methods emit the target's greedy tokens, so each speedup is a plain ratio of wal
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from absl import app, flags
 
@@ -43,7 +45,7 @@ SETTINGS = (("stop at EOS", None), ("EOS ignored", ()))  # eos_ids: the config's
 
 
 def main(_):
-  probe_output_dir(OUT.value.rsplit("/", 1)[0] or ".")
+  probe_output_dir(os.path.dirname(OUT.value) or ".")
   target = load_target("smollm2")
   draft = load_draft("eagle", target, lambda: [])
   evals = default_prompts(PROMPTS.value)

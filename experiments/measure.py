@@ -123,6 +123,9 @@ class SpecRun:
     replayed: an untimed greedy run replayed against the target's greedy continuations
       (``specjax.speculative.replay``: the outputs and counters of a real run, without its
       verification forwards).
+    loop_tokens, plain_loop_tokens: per batch, the tokens of the longest row of each call,
+      padded rows included (a batch's loop runs until its last row stops), in the last
+      round over every batch (None in records before them).
     group: "" for a setting's own measurement; a name where a setting is timed again in
       the rounds of another group (``Bench.spec_many``'s ``group``): the adaptive policy's
       rounds time the sweep's best γ beside it, so that the two compare in the same rounds
@@ -148,6 +151,8 @@ class SpecRun:
   first_flags: list[str] = dataclasses.field(default_factory=list)
   tree: Optional[tuple] = None
   replayed: bool = False
+  loop_tokens: Optional[list[int]] = None
+  plain_loop_tokens: Optional[list[int]] = None
   group: str = ""
 
   @property
@@ -294,13 +299,16 @@ def load_average() -> Optional[list[float]]:
 
 def length_scales(run: SpecRun) -> list[float]:
   """Per batch: the tokens plain decoding's call ran for over the speculative call's (each
-  call's longest row: a batch's loop runs until its last row stops; the calls of a seed
-  generate the same tokens every round). 1 where every row runs to its budget (EOS ignored)
-  and at T = 0 (both methods emit the target's greedy tokens); at T > 0 with rows stopping
-  at EOS the two methods' samples end at different lengths."""
+  call's longest row, padded rows included where recorded (``SpecRun.loop_tokens``): a
+  batch's loop runs until its last row stops; the calls of a seed generate the same tokens
+  every round). 1 where every row runs to its budget (EOS ignored) and at T = 0 (both methods
+  emit the target's greedy tokens); at T > 0 with rows stopping at EOS the two methods'
+  samples end at different lengths."""
+  if run.loop_tokens is not None and run.plain_loop_tokens is not None:
+    return [p / s for p, s in zip(run.plain_loop_tokens, run.loop_tokens)]
   if run.plain_generated is None:
     return [1.0] * len(run.generated)
-  longest = lambda rows: max([len(r) for r in rows] + [1])
+  longest = lambda rows: max([len(r) for r in rows] + [1])  # real rows: older records
   return [longest(p) / longest(s) for p, s in zip(run.plain_generated, run.generated)]
 
 
@@ -680,13 +688,14 @@ class Bench:
               loop_step_seconds([o[i] for i in range(n)]) if full else None)
         if full:
           spec_outs[j] = [outs[j][i] for i in range(n)]
-          scales[j] = [_longest(plain_outs[i], b) / _longest(spec_outs[j][i], b)
-                       for i, b in enumerate(self.batches)]
+          scales[j] = [_longest(plain_outs[i]) / _longest(spec_outs[j][i]) for i in range(n)]
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
     return [SpecRun(draft.name, g, temperature, **_spec_outputs(spec_outs[j], self.batches),
-                    plain_generated=plain_generated, tree=tree, **timings[j])
+                    plain_generated=plain_generated, tree=tree,
+                    loop_tokens=[_longest(o) for o in spec_outs[j]],
+                    plain_loop_tokens=[_longest(o) for o in plain_outs], **timings[j])
             for j, (g, tree, _) in enumerate(settings)]
 
   def draft_cost(self, draft: Draft, temperature: float, t1: float) -> dict[str, float]:
@@ -821,10 +830,10 @@ def _jsonable(x: Any) -> Any:
   raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
 
 
-def _longest(out, batch: Batch) -> int:
-  """Tokens the longest real row of a call generated (at least 1), as ``length_scales``
-  counts them."""
-  return max([int(n) for n in out.num_generated[:batch.num_real]] + [1])
+def _longest(out) -> int:
+  """Tokens the longest row of a call generated, padded rows included (at least 1):
+  ``SpecRun.loop_tokens``."""
+  return max([int(n) for n in out.num_generated] + [1])
 
 
 def _spec_outputs(outs: Sequence[Any], batches: Sequence[Batch]) -> dict[str, Any]:

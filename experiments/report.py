@@ -135,7 +135,8 @@ def _timing_note(repeats: int, extra: int) -> str:
   if extra:
     rounds += (f", up to {repeats + extra} for a setting whose speedup (overall or one "
                f"category's) spread more than {checks.SPREAD_BOUND:.0%} over its rounds before: "
-               "an added round times plain decoding and those settings only, on the batches "
+               "an added round times plain decoding and those settings only (with every setting "
+               "of their group: the adaptive policy and the γ timed beside it), on the batches "
                "that spread only")
   return (f"{rounds}; each round times its batches with plain then speculative decoding; the "
           "median round (of those that timed all the row's batches) is reported, spread = "

@@ -45,7 +45,7 @@ from experiments.config import DYNAMIC, SAMPLED
 from experiments.measure import (ADAPTIVE, SpecRun, costs, median_known, own_tree_costs,
                                  as_tuple, policy_of, round_decode_speedups,
                                  round_prefill_ratios, round_prefill_shares, round_speedups,
-                                 run_flags, setting_evidence)
+                                 run_flags, same_length_seconds, setting_evidence)
 from experiments.prompts import ALL, Batch, batch_indices
 
 
@@ -153,7 +153,8 @@ def make_row(experiment: str, run: SpecRun, batches: Sequence[Batch],
     row.update(decode_speedup=float(np.median(decode)),
                ar_prefill_share=float(np.median(round_prefill_shares(run, sel))),
                prefill_ratio=float(np.median(round_prefill_ratios(run, sel))))
-  row.update(spec_seconds=float(np.median(checks.round_sums(run.seconds, sel))),
+  spec_seconds = checks.round_sums(same_length_seconds(run), sel)  # at plain's lengths
+  row.update(spec_seconds=float(np.median(spec_seconds)),
              ar_seconds=float(np.median(ar_seconds)),
              speedup=float(np.median(ratios)), speedup_spread=checks.spread(ratios),
              rounds=len(ratios),

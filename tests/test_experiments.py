@@ -1432,3 +1432,16 @@ def test_alpha_pairs_bootstraps_the_prompts_pairwise(benchmark_module):
   assert diff == pytest.approx(0.25) and sd == pytest.approx(0.0, abs=1e-12)
   with pytest.raises(SystemExit, match="3 and 2 prompts"):
     bench.paired_difference(a, (b[0][:2], b[1][:2]), draws=10, seed=0)
+
+
+def test_adaptive_rows_of_old_records_compare_with_the_sweeps_rounds():
+  """A results.json from before the pairing (no paired_speedup) still renders: its adaptive
+  ratio is against the sweep's best γ, labelled so; a paired one's against the γ beside it."""
+  from experiments.report import tables_markdown
+  root = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "avx512_zen5")
+  with open(os.path.join(root, "results_499b9e9.json")) as f:
+    old = tables_markdown(json.load(f))
+  assert "| γ = 3 (1.60×), sweep only | 100% |" in old
+  with open(os.path.join(root, "results.json")) as f:
+    new = tables_markdown(json.load(f))
+  assert "| γ = 3: 1.47×, **1.63×** | 99% |" in new and "sweep only" not in new

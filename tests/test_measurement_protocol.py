@@ -84,10 +84,12 @@ def test_speedups_compare_equal_lengths_the_prefill_as_measured():
     assert round_speedups(run, [0, 1]) != pytest.approx(wrong)
   same = dataclasses.replace(run, generated=toks(20, 20))
   assert round_speedups(same, [0, 1]) == pytest.approx(wall)
-  # a batch's loop runs for its longest row
+  # a batch's loop runs for its longest row; recorded with its padded rows, that one counts
   rows = dataclasses.replace(run, generated=[[[7] * 30, [7] * 5], [[7] * 20]],
                              plain_generated=[[[7] * 20, [7] * 25], [[7] * 20]])
   assert length_scales(rows) == pytest.approx([25 / 30, 1.0])
+  padded = dataclasses.replace(rows, loop_tokens=[30, 40], plain_loop_tokens=[25, 20])
+  assert length_scales(padded) == pytest.approx([25 / 30, 0.5])
 
 
 @pytest.mark.parametrize("unsteady, rounds", [({}, [1, 1]), ({1: [0, 1]}, [1, 3]),
