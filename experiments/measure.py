@@ -305,11 +305,16 @@ def length_scales(run: SpecRun) -> list[float]:
   emit the target's greedy tokens); at T > 0 with rows stopping at EOS the two methods'
   samples end at different lengths."""
   if run.loop_tokens is not None and run.plain_loop_tokens is not None:
-    return [p / s for p, s in zip(run.plain_loop_tokens, run.loop_tokens)]
+    return _ratios(run.plain_loop_tokens, run.loop_tokens)
   if run.plain_generated is None:
     return [1.0] * len(run.generated)
-  longest = lambda rows: max([len(r) for r in rows] + [1])  # real rows: older records
-  return [longest(p) / longest(s) for p, s in zip(run.plain_generated, run.generated)]
+  longest = lambda batches: [max([len(r) for r in rows] + [1]) for rows in batches]
+  return _ratios(longest(run.plain_generated), longest(run.generated))  # real rows: old records
+
+
+def _ratios(plain: Sequence[int], spec: Sequence[int]) -> list[float]:
+  """Per batch, plain decoding's loop length over the speculative call's."""
+  return [p / s for p, s in zip(plain, spec)]
 
 
 def same_length_seconds(run: SpecRun) -> list[list[Optional[float]]]:
@@ -652,11 +657,12 @@ class Bench:
                     desc=f"{draft.name} T={temperature:g}: {len(settings)} setting(s)")
     need = {j: list(range(n)) for j in range(len(settings))}
     spec_outs, plain_outs = {}, None  # outputs of each one's last round over every batch
-    scales = {}  # per setting, ``length_scales`` of those outputs
+    loops, plain_loops = {}, None  # ``SpecRun.loop_tokens`` of those outputs
     for r in range(cfg.repeats + cfg.extra_rounds):
       if r >= cfg.repeats:  # spreads of the speedups as reported, at equal lengths
         need = checks.unsteady([(t["plain_seconds"],
-                                 scale_loops(t["seconds"], t["prefill_seconds"], scales[j]))
+                                 scale_loops(t["seconds"], t["prefill_seconds"],
+                                             _ratios(plain_loops, loops[j])))
                                 for j, t in enumerate(timings)], groups)
         if not need:
           break
@@ -678,6 +684,7 @@ class Bench:
         bar.update()
       if len(outs[-1]) == n:
         plain_outs = [outs[-1][i] for i in range(n)]
+        plain_loops = [_longest(o) for o in plain_outs]
       for j, batches in need.items():
         t, full = timings[j], len(batches) == n
         for prefix, o in (("plain_", outs[-1]), ("", outs[j])):
@@ -688,14 +695,13 @@ class Bench:
               loop_step_seconds([o[i] for i in range(n)]) if full else None)
         if full:
           spec_outs[j] = [outs[j][i] for i in range(n)]
-          scales[j] = [_longest(plain_outs[i]) / _longest(spec_outs[j][i]) for i in range(n)]
+          loops[j] = [_longest(o) for o in spec_outs[j]]
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
     return [SpecRun(draft.name, g, temperature, **_spec_outputs(spec_outs[j], self.batches),
                     plain_generated=plain_generated, tree=tree,
-                    loop_tokens=[_longest(o) for o in spec_outs[j]],
-                    plain_loop_tokens=[_longest(o) for o in plain_outs], **timings[j])
+                    loop_tokens=loops[j], plain_loop_tokens=plain_loops, **timings[j])
             for j, (g, tree, _) in enumerate(settings)]
 
   def draft_cost(self, draft: Draft, temperature: float, t1: float) -> dict[str, float]:

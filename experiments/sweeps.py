@@ -11,7 +11,7 @@ from absl import logging
 from experiments.config import SWEEP_TEMPERATURES, sweep_tree, tree_setting
 from experiments.measure import Bench, adaptive_setting, round_speedups, step_cost
 from experiments.models import Draft
-from experiments.prompts import ALL, categories, training_prompts
+from experiments.prompts import ALL, batch_indices, categories, training_prompts
 from experiments.rows import make_row
 from specjax.speculative.calibration import monotone_costs
 from specjax.speculative.tree import DynamicTree, TreeTopology
@@ -96,7 +96,8 @@ def _paired_rows(bench: Bench, draft: Draft, temperature: float, setting: tuple,
   policy, fixed = bench.spec_many(draft, [setting, (gamma, None)], temperature,
                                   group=ADAPTIVE_GROUP)
   return [dict(make_row("adaptive", policy, bench.batches, c), paired_gamma=gamma,
-               paired_speedup=make_row("adaptive", fixed, bench.batches, c)["speedup"])
+               paired_speedup=float(np.median(round_speedups(
+                   fixed, batch_indices(bench.batches, c)))))
           for c in [ALL] + categories(bench.batches)]
 
 
