@@ -375,15 +375,26 @@ def test_untimed_runs_in_two_threads_log_what_one_thread_logs(tmp_path, monkeypa
         config.out, progress.header(config, "abc")))
     real = bench._untimed
     seen = threads[workers] = []  # the threads of each call (each call has its own pool)
-    monkeypatch.setattr(bench, "_untimed", lambda *a: seen[-1].add(threading.get_ident())
-                        or real(*a))
+    both = []  # per call: set once two threads have entered a job
+
+    def untimed(*a, seen=seen, workers=workers):
+      # with the programs compiled by the first pass, a job takes milliseconds and one
+      # thread could take them all before the other starts: with two workers, the first
+      # job waits for a second thread to enter one (a single-thread pool times out here)
+      seen[-1].add(threading.get_ident())
+      if workers == 2:
+        if len(seen[-1]) == 2:
+          both[-1].set()
+        both[-1].wait(timeout=30)
+      return real(*a)
+    monkeypatch.setattr(bench, "_untimed", untimed)
     continuations = []
     real_conts = bench.greedy_continuations
     monkeypatch.setattr(bench, "greedy_continuations",
                         lambda n: continuations.append(n) or real_conts(n))
-    seen.append(set())
+    seen.append(set()), both.append(threading.Event())
     bench.untimed_many(jobs[:3])
-    seen.append(set())
+    seen.append(set()), both.append(threading.Event())
     bench.untimed_many(jobs)  # the first three are not run again
     # the longest is asked first (6 new tokens + the deepest replayed chain), so no thread
     # asks for more and computes them again
