@@ -4,7 +4,7 @@ Usage:
   python -m benchmarks.batch_sweep [--batch_sizes 1,2,4,8,16,32] [--temperatures 0]
       [--gammas 1,2,3,4] [--trees 3:3:4] [--nopolicy_trees] [--new_tokens 128] [--rounds 3]
       [--draft eagle] [--target smollm2] [--min_gain 0.05] [--evidence expected]
-      [--out benchmarks/results/batch_sweep.md]
+      [--nostop_at_eos] [--out benchmarks/results/batch_sweep.md]
 
 For each batch size B and temperature, on batches of B held-out prompts (the
 ``--prompts`` prompts split into batches of B, or cycled to fill one batch when B
@@ -27,8 +27,15 @@ exceeds them), in one process:
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
      one per batch and round, as in ``experiments``), whole generations
-     (prefill included, EOS ignored); speedup = plain time / method time per round,
-     both summed over the batches, the median round reported.
+     (prefill included); speedup = plain time / method time per round, both summed over
+     the batches, the median round reported.
+
+Rows stop at their EOS, as in ``experiments.run`` (``--nostop_at_eos``: every row runs
+to ``--new_tokens``, as cells before this flag did); a batch's call runs until its last
+row stops. At T > 0 the two methods' samples end at different lengths, so each method's
+call has its decode loop (time after prefill) scaled to the length plain decoding's call
+on that batch ran for (longest rows), its prefill kept as measured (as
+``experiments.measure.scale_loops``); at T = 0 both emit the same greedy tokens.
 
 Results go to ``--out`` (markdown, with a figure beside it) and to a JSON file
 beside it that a rerun resumes from (delete it to start over; its cells of another
@@ -96,6 +103,8 @@ DATA = flags.DEFINE_integer("data_parallel", 1, "rows sharded over this many dev
                             "('data', 'model') mesh, docs/sharding.md; on CPU simulate devices "
                             "with XLA_FLAGS=--xla_force_host_platform_device_count=N); the "
                             "report then also gives tokens/s per device")
+EOS = flags.DEFINE_bool("stop_at_eos", True, "rows stop at their EOS (experiments.run's "
+                        "default); --nostop_at_eos runs every row to --new_tokens")
 
 CALIBRATION_PROMPTS = 8  # training-side prompts for the trees' acceptance table
 
@@ -146,7 +155,13 @@ def _tree_name(t: DynamicTree) -> str:
 
 def _template(target, draft, temp: float) -> SpeculativeDecoder:
   """The decoder every method of a temperature is a variant of."""
-  return SpeculativeDecoder(target.cfg, draft.drafter, sampler=make_sampler(temp), eos_ids=())
+  return SpeculativeDecoder(target.cfg, draft.drafter, sampler=make_sampler(temp),
+                            eos_ids=_eos_ids())
+
+
+def _eos_ids() -> Optional[tuple]:
+  """The EOS ids every call takes: the target's own (None) or none, by ``--stop_at_eos``."""
+  return None if EOS.value else ()
 
 
 def _pricing(target, draft, temp: float, gammas, trees) -> dict:
@@ -214,30 +229,32 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
                   for t in trees})
   methods["adaptive"] = template.with_policy(policy)
   plain = lambda b: specjax.generate(target.params, target.cfg, b, new, template.sampler,
-                                     cache_size=cache, eos_ids=())
+                                     cache_size=cache, eos_ids=_eos_ids())
   run = lambda dec, b: dec.generate(target.params, draft.params, b, new, cache_size=cache)
   plain(batches[0])
   for dec in methods.values():
     run(dec, batches[0])
   speedups = {name: [] for name in methods}
-  plain_seconds, stats = [], {}
+  plain_seconds, plain_tokens, stats = [], [], {}
   order = [None, *methods]  # None: plain decoding
   for r in range(ROUNDS.value):
-    base, seconds, counts = 0.0, {name: 0.0 for name in methods}, {}
+    base, tokens, seconds, counts = 0.0, 0, {name: 0.0 for name in methods}, {}
     for i, b in enumerate(batches):
       shift = (r * len(batches) + i) % len(order)  # rotated: no method always runs first
-      for name in order[shift:] + order[:shift]:
-        if name is None:
-          base += plain(b).seconds
-          continue
-        out = run(methods[name], b)
-        seconds[name] += out.seconds
+      outs = {name: plain(b) if name is None else run(methods[name], b)
+              for name in order[shift:] + order[:shift]}
+      base += outs[None].seconds
+      tokens += int(outs[None].num_generated.sum())
+      for name in methods:
+        out = outs[name]
+        seconds[name] += _same_length_seconds(out, outs[None])
         c = counts.setdefault(name, [0, 0, 0, 0])
         c[0] += int(out.per_row["emitted"].sum())
         c[1] += int(out.per_row["target_calls"].sum())
         c[2] = np.add(c[2], out.per_row["depth_hist"].sum(axis=0))
         c[3] = np.add(c[3], out.per_row["choice_steps"].sum(axis=0))
     plain_seconds.append(base)
+    plain_tokens.append(tokens)
     for name in methods:
       speedups[name].append(base / seconds[name])
       emitted, calls, hist, choices = counts[name]
@@ -245,8 +262,10 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
                      "choice_steps": np.asarray(choices).tolist()}
     _log(f"B={batch} T={temp:g} round {r + 1}: " + ", ".join(
         f"{k} {v[-1]:.2f}×" for k, v in speedups.items()))
-  plain_tps = len(batches) * batch * new / float(np.median(plain_seconds))
+  # plain decoding's tokens are its calls' own every round (the same seeds): the first round's
+  plain_tps = plain_tokens[0] / float(np.median(plain_seconds))
   return {"batch": batch, "temperature": temp, "batches": len(batches), "devices": DATA.value,
+          "stop_at_eos": EOS.value, "plain_tokens": plain_tokens[0],
           "gammas": [0, *gammas], "step_costs": list(chain_costs),
           "trees": [_tree_name(t) for t in trees], "tree_costs": list(tree_costs),
           "policy_trees": pricing["rank_accept"] is not None, **pricing,
@@ -258,13 +277,30 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
                       for name, v in speedups.items()}}
 
 
-def resumable(cell: dict, devices: int, min_gain: float, evidence: str) -> bool:
+def _same_length_seconds(out, plain_out) -> float:
+  """A method's call time with its decode loop scaled to the length plain decoding's call
+  on the same batch ran for (each call's longest row: the loop runs until its last row
+  stops), its prefill as measured (as ``experiments.measure.scale_loops``); the time as
+  measured where the lengths agree (EOS ignored, or T = 0)."""
+  scale = _longest(plain_out) / _longest(out)
+  return out.prefill_seconds + (out.seconds - out.prefill_seconds) * scale
+
+
+def _longest(out) -> int:
+  """Tokens the longest row of a call generated (at least 1)."""
+  return max(int(np.max(out.num_generated)), 1)
+
+
+def resumable(cell: dict, devices: int, min_gain: float, evidence: str,
+              stop_at_eos: bool) -> bool:
   """Whether a stored cell was measured as this invocation measures: on as many devices,
-  with the same margin and the same evidence. The others stay in the store, neither resumed
-  nor reported (cells from before the margin existed took the formula's argmax, 0; cells
-  that do not record their evidence are measured again: outcomes before git 3d3668c)."""
+  with the same margin, the same evidence and EOS stopping rows or not. The others stay in
+  the store, neither resumed nor reported (cells from before the margin existed took the
+  formula's argmax, 0; cells that do not record their evidence are measured again:
+  outcomes before git 3d3668c; cells that do not record ``stop_at_eos`` ignored EOS)."""
   return (cell.get("devices", 1) == devices and cell.get("min_gain", 0.0) == min_gain
-          and cell.get("evidence") == evidence)
+          and cell.get("evidence") == evidence
+          and cell.get("stop_at_eos", False) == stop_at_eos)
 
 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
@@ -272,7 +308,7 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
   name = "SmolLM2-135M-Instruct" if TARGET.value == "smollm2" else f"`{TARGET.value}`"
   lines = [f"# Speedup versus batch size ({name} target)", "",
            f"Command: `{command}`  ", f"{provenance()}; draft `{DRAFT.value}`; "
-           f"{NEW.value} new tokens per row (EOS ignored), {PROMPTS.value} held-out prompts in "
+           f"{NEW.value} new tokens per row ({_eos_words()}), {PROMPTS.value} held-out prompts in "
            "batches of B (cycled to fill one batch when B is larger); whole generations (prefill "
            f"included); median of {ROUNDS.value} interleaved rounds; {minutes:.1f} min (this "
            "invocation; a rerun resumes from the JSON beside this file).", "",
@@ -327,6 +363,14 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
   return lines
 
 
+def _eos_words() -> str:
+  if not EOS.value:
+    return "EOS ignored"
+  return ("rows stopping at EOS, a batch's call running until its last row stops; at T > 0 "
+          "each method's decode loop scaled to the length plain decoding's call ran for, its "
+          "prefill as measured")
+
+
 def _figure(cells: list[dict], path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -355,7 +399,7 @@ def main(_):
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   store = os.path.splitext(OUT.value)[0] + ".json"
   stored = json.load(open(store)) if os.path.exists(store) else []
-  ours = lambda c: resumable(c, DATA.value, MARGIN.value, EVIDENCE_FLAG.value)
+  ours = lambda c: resumable(c, DATA.value, MARGIN.value, EVIDENCE_FLAG.value, EOS.value)
   cells, others = [c for c in stored if ours(c)], [c for c in stored if not ours(c)]
   done = {(c["batch"], c["temperature"]) for c in cells}
   target = load_target(TARGET.value)

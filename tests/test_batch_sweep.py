@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -48,6 +49,9 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
   assert "promises more than 5% over plain decoding (`min_gain`)" in text
   assert "adds each scored draft's β" in text
   assert f"Matmul path: {cells[0]['matmul']}." in text  # one path: said once
+  assert "rows stopping at EOS" in text
+  for c in cells:
+    assert c["stop_at_eos"] and 0 < c["plain_tokens"] <= c["batch"] * c["batches"] * 8
   assert [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| 1 |")
           or l.startswith("| 2 |")] == ["1", "2"]
 
@@ -74,12 +78,34 @@ def test_only_cells_measured_alike_are_resumed(benchmark_module):
   not record its evidence (before it was carried: outcomes before git 3d3668c) is measured
   again."""
   resumable = benchmark_module("batch_sweep").resumable
-  cell = dict(devices=1, min_gain=0.05, evidence="expected")
-  assert resumable(cell, 1, 0.05, "expected")
-  assert not resumable(cell, 2, 0.05, "expected") and not resumable(cell, 1, 0.0, "expected")
-  assert not resumable(cell, 1, 0.05, "accepted")
-  assert not resumable(dict(devices=1, min_gain=0.05), 1, 0.05, "expected")
-  assert resumable(dict(evidence="accepted"), 1, 0.0, "accepted")  # the oldest cells' defaults
+  cell = dict(devices=1, min_gain=0.05, evidence="expected", stop_at_eos=True)
+  assert resumable(cell, 1, 0.05, "expected", True)
+  assert not resumable(cell, 2, 0.05, "expected", True)
+  assert not resumable(cell, 1, 0.0, "expected", True)
+  assert not resumable(cell, 1, 0.05, "accepted", True)
+  assert not resumable(cell, 1, 0.05, "expected", False)
+  assert not resumable(dict(devices=1, min_gain=0.05, stop_at_eos=True), 1, 0.05, "expected",
+                       True)
+  # the oldest cells' defaults: one device, the argmax, EOS ignored
+  assert resumable(dict(evidence="accepted"), 1, 0.0, "accepted", False)
+  assert not resumable(dict(evidence="accepted"), 1, 0.0, "accepted", True)
+
+
+def test_a_methods_decode_loop_is_scaled_to_plain_decodings_length(benchmark_module):
+  """With rows stopping at EOS at T > 0, a method's call is compared at the length plain
+  decoding's call on the batch ran for (each call's longest row): its decode loop scaled,
+  its prefill as measured; unchanged where the lengths agree."""
+  import types
+  same = benchmark_module("batch_sweep")._same_length_seconds
+  call = lambda seconds, prefill, lengths: types.SimpleNamespace(
+      seconds=seconds, prefill_seconds=prefill, num_generated=np.asarray(lengths))
+  plain = call(3.0, 0.2, [40, 100])  # the batch's loop ran for 100 tokens
+  assert same(call(2.0, 0.5, [100, 7]), plain) == pytest.approx(2.0)
+  spec = call(2.0, 0.5, [20, 50])  # half plain's length: its loop counted twice
+  assert same(spec, plain) == pytest.approx(0.5 + 1.5 * 2)
+  assert same(spec, plain) != pytest.approx(2.0 * 2)  # not the whole call scaled
+  assert same(spec, plain) != pytest.approx(2.0 * 140 / 70)  # nor by the rows' total tokens
+  assert same(call(1.0, 0.5, [0, 0]), call(1.0, 0.5, [0, 0])) == pytest.approx(1.0)
 
 
 def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
