@@ -18,8 +18,9 @@ exceeds them), in one process:
   2. ``AdaptiveGamma`` over {0} ∪ gammas and the trees with those costs, the trees priced
      by the drafter's per-depth, per-rank acceptance and the chains' rate, and a batch's
      steps by how that rate varies by prompt (``prompt_ease``), measured once per
-     temperature on training-side prompts (``calibration.measure_tree_prices``, prompts
-     alone, so batch-independent); ``--nopolicy_trees`` leaves the trees out of the policy
+     temperature on held-out prompts that are never timed (the 8 after the timed ones,
+     ``experiments.prompts.calibration_prompts``; ``calibration.measure_tree_prices``,
+     prompts alone, so batch-independent); ``--nopolicy_trees`` leaves the trees out of the policy
      (the chains' rate and its spread are still measured, ``measure_chain_alphas``); it
      drafts only when a draft promises more than ``--min_gain`` over plain decoding, and
      the policy and its calibration count a sampled chain step's ``--evidence`` (each
@@ -69,7 +70,7 @@ from specjax import sharding
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import matmul_path, probe_output_dir
 from experiments.models import load_draft, load_target
-from experiments.prompts import default_prompts, training_prompts
+from experiments.prompts import calibration_prompts, default_prompts
 from experiments.report import evidence_words, margin_words, matmul_words
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
@@ -91,7 +92,7 @@ TARGET = flags.DEFINE_string("target", "smollm2", "target (experiments.models.lo
 OUT = flags.DEFINE_string("out", "benchmarks/results/batch_sweep.md", "markdown output")
 POLICY_TREES = flags.DEFINE_bool("policy_trees", True, "the adaptive policy also chooses the "
                                   "--trees (priced by an acceptance table measured on "
-                                  "training-side prompts), not only the chains")
+                                  "held-out prompts never timed), not only the chains")
 MARGIN = flags.DEFINE_float("min_gain", MIN_GAIN, "the adaptive policy drafts only when a draft "
                             "promises more than this over plain decoding "
                             "(AdaptiveGamma.min_gain; 0: the formula's argmax)")
@@ -106,7 +107,7 @@ DATA = flags.DEFINE_integer("data_parallel", 1, "rows sharded over this many dev
 EOS = flags.DEFINE_bool("stop_at_eos", True, "rows stop at their EOS (experiments.run's "
                         "default); --nostop_at_eos runs every row to --new_tokens")
 
-CALIBRATION_PROMPTS = 8  # training-side prompts for the trees' acceptance table
+CALIBRATION_PROMPTS = 8  # held-out prompts after the timed ones: the policy's prices
 
 
 def _log(msg: str) -> None:
@@ -128,6 +129,10 @@ def _check_flags() -> tuple[list[int], list[float], list[int], list[DynamicTree]
     raise app.UsageError(f"gammas must be >= 1, got {gammas}")
   if NEW.value < 1 or ROUNDS.value < 1 or PROMPTS.value < 1:
     raise app.UsageError("new_tokens, rounds and prompts must be >= 1")
+  try:
+    calibration_prompts(CALIBRATION_PROMPTS, PROMPTS.value)
+  except ValueError as e:
+    raise app.UsageError(f"--prompts={PROMPTS.value}: {e}")
   try:
     check_min_gain(MARGIN.value, "--min_gain")
   except ValueError as e:
@@ -168,12 +173,13 @@ def _pricing(target, draft, temp: float, gammas, trees) -> dict:
   """What prices the policy's choices at this temperature: the chains' rate α_c and how it
   varies by prompt (``prompt_ease``), and, when the policy takes the trees, the drafter's
   per-depth, per-rank acceptance (a full tree as deep as the deepest tree, the chain as
-  deep); each prompt decoded alone, on training-side prompts (never the timed ones), over
+  deep); each prompt decoded alone, on the held-out prompts after the timed ones
+  (``calibration_prompts``: unseen by the draft, as the timed ones, and never timed), over
   ``--new_tokens`` as the timed calls (the rate depends on the length: over 48 tokens it
   read 0.68 at T = 0 where 128 gave 0.58, and that prior made the policy draft at
   batch 16, where every draft loses). ``rank_accept`` is None for chains only."""
   template = _template(target, draft, temp)
-  prompts = [target.encode(t) for t in training_prompts(CALIBRATION_PROMPTS)]
+  prompts = [target.encode(t) for t in calibration_prompts(CALIBRATION_PROMPTS, PROMPTS.value)]
   t0 = time.perf_counter()
   prices = None
   if POLICY_TREES.value and trees:
@@ -195,7 +201,7 @@ def _pricing(target, draft, temp: float, gammas, trees) -> dict:
                           f"trees priced by a {depth}-deep acceptance table")
        + f", chains' α_c = {alpha:.3f} (γ = {depth}), by prompt "
        f"{min(ease) * alpha:.2f}–{max(ease) * alpha:.2f} ({time.perf_counter() - t0:.0f} s, "
-       f"{len(prompts)} training-side prompts)")
+       f"{len(prompts)} held-out prompts never timed)")
   return {"rank_accept": None if prices["table"] is None else np.asarray(prices["table"]).tolist(),
           "chain_alpha": alpha, "prompt_ease": list(ease)}
 
@@ -320,7 +326,8 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            "those costs, the chains' rate α_c and its range by prompt (in brackets: a batch's "
            "steps are priced for the row the batch waits on) and, unless `--nopolicy_trees`, "
            "the trees too, priced by the drafter's per-rank acceptance, all measured on "
-           f"{CALIBRATION_PROMPTS} training-side prompts (never the timed ones); its mix "
+           f"{CALIBRATION_PROMPTS} held-out prompts after the timed ones (never timed; "
+           "`calibration_prompts`); its mix "
            "counts steps of each choice (γ = 0 is plain decoding, then the chains, then the "
            "trees)" + (margin and "; " + margin) + "; "
            + evidence_words(c.get("evidence") for c in cells) + ".", ""]

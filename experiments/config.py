@@ -113,10 +113,11 @@ class ExperimentConfig:
       accept 4–6% more). () for chains only. They need no calibration; the tree sweep
       compares trees in depth.
     tree_budgets: node budgets N of the tree sweep's best static trees.
-    calibration_tree: branching of the full tree whose counters, on
-      training-side prompts (never the evaluated ones), give the per-depth,
+    calibration_tree: branching of the full tree whose counters, on the
+      calibration prompts (held-out, never the evaluated ones), give the per-depth,
       per-rank acceptance the tree sweep builds its best trees from.
-    calibration_prompts: how many training-side prompts calibrate.
+    calibration_prompts: how many prompts calibrate: held-out ones after the evaluated
+      ones (``prompts.calibration_prompts``).
     dtype: the target's (and its drafts') weights, activations and KV cache: "auto"
       (bfloat16 on GPU and TPU, float32 on CPU), "float32" or "bfloat16". Products
       accumulate and logits and acceptance compute in float32 either way.
@@ -229,6 +230,13 @@ class ExperimentConfig:
                  "repeats", "calibration_prompts", "workers"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    if "tree_sweep" in self.experiments or ("adaptive" in self.experiments
+                                            and self.batch_size > 1):
+      from experiments.prompts import calibration_prompts  # what calibrates them
+      try:
+        calibration_prompts(self.calibration_prompts, self.num_prompts)
+      except ValueError as e:
+        raise ValueError(f"--calibration_prompts={self.calibration_prompts}: {e}") from None
     from specjax.speculative.block_verification import VERIFICATIONS
     if self.verification not in VERIFICATIONS:
       raise ValueError(f"--verification must be one of {VERIFICATIONS}, got "

@@ -755,7 +755,7 @@ class Bench:
     """Per-depth, per-rank acceptance of ``draft`` from the calibration full tree's counters,
     and the chains' rate on the same prompts.
 
-    Decodes ``prompts`` (training-side, never the evaluated ones) one at a
+    Decodes ``prompts`` (calibration prompts, never the evaluated ones) one at a
     time with ``config.calibration_tree``, then with a chain as deep
     (``calibration.measure_tree_prices``): the table, its counts and ``chain_alpha``
     counted as ``config.evidence`` counts (arrays as nested lists, tuples as lists: what
@@ -773,7 +773,7 @@ class Bench:
   def chain_rates(self, draft: Draft, temperature: float, prompts: Sequence[Sequence[int]],
                   gamma: int) -> tuple[float, tuple[float, ...]]:
     """The chains' rate α_c of ``draft`` and each prompt's own rate over it, decoding
-    ``prompts`` (training-side, never the evaluated ones) one at a time with a chain of
+    ``prompts`` (calibration prompts, never the evaluated ones) one at a time with a chain of
     ``gamma`` (``calibration.measure_chain_alphas``, counted as ``config.evidence``
     counts; logged and reused like ``calibrate``)."""
     evidence = self.config.evidence

@@ -137,6 +137,20 @@ def default_prompts(num: int) -> list[PromptItem]:
   return [PromptItem(p.text, p.category, p.source) for p in held]
 
 
+def calibration_prompts(num: int, timed: int) -> list[str]:
+  """``num`` prompts that calibrate a policy's prices or a tree's shape: the held-out prompts
+  after the first ``timed`` (``default_prompts``' order). They are text the draft never
+  trained on, as the timed prompts are, and never one of them. Training-side prompts are
+  not: the draft learned their answers (SmolLM2's EAGLE-3 drafter at T = 0, answers stopped
+  at EOS: α_c 0.73 on 8 of them against 0.59 on the held-out prompts it is timed on, a prior
+  that sent the batch sweep's policy to long drafts at batch 4, where they lose)."""
+  held = default_prompts(timed + num)[timed:]
+  if len(held) < num:
+    raise ValueError(f"{num} calibration prompts after the {timed} timed ones need "
+                     f"{timed + num} held-out prompts; there are {timed + len(held)}")
+  return [p.text for p in held]
+
+
 def training_prompts(num: int) -> list[str]:
   """Prompts from the draft's training side (never in the default evaluation set)."""
   try:

@@ -462,8 +462,8 @@ def _tree_section(results: dict) -> list[str]:
     return []
   lines = ["## Token trees vs chains (tree sweep)", "",
            "Trees: `tree_builders.best_static_tree` for each node budget N, from the per-depth, "
-           "per-rank acceptance measured with a full tree on training-side prompts "
-           "(calibration below); dynamic: EAGLE-2 trees (frontier k, the static tree's depth, "
+           "per-rank acceptance measured with a full tree on calibration prompts "
+           "(below); dynamic: EAGLE-2 trees (frontier k, the static tree's depth, "
            "N nodes kept by cumulative draft log-probability). Tokens/call counts the +1 "
            "correction or bonus token.", ""]
   for t in sorted({r["temperature"] for r in rows}):
@@ -484,8 +484,10 @@ def _tree_section(results: dict) -> list[str]:
                    f"{_f(r.get('decode_speedup'), suffix='×')} | {_check(r)} |")
     cal = results.get("tree_calibration", {}).get(f"{t:g}")
     if cal:
+      # records before 2026-12-06 calibrated on training-side prompts
       lines += ["", f"Calibration: full tree {tuple(cal['branching'])} on {cal['prompts']} "
-                "training-side prompts; P(rank r accepted | parent accepted), rows = depth 1…:",
+                f"{cal.get('side', 'training-side prompts')}; P(rank r accepted | parent "
+                "accepted), rows = depth 1…:",
                 "", "```"] + ["  ".join(f"{x:.3f}" for x in row) for row in cal["table"]] + ["```"]
       if "chain_alpha" in cal:  # records before it have the table only
         lines += ["", f"The chains' rate on the same prompts (a chain of "

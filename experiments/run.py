@@ -92,8 +92,8 @@ flags.DEFINE_string("calibration_tree", _ints(DEFAULT.calibration_tree),
                     "Branching of the full tree that measures the "
                     "per-depth, per-rank acceptance the best trees are built from.")
 flags.DEFINE_integer("calibration_prompts", DEFAULT.calibration_prompts,
-                     "Training-side prompts that calibrate the trees "
-                     "(never the evaluated ones).")
+                     "Held-out prompts after the evaluated ones that calibrate the trees "
+                     "and, at batches above 1, the adaptive policy (never evaluated).")
 flags.DEFINE_enum("verification", DEFAULT.verification, ["tokenwise", "block"],
                   "Acceptance of the chains' drafts: block verification (Sun et al. 2024) or "
                   "token-wise modified rejection sampling; trees are always token-wise.")

@@ -11,7 +11,7 @@ from absl import logging
 from experiments.config import SWEEP_TEMPERATURES, sweep_tree, tree_setting
 from experiments.measure import Bench, adaptive_setting, round_speedups, step_cost
 from experiments.models import Draft
-from experiments.prompts import ALL, batch_indices, categories, training_prompts
+from experiments.prompts import ALL, batch_indices, calibration_prompts, categories
 from experiments.rows import make_row
 from specjax.speculative.calibration import monotone_costs
 from specjax.speculative.tree import DynamicTree, TreeTopology
@@ -54,8 +54,8 @@ def adaptive(bench: Bench, draft: Draft) -> list[dict]:
   drafter tolerates skipped steps; its step costs are the ones the γ sweep measured on these
   batches, on this machine (its runs are reused, or measured now), pooled into a
   non-decreasing fit (``calibration.monotone_costs``). In batches of more than one row it
-  is also given the chains' rate and how it varies by prompt, measured on the training-side
-  calibration prompts (``Bench.chain_rates``), so it prices a batch's steps for the row the
+  is also given the chains' rate and how it varies by prompt, measured on the calibration
+  prompts (held-out, never evaluated: ``_calibration_prompts``; ``Bench.chain_rates``), so it prices a batch's steps for the row the
   batch waits on (``AdaptiveGamma.prompt_ease``); at one row that changes nothing, and the
   policy starts from its default prior. It drafts only when a draft promises more than
   ``config.min_gain`` over plain decoding, and it counts ``config.evidence`` (its calibration
@@ -101,9 +101,14 @@ def _paired_rows(bench: Bench, draft: Draft, temperature: float, setting: tuple,
           for c in [ALL] + categories(bench.batches)]
 
 
+CALIBRATION_SIDE = "held-out prompts never timed"  # what the records' calibrations say
+
+
 def _calibration_prompts(bench: Bench) -> list[list[int]]:
-  """The training-side prompts that calibrate the policies (never the evaluated ones)."""
-  return [bench.target.encode(t) for t in training_prompts(bench.config.calibration_prompts)]
+  """The prompts that calibrate the policies and shape the trees: held-out ones after the
+  evaluated ones (``prompts.calibration_prompts``), never evaluated themselves."""
+  return [bench.target.encode(t) for t in calibration_prompts(bench.config.calibration_prompts,
+                                                              bench.config.num_prompts)]
 
 
 def best_gamma(rows: Sequence[dict], fallback: int) -> int:
@@ -160,7 +165,8 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
 
   The static trees come from ``tree_builders.best_static_tree`` over the
   per-depth, per-rank acceptance that ``Bench.calibrate`` measures on
-  training-side prompts (so the evaluated prompts never shape the trees). The
+  held-out prompts after the evaluated ones (``_calibration_prompts``: text the draft never
+  trained on, and the evaluated prompts never shape the trees). The
   EAGLE-2 dynamic tree of budget N has the static tree's depth D and a
   frontier of k = min(4, N) (when the drafter builds dynamic trees). Last, an
   adaptive policy chooses among all of them and plain decoding each step, at
@@ -175,7 +181,7 @@ def tree_sweep(bench: Bench, draft: Draft) -> tuple[list[dict], dict[str, dict]]
   rows, calibration = [], {}
   for t in SWEEP_TEMPERATURES:
     cal = bench.calibrate(draft, t, cal_prompts)
-    calibration[f"{t:g}"] = cal  # JSON-ready (Bench.calibrate)
+    calibration[f"{t:g}"] = dict(cal, side=CALIBRATION_SIDE)  # JSON-ready (Bench.calibrate)
     jobs = [(g, None) for g in cfg.gammas]
     for n in cfg.tree_budgets:
       static = best_static_tree(cal["table"], n)

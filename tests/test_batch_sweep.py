@@ -32,6 +32,7 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
   first = _sweep(out)
   assert first.returncode == 0, first.stderr[-3000:]
   assert "trees priced by a 2-deep acceptance table" in first.stderr
+  assert "8 held-out prompts never timed" in first.stderr  # never training-side ones
   cells = json.loads((tmp_path / "sweep.json").read_text())
   assert sorted(c["batch"] for c in cells) == [1, 2]
   for c in cells:
@@ -116,6 +117,8 @@ def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
   for margin in ("-0.1", "nan", "inf"):
     out = _sweep(tmp_path / "sweep.md", f"--min_gain={margin}")
     assert out.returncode != 0 and "min_gain must be a finite number >= 0" in out.stderr
+  out = _sweep(tmp_path / "sweep.md", "--prompts=100000")  # none left to calibrate on
+  assert out.returncode != 0 and "calibration prompts after the 100000 timed" in out.stderr
   out = _sweep(tmp_path / "sweep.md", "--evidence=outcomes")
   assert out.returncode != 0 and "--evidence" in out.stderr
   assert not (tmp_path / "sweep.json").exists()

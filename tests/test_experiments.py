@@ -237,6 +237,20 @@ def test_padding_rows_are_left_out_of_statistics(smoke):
   assert all(r["prompts"] == 3 for r in overall)
 
 
+def test_calibration_prompts_are_held_out_and_never_timed():
+  """What prices a policy is text the draft never trained on, as the timed prompts are, and
+  none of the timed prompts: the held-out prompts after the first ``timed``."""
+  timed = [p.text for p in prompts.default_prompts(8)]
+  cal = prompts.calibration_prompts(8, timed=8)
+  assert len(cal) == 8 and not set(cal) & set(timed)
+  assert cal == [p.text for p in prompts.default_prompts(16)[8:]]
+  assert not set(cal) & set(prompts.training_prompts(400))
+  assert prompts.calibration_prompts(4, timed=20)[0] != cal[0]  # more timed: later ones
+  held = len(prompts.default_prompts(10_000))
+  with pytest.raises(ValueError, match=f"need {held + 1} held-out prompts; there are {held}"):
+    prompts.calibration_prompts(8, timed=held - 7)
+
+
 # ------------------------------------------------------------------ --prompts validation
 
 
@@ -342,6 +356,10 @@ def test_builtin_prompts_are_built_once_then_read_from_the_disk_cache(tmp_path, 
     (dict(phase_seconds=0.0), "--phase_seconds must be a finite number > 0, got 0.0"),
     (dict(phase_seconds=float("nan")), "--phase_seconds must be a finite number > 0"),
     (dict(num_prompts=0), "--num_prompts must be >= 1"),
+    (dict(experiments=("tree_sweep",), num_prompts=100_000),
+     "--calibration_prompts=8: 8 calibration prompts after the 100000 timed ones need"),
+    (dict(batch_size=2, num_prompts=100_000),  # the default experiments, adaptive among them
+     "--calibration_prompts=8: 8 calibration prompts after the 100000 timed ones need"),
     (dict(temperatures=(0.0, float("inf"))), r"--temperatures must be finite numbers >= 0, "
                                              r"got \[inf\]"),
     (dict(temperatures=(float("nan"),)), "--temperatures must be finite"),
