@@ -142,9 +142,8 @@ def calibration_prompts(num: int, timed: int) -> list[str]:
   after the first ``timed`` (``default_prompts``' order). They are text the draft never
   trained on, as the timed prompts are, and never one of them. Training-side prompts are
   not: the draft learned their answers (SmolLM2's EAGLE-3 drafter at T = 0, answers stopped
-  at EOS: α_c 0.73 on 8 of them against 0.58 on 8 held-out ones, a prior that sent the batch
-  sweep's policy to long drafts at batch 4, where they lose:
-  benchmarks/results/batch_sweep_eos_trainside_4cf1b41.md)."""
+  at EOS: α_c 0.73 on 8 of them against 0.58 on 8 held-out ones, and 0.59 on the 5 prompts
+  the default run times; benchmarks/results/batch_sweep_eos_trainside_4cf1b41.md)."""
   held = default_prompts(timed + num)[timed:]
   if len(held) < num:
     raise ValueError(f"{num} calibration prompts after the {timed} timed ones need "
