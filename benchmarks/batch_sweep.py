@@ -271,7 +271,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
   # plain decoding's tokens are its calls' own every round (the same seeds): the first round's
   plain_tps = plain_tokens[0] / float(np.median(plain_seconds))
   return {"batch": batch, "temperature": temp, "batches": len(batches), "devices": DATA.value,
-          "stop_at_eos": EOS.value, "plain_tokens": plain_tokens[0],
+          "stop_at_eos": EOS.value, "plain_tokens": plain_tokens[0], "calibration": "held-out",
           "gammas": [0, *gammas], "step_costs": list(chain_costs),
           "trees": [_tree_name(t) for t in trees], "tree_costs": list(tree_costs),
           "policy_trees": pricing["rank_accept"] is not None, **pricing,
@@ -303,10 +303,13 @@ def resumable(cell: dict, devices: int, min_gain: float, evidence: str,
   with the same margin, the same evidence and EOS stopping rows or not. The others stay in
   the store, neither resumed nor reported (cells from before the margin existed took the
   formula's argmax, 0; cells that do not record their evidence are measured again:
-  outcomes before git 3d3668c; cells that do not record ``stop_at_eos`` ignored EOS)."""
+  outcomes before git 3d3668c; cells that do not record ``stop_at_eos`` ignored EOS; cells
+  that do not record their ``calibration`` were priced on training-side prompts, before
+  0fe06c6)."""
   return (cell.get("devices", 1) == devices and cell.get("min_gain", 0.0) == min_gain
           and cell.get("evidence") == evidence
-          and cell.get("stop_at_eos", False) == stop_at_eos)
+          and cell.get("stop_at_eos", False) == stop_at_eos
+          and cell.get("calibration") == "held-out")
 
 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:

@@ -6,8 +6,8 @@ Usage:
       [--draft eagle] [--prefill_chunk 64] [--rounds 2]
       [--out benchmarks/results/continuous_batching.md]
 
-The companion of ``benchmarks.batch_sweep`` (which ignores EOS, so its rows all take the
-same number of steps and a fixed batch never waits): here requests stop at EOS, and with
+The companion of ``benchmarks.batch_sweep`` (whose fixed batches run until their last row
+stops, the finished rows idle meanwhile): here requests stop at EOS, and with
 ``--budget_spread=f`` their budgets are drawn uniformly from [(1 − f)·new_tokens,
 new_tokens] (seeded), so a fixed batch runs until its slowest row. For each slot count B
 and temperature, the ``--num_prompts`` held-out prompts are served, in order, by

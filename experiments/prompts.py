@@ -144,10 +144,11 @@ def calibration_prompts(num: int, timed: int) -> list[str]:
   not: the draft learned their answers (SmolLM2's EAGLE-3 drafter at T = 0, answers stopped
   at EOS: α_c 0.73 on 8 of them against 0.58 on 8 held-out ones, and 0.59 on the 5 prompts
   the default run times; benchmarks/results/batch_sweep_eos_trainside_4cf1b41.md)."""
-  held = default_prompts(timed + num)[timed:]
+  pool = default_prompts(timed + num)
+  held = pool[timed:]
   if len(held) < num:
     raise ValueError(f"{num} calibration prompts after the {timed} timed ones need "
-                     f"{timed + num} held-out prompts; there are {timed + len(held)}")
+                     f"{timed + num} held-out prompts; there are {len(pool)}")
   return [p.text for p in held]
 
 

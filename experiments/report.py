@@ -446,8 +446,9 @@ def _adaptive_section(rows: Sequence[dict]) -> list[str]:
   if spread:
     lines += ["", "Its batches are priced for the row they wait on: each choice's expected "
               "tokens are scaled by η(b), the share of the rows' mean that b rows' slowest "
-              "makes, from the chains' rate α_c and each calibration prompt's own (training-"
-              "side prompts, each decoded alone): "
+              "makes, from the chains' rate α_c and each calibration prompt's own (held-out "
+              "prompts after the evaluated ones, each decoded alone; training-side ones in "
+              "records before 2026-12-06): "
               + "; ".join(f"T = {t:g}: α_c {p.prior_alpha:.2f}, by prompt "
                           f"{min(p.prompt_ease) * p.prior_alpha:.2f}–"
                           f"{max(p.prompt_ease) * p.prior_alpha:.2f}" for t, p in spread)
