@@ -70,7 +70,9 @@ from specjax import sharding
 from benchmarks.common import provenance, write_markdown
 from experiments.machine import matmul_path, probe_output_dir
 from experiments.models import load_draft, load_target
+from experiments.measure import longest_row, scale_loops
 from experiments.prompts import calibration_prompts, default_prompts
+from experiments.sweeps import CALIBRATION_SIDE
 from experiments.report import evidence_words, margin_words, matmul_words
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
@@ -201,7 +203,7 @@ def _pricing(target, draft, temp: float, gammas, trees) -> dict:
                           f"trees priced by a {depth}-deep acceptance table")
        + f", chains' α_c = {alpha:.3f} (γ = {depth}), by prompt "
        f"{min(ease) * alpha:.2f}–{max(ease) * alpha:.2f} ({time.perf_counter() - t0:.0f} s, "
-       f"{len(prompts)} held-out prompts never timed)")
+       f"{len(prompts)} {CALIBRATION_SIDE})")
   return {"rank_accept": None if prices["table"] is None else np.asarray(prices["table"]).tolist(),
           "chain_alpha": alpha, "prompt_ease": list(ease)}
 
@@ -286,15 +288,10 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
 def _same_length_seconds(out, plain_out) -> float:
   """A method's call time with its decode loop scaled to the length plain decoding's call
   on the same batch ran for (each call's longest row: the loop runs until its last row
-  stops), its prefill as measured (as ``experiments.measure.scale_loops``); the time as
+  stops), its prefill as measured (``experiments.measure.scale_loops``); the time as
   measured where the lengths agree (EOS ignored, or T = 0)."""
-  scale = _longest(plain_out) / _longest(out)
-  return out.prefill_seconds + (out.seconds - out.prefill_seconds) * scale
-
-
-def _longest(out) -> int:
-  """Tokens the longest row of a call generated (at least 1)."""
-  return max(int(np.max(out.num_generated)), 1)
+  scale = longest_row(plain_out) / longest_row(out)
+  return scale_loops([[out.seconds]], [[out.prefill_seconds]], [scale])[0][0]
 
 
 def resumable(cell: dict, devices: int, min_gain: float, evidence: str,

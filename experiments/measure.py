@@ -684,7 +684,7 @@ class Bench:
         bar.update()
       if len(outs[-1]) == n:
         plain_outs = [outs[-1][i] for i in range(n)]
-        plain_loops = [_longest(o) for o in plain_outs]
+        plain_loops = [longest_row(o) for o in plain_outs]
       for j, batches in need.items():
         t, full = timings[j], len(batches) == n
         for prefix, o in (("plain_", outs[-1]), ("", outs[j])):
@@ -695,7 +695,7 @@ class Bench:
               loop_step_seconds([o[i] for i in range(n)]) if full else None)
         if full:
           spec_outs[j] = [outs[j][i] for i in range(n)]
-          loops[j] = [_longest(o) for o in spec_outs[j]]
+          loops[j] = [longest_row(o) for o in spec_outs[j]]
     bar.close()
     plain_generated = [[o.generated(r) for r in range(b.num_real)]
                        for o, b in zip(plain_outs, self.batches)]
@@ -836,9 +836,9 @@ def _jsonable(x: Any) -> Any:
   raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
 
 
-def _longest(out) -> int:
+def longest_row(out) -> int:
   """Tokens the longest row of a call generated, padded rows included (at least 1):
-  ``SpecRun.loop_tokens``."""
+  ``SpecRun.loop_tokens``, and the length a batch's decode loop ran for."""
   return max([int(n) for n in out.num_generated] + [1])
 
 
