@@ -110,6 +110,7 @@ EOS = flags.DEFINE_bool("stop_at_eos", True, "rows stop at their EOS (experiment
                         "default); --nostop_at_eos runs every row to --new_tokens")
 
 CALIBRATION_PROMPTS = 8  # held-out prompts after the timed ones: the policy's prices
+HELD_OUT = "held-out"  # a cell's ``calibration`` when priced on those prompts
 
 
 def _log(msg: str) -> None:
@@ -273,7 +274,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
   # plain decoding's tokens are its calls' own every round (the same seeds): the first round's
   plain_tps = plain_tokens[0] / float(np.median(plain_seconds))
   return {"batch": batch, "temperature": temp, "batches": len(batches), "devices": DATA.value,
-          "stop_at_eos": EOS.value, "plain_tokens": plain_tokens[0], "calibration": "held-out",
+          "stop_at_eos": EOS.value, "plain_tokens": plain_tokens[0], "calibration": HELD_OUT,
           "gammas": [0, *gammas], "step_costs": list(chain_costs),
           "trees": [_tree_name(t) for t in trees], "tree_costs": list(tree_costs),
           "policy_trees": pricing["rank_accept"] is not None, **pricing,
@@ -306,7 +307,7 @@ def resumable(cell: dict, devices: int, min_gain: float, evidence: str,
   return (cell.get("devices", 1) == devices and cell.get("min_gain", 0.0) == min_gain
           and cell.get("evidence") == evidence
           and cell.get("stop_at_eos", False) == stop_at_eos
-          and cell.get("calibration") == "held-out")
+          and cell.get("calibration") == HELD_OUT)
 
 
 def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str]:
