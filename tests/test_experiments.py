@@ -1462,6 +1462,7 @@ def test_adaptive_rows_of_old_records_compare_with_the_sweeps_rounds():
   with open(os.path.join(root, "results_499b9e9.json")) as f:
     old = tables_markdown(json.load(f))
   assert "| γ = 3 (1.60×), sweep only | 100% |" in old
-  with open(os.path.join(root, "results.json")) as f:
+  # A paired record pinned by name (results.json is replaced by each new run).
+  with open(os.path.join(root, "results_cbc9584.json")) as f:
     new = tables_markdown(json.load(f))
   assert "| γ = 3: 1.47×, **1.63×** | 99% |" in new and "sweep only" not in new
