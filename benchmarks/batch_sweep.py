@@ -29,7 +29,11 @@ exceeds them), in one process:
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
      one per batch and round, as in ``experiments``), whole generations
      (prefill included); speedup = plain time / method time per round, both summed over
-     the batches, the median round reported.
+     the batches, the median round reported. Each round also times plain decoding a
+     second time right beside the policy (before it in even rounds, after it in odd
+     ones): the policy's paired speedup, which the host's spells spare (at B = 32 the
+     rounds of plain decoding against the same code, the policy decoding plainly, spread
+     0.85–1.03 unpaired).
 
 Rows stop at their EOS, as in ``experiments.run`` (``--nostop_at_eos``: every row runs
 to ``--new_tokens``, as cells before this flag did); a batch's call runs until its last
@@ -111,6 +115,7 @@ EOS = flags.DEFINE_bool("stop_at_eos", True, "rows stop at their EOS (experiment
 
 CALIBRATION_PROMPTS = 8  # held-out prompts after the timed ones: the policy's prices
 HELD_OUT = "held-out"  # a cell's ``calibration`` when priced on those prompts
+BESIDE = "plain beside"  # a round's second plain decoding call, next to the policy's
 
 
 def _log(msg: str) -> None:
@@ -244,15 +249,22 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
   for dec in methods.values():
     run(dec, batches[0])
   speedups = {name: [] for name in methods}
+  paired = []  # per round: adaptive against the plain decoding call beside it
   plain_seconds, plain_tokens, stats = [], [], {}
   order = [None, *methods]  # None: plain decoding
   for r in range(ROUNDS.value):
     base, tokens, seconds, counts = 0.0, 0, {name: 0.0 for name in methods}, {}
+    beside, adaptive_beside = 0.0, 0.0  # that call's time; the policy's, scaled to its length
     for i, b in enumerate(batches):
       shift = (r * len(batches) + i) % len(order)  # rotated: no method always runs first
-      outs = {name: plain(b) if name is None else run(methods[name], b)
-              for name in order[shift:] + order[:shift]}
+      names = order[shift:] + order[:shift]
+      # plain decoding once more, right before the policy (even rounds) or after it (odd)
+      names.insert(names.index("adaptive") + r % 2, BESIDE)
+      outs = {name: plain(b) if name in (None, BESIDE) else run(methods[name], b)
+              for name in names}
       base += outs[None].seconds
+      beside += outs[BESIDE].seconds
+      adaptive_beside += _same_length_seconds(outs["adaptive"], outs[BESIDE])
       tokens += int(outs[None].num_generated.sum())
       for name in methods:
         out = outs[name]
@@ -264,13 +276,14 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
         c[3] = np.add(c[3], out.per_row["choice_steps"].sum(axis=0))
     plain_seconds.append(base)
     plain_tokens.append(tokens)
+    paired.append(beside / adaptive_beside)
     for name in methods:
       speedups[name].append(base / seconds[name])
       emitted, calls, hist, choices = counts[name]
       stats[name] = {"tokens_per_call": emitted / calls, "depth_hist": hist.tolist(),
                      "choice_steps": np.asarray(choices).tolist()}
     _log(f"B={batch} T={temp:g} round {r + 1}: " + ", ".join(
-        f"{k} {v[-1]:.2f}×" for k, v in speedups.items()))
+        f"{k} {v[-1]:.2f}×" for k, v in speedups.items()) + f" ({paired[-1]:.2f}× beside)")
   # plain decoding's tokens are its calls' own every round (the same seeds): the first round's
   plain_tps = plain_tokens[0] / float(np.median(plain_seconds))
   return {"batch": batch, "temperature": temp, "batches": len(batches), "devices": DATA.value,
@@ -281,8 +294,12 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
           "min_gain": policy.min_gain, "evidence": policy.evidence,
           "matmul": matmul_path(target.params),
           "plain_tokens_per_second": plain_tps,
+          # whether the policy's calls ran plain decoding's own loop (it never drafts here)
+          "plain_only": methods["adaptive"].plain_only(batch),
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
-                                 tokens_per_second=plain_tps * float(np.median(v)))
+                                 tokens_per_second=plain_tps * float(np.median(v)),
+                                 **({"paired_speedup": float(np.median(paired)),
+                                     "paired_rounds": paired} if name == "adaptive" else {}))
                       for name, v in speedups.items()}}
 
 
@@ -320,7 +337,11 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            f"included); median of {ROUNDS.value} interleaved rounds; {minutes:.1f} min (this "
            "invocation; a rerun resumes from the JSON beside this file).", "",
            matmul_words(cells), "",
-           "Adaptive's per-round speedups are in brackets. "
+           "Adaptive's per-round speedups are in brackets; paired = against a second plain "
+           "decoding call run right beside it in each round (before it in even rounds, after "
+           "it in odd ones), which the host's slow and fast memory spells, lasting minutes, "
+           "mostly spare; \"plain decoding's loop\": the policy never drafts at that batch, "
+           "so `generate` ran plain decoding's own code (`plain_only`). "
            "Step cost = a speculative step's decode-loop time over a plain decoding step's, "
            "at that batch, for each γ and then each tree (what the adaptive policy is given). "
            f"Adaptive = `AdaptiveGamma` over γ ∈ {{0, {', '.join(map(str, gammas))}}} with "
@@ -343,10 +364,10 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
     lines += [f"## T = {temp:g}", "",
               "| batch | plain tok/s | step cost " + " / ".join(
                   [f"γ={g}" for g in gammas] + ["tree"] * len(trees))
-              + " | " + " | ".join(fixed) + " | best fixed | **adaptive** | adaptive / best "
-              "| adaptive tok/s | adaptive tok/s per device | α_c | adaptive mix (0…"
-              + str(max(gammas)) + "".join(", tree" for _ in trees) + ") |",
-              "|---" * (10 + len(fixed)) + "|"]
+              + " | " + " | ".join(fixed) + " | best fixed | **adaptive** | adaptive, paired "
+              "| adaptive / best | adaptive tok/s | adaptive tok/s per device | α_c | "
+              "adaptive mix (0…" + str(max(gammas)) + "".join(", tree" for _ in trees) + ") |",
+              "|---" * (11 + len(fixed)) + "|"]
     for c in rows:
       m = c["methods"]
       best = max(fixed, key=lambda n: m[n]["speedup"])
@@ -358,15 +379,19 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
       if c.get("prompt_ease"):
         alpha += (f" ({min(c['prompt_ease']) * c['chain_alpha']:.2f}–"
                   f"{max(c['prompt_ease']) * c['chain_alpha']:.2f})")
-      mix = a.get("choice_steps", a["depth_hist"])
+      mix = "/".join(str(x) for x in a.get("choice_steps", a["depth_hist"]))
+      if c.get("plain_only"):
+        mix += " (plain decoding's loop)"
+      rounds = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
+      pair = (f"{a['paired_speedup']:.2f}× ({rounds(a['paired_rounds'])})"
+              if "paired_speedup" in a else "–")  # cells from before the paired call
       lines.append(
           f"| {c['batch']} | {c['plain_tokens_per_second']:.0f} | {costs} | "
           + " | ".join(f"{m[n]['speedup']:.2f}×" for n in fixed)
           + f" | {best} ({m[best]['speedup']:.2f}×) | **{a['speedup']:.2f}×** "
-          f"({', '.join(f'{x:.2f}' for x in a['rounds'])}) | "
+          f"({rounds(a['rounds'])}) | {pair} | "
           f"{a['speedup'] / m[best]['speedup']:.0%} | {a['tokens_per_second']:.0f} | "
-          f"{a['tokens_per_second'] / c.get('devices', 1):.0f} | {alpha} | "
-          f"{'/'.join(str(x) for x in mix)} |")
+          f"{a['tokens_per_second'] / c.get('devices', 1):.0f} | {alpha} | {mix} |")
     lines.append("")
   return lines
 

@@ -45,6 +45,12 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
     assert c["matmul"]  # the matmul path the cell ran, recorded (experiments.machine)
     mix = c["methods"]["adaptive"]["choice_steps"]
     assert len(mix) == 3 and sum(mix) > 0  # plain, γ = 1, the tree
+    # against the second plain call beside it, one ratio a round
+    adaptive = c["methods"]["adaptive"]
+    assert len(adaptive["paired_rounds"]) == 1 and adaptive["paired_rounds"][0] > 0
+    assert adaptive["paired_speedup"] == adaptive["paired_rounds"][0]
+    assert isinstance(c["plain_only"], bool)
+    assert all("paired_speedup" not in v for n, v in c["methods"].items() if n != "adaptive")
   text = out.read_text()
   assert "| α_c | adaptive mix (0…1, tree) |" in text
   assert "promises more than 5% over plain decoding (`min_gain`)" in text
@@ -58,11 +64,26 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
     assert c["calibration"] == "held-out"
   assert [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| 1 |")
           or l.startswith("| 2 |")] == ["1", "2"]
+  header = next(l for l in text.splitlines() if "adaptive, paired" in l).split("|")
+  row = next(l for l in text.splitlines() if l.startswith("| 1 |")).split("|")
+  paired = cells[0]["methods"]["adaptive"]["paired_speedup"]
+  assert row[header.index(" adaptive, paired ")].strip().startswith(f"{paired:.2f}× (")
 
+  # A cell from before the paired call renders a dash there; a policy that never drafted
+  # says its calls ran plain decoding's loop.
+  cells[0]["methods"]["adaptive"] = {k: v for k, v in cells[0]["methods"]["adaptive"].items()
+                                     if not k.startswith("paired")}
+  cells[0]["plain_only"], cells[1]["plain_only"] = True, False
+  (tmp_path / "sweep.json").write_text(json.dumps(cells))
   again = _sweep(out)  # everything was done: nothing is measured again
   assert again.returncode == 0, again.stderr[-3000:]
   assert "done before, kept" in again.stderr
   assert "acceptance table" not in again.stderr and "step costs" not in again.stderr
+  rows = {l.split("|")[1].strip(): l.split("|") for l in out.read_text().splitlines()
+          if l.startswith("| 1 |") or l.startswith("| 2 |")}
+  assert rows["1"][header.index(" adaptive, paired ")].strip() == "–"
+  assert rows["1"][-2].strip().endswith("(plain decoding's loop)")
+  assert "plain decoding's loop" not in rows["2"][-2]
 
   # Another margin is another sweep: measured again, and the first margin's cells stay in
   # the store without entering the report.
