@@ -31,9 +31,12 @@ exceeds them), in one process:
      (prefill included); speedup = plain time / method time per round, both summed over
      the batches, the median round reported. Each round also times plain decoding a
      second time right beside the policy (before it in even rounds, after it in odd
-     ones): the policy's paired speedup, which the host's spells spare (at B = 32 the
-     rounds of plain decoding against the same code, the policy decoding plainly, spread
-     0.85–1.03 unpaired).
+     ones; an even ``--rounds`` balances the two): the policy's speedup against that
+     call, ``paired_plain_speedup``, meant to spare it the host's slower drifts. In its
+     first runs (Zen 5, B = 16 and 32, 5 rounds, the policy running plain decoding's own
+     code) calls of the same code side by side still differed by up to 25%, and the
+     paired rounds spread about as widely as the unpaired ones (0.95–1.25 against
+     0.85–1.16).
 
 Rows stop at their EOS, as in ``experiments.run`` (``--nostop_at_eos``: every row runs
 to ``--new_tokens``, as cells before this flag did); a batch's call runs until its last
@@ -249,7 +252,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
   for dec in methods.values():
     run(dec, batches[0])
   speedups = {name: [] for name in methods}
-  paired = []  # per round: adaptive against the plain decoding call beside it
+  paired = []  # per round: the policy against the plain decoding call beside it
   plain_seconds, plain_tokens, stats = [], [], {}
   order = [None, *methods]  # None: plain decoding
   for r in range(ROUNDS.value):
@@ -257,9 +260,7 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
     beside, adaptive_beside = 0.0, 0.0  # that call's time; the policy's, scaled to its length
     for i, b in enumerate(batches):
       shift = (r * len(batches) + i) % len(order)  # rotated: no method always runs first
-      names = order[shift:] + order[:shift]
-      # plain decoding once more, right before the policy (even rounds) or after it (odd)
-      names.insert(names.index("adaptive") + r % 2, BESIDE)
+      names = round_order(order[shift:] + order[:shift], r)
       outs = {name: plain(b) if name in (None, BESIDE) else run(methods[name], b)
               for name in names}
       base += outs[None].seconds
@@ -298,9 +299,19 @@ def _measure(target, draft, prompts, batch: int, temp: float, gammas, trees,
           "plain_only": methods["adaptive"].plain_only(batch),
           "methods": {name: dict(stats[name], speedup=float(np.median(v)), rounds=v,
                                  tokens_per_second=plain_tps * float(np.median(v)),
-                                 **({"paired_speedup": float(np.median(paired)),
-                                     "paired_rounds": paired} if name == "adaptive" else {}))
+                                 **({"paired_plain_speedup": float(np.median(paired)),
+                                     "paired_plain_rounds": paired}
+                                    if name == "adaptive" else {}))
                       for name, v in speedups.items()}}
+
+
+def round_order(names: list, r: int) -> list:
+  """One round's calls on a batch: ``names`` (the rotated methods, None for plain decoding)
+  with plain decoding once more (``BESIDE``) right before the policy in even rounds, right
+  after it in odd ones."""
+  names = list(names)
+  names.insert(names.index("adaptive") + r % 2, BESIDE)
+  return names
 
 
 def _same_length_seconds(out, plain_out) -> float:
@@ -339,8 +350,8 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
            matmul_words(cells), "",
            "Adaptive's per-round speedups are in brackets; paired = against a second plain "
            "decoding call run right beside it in each round (before it in even rounds, after "
-           "it in odd ones), which the host's slow and fast memory spells, lasting minutes, "
-           "mostly spare; \"plain decoding's loop\": the policy never drafts at that batch, "
+           "it in odd ones), two measures of the same calls with equal standing; \"plain "
+           "decoding's loop\": the policy never drafts at that batch, "
            "so `generate` ran plain decoding's own code (`plain_only`). "
            "Step cost = a speculative step's decode-loop time over a plain decoding step's, "
            "at that batch, for each γ and then each tree (what the adaptive policy is given). "
@@ -383,8 +394,8 @@ def _report(cells: list[dict], gammas, command: str, minutes: float) -> list[str
       if c.get("plain_only"):
         mix += " (plain decoding's loop)"
       rounds = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
-      pair = (f"{a['paired_speedup']:.2f}× ({rounds(a['paired_rounds'])})"
-              if "paired_speedup" in a else "–")  # cells from before the paired call
+      pair = (f"{a['paired_plain_speedup']:.2f}× ({rounds(a['paired_plain_rounds'])})"
+              if "paired_plain_speedup" in a else "–")  # cells from before the paired call
       lines.append(
           f"| {c['batch']} | {c['plain_tokens_per_second']:.0f} | {costs} | "
           + " | ".join(f"{m[n]['speedup']:.2f}×" for n in fixed)

@@ -29,7 +29,7 @@ def _sweep(out, *extra) -> subprocess.CompletedProcess:
 
 def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_path):
   out = tmp_path / "sweep.md"
-  first = _sweep(out)
+  first = _sweep(out, "--rounds=2")  # an even round and an odd one
   assert first.returncode == 0, first.stderr[-3000:]
   assert "trees priced by a 2-deep acceptance table" in first.stderr
   assert "8 held-out prompts never timed" in first.stderr  # never training-side ones
@@ -45,12 +45,16 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
     assert c["matmul"]  # the matmul path the cell ran, recorded (experiments.machine)
     mix = c["methods"]["adaptive"]["choice_steps"]
     assert len(mix) == 3 and sum(mix) > 0  # plain, γ = 1, the tree
-    # against the second plain call beside it, one ratio a round
+    # against the second plain call beside it, one ratio a round (before it, then after it)
     adaptive = c["methods"]["adaptive"]
-    assert len(adaptive["paired_rounds"]) == 1 and adaptive["paired_rounds"][0] > 0
-    assert adaptive["paired_speedup"] == adaptive["paired_rounds"][0]
+    assert len(adaptive["paired_plain_rounds"]) == 2 and min(adaptive["paired_plain_rounds"]) > 0
+    assert adaptive["paired_plain_speedup"] == pytest.approx(
+        np.median(adaptive["paired_plain_rounds"]))
     assert isinstance(c["plain_only"], bool)
-    assert all("paired_speedup" not in v for n, v in c["methods"].items() if n != "adaptive")
+    if c["plain_only"]:  # plain decoding's own loop: plain steps only
+      assert mix[1:] == [0, 0]
+    assert all("paired_plain_speedup" not in v for n, v in c["methods"].items()
+               if n != "adaptive")
   text = out.read_text()
   assert "| α_c | adaptive mix (0…1, tree) |" in text
   assert "promises more than 5% over plain decoding (`min_gain`)" in text
@@ -65,15 +69,18 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
   assert [l.split("|")[1].strip() for l in text.splitlines() if l.startswith("| 1 |")
           or l.startswith("| 2 |")] == ["1", "2"]
   header = next(l for l in text.splitlines() if "adaptive, paired" in l).split("|")
+  paired_col = header.index(" adaptive, paired ")
+  mix_col = next(i for i, h in enumerate(header) if h.startswith(" adaptive mix"))
   row = next(l for l in text.splitlines() if l.startswith("| 1 |")).split("|")
-  paired = cells[0]["methods"]["adaptive"]["paired_speedup"]
-  assert row[header.index(" adaptive, paired ")].strip().startswith(f"{paired:.2f}× (")
+  one, two = (next(c for c in cells if c["batch"] == b) for b in (1, 2))
+  paired = one["methods"]["adaptive"]["paired_plain_speedup"]
+  assert row[paired_col].strip().startswith(f"{paired:.2f}× (")
 
   # A cell from before the paired call renders a dash there; a policy that never drafted
   # says its calls ran plain decoding's loop.
-  cells[0]["methods"]["adaptive"] = {k: v for k, v in cells[0]["methods"]["adaptive"].items()
-                                     if not k.startswith("paired")}
-  cells[0]["plain_only"], cells[1]["plain_only"] = True, False
+  one["methods"]["adaptive"] = {k: v for k, v in one["methods"]["adaptive"].items()
+                                if not k.startswith("paired")}
+  one["plain_only"], two["plain_only"] = True, False
   (tmp_path / "sweep.json").write_text(json.dumps(cells))
   again = _sweep(out)  # everything was done: nothing is measured again
   assert again.returncode == 0, again.stderr[-3000:]
@@ -81,9 +88,9 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
   assert "acceptance table" not in again.stderr and "step costs" not in again.stderr
   rows = {l.split("|")[1].strip(): l.split("|") for l in out.read_text().splitlines()
           if l.startswith("| 1 |") or l.startswith("| 2 |")}
-  assert rows["1"][header.index(" adaptive, paired ")].strip() == "–"
-  assert rows["1"][-2].strip().endswith("(plain decoding's loop)")
-  assert "plain decoding's loop" not in rows["2"][-2]
+  assert rows["1"][paired_col].strip() == "–"
+  assert rows["1"][mix_col].strip().endswith("(plain decoding's loop)")
+  assert "plain decoding's loop" not in rows["2"][mix_col]
 
   # Another margin is another sweep: measured again, and the first margin's cells stay in
   # the store without entering the report.
@@ -118,6 +125,21 @@ def test_only_cells_measured_alike_are_resumed(benchmark_module):
   # the oldest cells' defaults (one device, the argmax, EOS ignored) are all training-side
   assert resumable(dict(evidence="accepted", calibration="held-out"), 1, 0.0, "accepted", False)
   assert not resumable(dict(evidence="accepted"), 1, 0.0, "accepted", False)
+
+
+def test_plain_decoding_runs_again_right_beside_the_policy(benchmark_module):
+  """Each round times plain decoding a second time next to the policy: right before it in
+  even rounds, right after it in odd ones (also when the policy's call comes last), the
+  other calls in their rotated order."""
+  sweep = benchmark_module("batch_sweep")
+  beside = sweep.BESIDE
+  rotated = ["γ=1", "adaptive", None, "tree"]
+  assert sweep.round_order(rotated, 0) == ["γ=1", beside, "adaptive", None, "tree"]
+  assert sweep.round_order(rotated, 1) == ["γ=1", "adaptive", beside, None, "tree"]
+  assert sweep.round_order([None, "adaptive"], 3) == [None, "adaptive", beside]
+  assert sweep.round_order([None, "adaptive"], 2) == [None, beside, "adaptive"]
+  assert rotated == ["γ=1", "adaptive", None, "tree"]  # the rotation itself is left alone
+  assert beside is not None and beside not in rotated
 
 
 def test_a_methods_decode_loop_is_scaled_to_plain_decodings_length(benchmark_module):
