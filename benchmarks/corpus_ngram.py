@@ -161,12 +161,13 @@ def measure(tables: dict, held, gamma: int) -> dict:
     correct = pred == np.asarray(answer, np.int64)
     mode = "greedy" if meta.get("mode", "greedy") == "greedy" else "sampled"
     runs = accepted_runs(correct, gamma)
+    calls = np.array([calls_per_answer(runs)])
     for key in ((mode, "all"), (mode, meta.get("category", "?"))):
       cell = out.setdefault(key, {"correct": [], "runs": [], "conf": [], "calls": []})
       cell["correct"].append(correct)
       cell["runs"].append(runs)
       cell["conf"].append(conf)
-      cell["calls"].append(np.array([calls_per_answer(runs)]))
+      cell["calls"].append(calls)
   return {k: {name: np.concatenate(v) for name, v in cell.items()} for k, cell in out.items()}
 
 
