@@ -33,7 +33,7 @@ from benchmarks.common import provenance, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
-from specjax.sampling import make_sampler
+from specjax.sampling import dense_probs, make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.block_verification import expected_tokens
 
@@ -59,7 +59,7 @@ def paired_run(dec, target, draft, prompts, new, seed) -> tuple[float, float, fl
 
   @jax.jit
   def expect(proposal, scores, done):
-    tw, blk = expected_tokens(proposal.tokens, proposal.q, scores.p)
+    tw, blk = expected_tokens(proposal.tokens, dense_probs(proposal.q), scores.p)
     live = (~done).astype(jnp.float32)
     return jnp.sum(tw * live), jnp.sum(blk * live), jnp.sum(live)
 

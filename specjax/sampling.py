@@ -25,6 +25,7 @@ import dataclasses
 import math
 from typing import Optional, Union
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -202,20 +203,65 @@ def scale_temperature(sampler: Sampler, ratio: float) -> Sampler:
   return dataclasses.replace(sampler, temperature=sampler.temperature * ratio)
 
 
-def sample_subset(sampler: Sampler, key: jax.Array, logits: jax.Array, ids: jax.Array,
-                  vocab_size: int) -> tuple[jax.Array, jax.Array]:
+def sample_subset(sampler: Sampler, key: jax.Array, logits: jax.Array,
+                  ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Samples from logits [..., Vd] over the vocabulary subset ``ids`` [Vd].
 
-  Returns (target ids, q [..., vocab_size] zero outside ``ids``): the same
-  distribution as sampling the logits lifted to the full vocabulary with -inf
-  outside the subset (every warp only rescales or cuts finite logits), with
-  the random draw over Vd instead of V ids. Reduced-vocabulary drafters use it.
+  Returns (target ids, q [..., Vd] over ``ids``; ``SubsetProbs`` places it in the
+  vocabulary, zero elsewhere): the same distribution as sampling the logits lifted to the
+  full vocabulary with -inf outside the subset (every warp only rescales or cuts finite
+  logits), with the random draw over Vd instead of V ids. Reduced-vocabulary drafters use it.
   """
   tok, q = sampler.sample(key, logits)
-  return ids[tok], lift_probs(q, ids, vocab_size)
+  return ids[tok], q
 
 
 def lift_probs(q: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
   """Probabilities over a subset [..., Vd] -> over the vocabulary [..., V], zero elsewhere."""
   return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., ids].set(q)
 
+
+@flax.struct.dataclass
+class SubsetProbs:
+  """Distributions over a fixed subset of the vocabulary, zero elsewhere, kept at the
+  subset's size: a reduced-vocabulary drafter's q (EAGLE-3's 8,192 of the target's 49,152
+  ids) is [..., K] here instead of [..., V], so the rules that read it (acceptance, β) pass
+  over K entries where only those can be non-zero (``specjax.speculative.acceptance``).
+
+  Attributes:
+    probs: [..., K] the probabilities of ``ids``.
+    ids: [K] int32 distinct vocabulary ids, the columns of ``probs``.
+    vocab_size: static V.
+
+  Example: ``SubsetProbs(jnp.array([[0.25, 0.75]]), jnp.array([4, 1]), 6).dense()`` is
+  ``[[0, 0.75, 0, 0, 0.25, 0]]``.
+  """
+
+  probs: jax.Array
+  ids: jax.Array
+  vocab_size: int = flax.struct.field(pytree_node=False)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The dense shape, [..., V]."""
+    return self.probs.shape[:-1] + (self.vocab_size,)
+
+  def dense(self) -> jax.Array:
+    """[..., V] the same distributions over the whole vocabulary."""
+    return lift_probs(self.probs, self.ids, self.vocab_size)
+
+  def slots(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(each token's column in ``probs`` (0 where absent), whether it is in the subset)."""
+    hit = self.ids == tokens[..., None]
+    return jnp.argmax(hit, axis=-1).astype(jnp.int32), jnp.any(hit, axis=-1)
+
+
+def as_subset(q: jax.Array, ids: Optional[jax.Array], vocab_size: int) -> jax.Array | SubsetProbs:
+  """``q`` [..., K] over ``ids`` as ``SubsetProbs``; ``q`` itself (over the vocabulary) when
+  ``ids`` is None."""
+  return q if ids is None else SubsetProbs(q, ids, vocab_size)
+
+
+def dense_probs(q: jax.Array | SubsetProbs) -> jax.Array:
+  """[..., V] over the whole vocabulary, whichever form ``q`` has."""
+  return q.dense() if isinstance(q, SubsetProbs) else q

@@ -23,7 +23,7 @@ import pytest
 
 from specjax.drafters import ModelDrafter
 from specjax.generate import generate
-from specjax.sampling import Greedy, Sampling, sample_from
+from specjax.sampling import Greedy, Sampling, SubsetProbs, sample_from
 from specjax.speculative import DynamicTree, SpeculativeDecoder, TreeTopology
 from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import Acceptance
@@ -168,14 +168,37 @@ def _weights_as_stops(key, drafts, q, p):
   return Acceptance(tau, sample_from(s_key, r), levels <= tau[:, None], jnp.zeros((b, gamma)))
 
 
+# A reduced-vocabulary draft: Q_S kept on 3 of the 5 ids (q = 0 elsewhere), handed over as
+# ``SubsetProbs``; the target keeps mass outside it.
+SUB = np.array([0, 2, 4], np.int32)
+Q_SUB = np.zeros_like(Q_S)
+Q_SUB[:, SUB] = Q_S[:, SUB] / Q_S[:, SUB].sum(axis=1, keepdims=True)
+
+
+def _on_subset(rule):
+  def run(key, drafts, q, p):
+    return rule(key, drafts, SubsetProbs(q[..., SUB], jnp.asarray(SUB), V), p)
+
+  return run
+
+
+def _support_only(key, drafts, q, p):
+  """Wrong: the rule on the draft's support alone, the target's mass outside it dropped."""
+  inside = jnp.zeros((V,), bool).at[SUB].set(True)
+  return _on_subset(accept_block)(key, drafts, q, jnp.where(inside, p, 0.0))
+
+
 RULES = {"block": accept_block, "tokenwise": chain_rule.accept,
-         "no_weight_residual": _no_weight_residual, "weights_as_stops": _weights_as_stops}
+         "no_weight_residual": _no_weight_residual, "weights_as_stops": _weights_as_stops,
+         "block_subset": _on_subset(accept_block),
+         "tokenwise_subset": _on_subset(chain_rule.accept), "support_only": _support_only}
 
 
 @functools.lru_cache(maxsize=None)
 def _first_three_fn(rule):
   accept_fn = RULES[rule]
-  pm, qm = jnp.asarray(P_S, jnp.float32), jnp.asarray(Q_S, jnp.float32)
+  reduced = rule.endswith("subset") or rule == "support_only"
+  pm, qm = jnp.asarray(P_S, jnp.float32), jnp.asarray(Q_SUB if reduced else Q_S, jnp.float32)
 
   def step(key, last):
     d_key, a_key = jax.random.split(key)
@@ -235,7 +258,33 @@ def test_sampled_block_rule_matches_target_and_beats_tokenwise():
   assert np.mean(n) > np.mean(n_tok) + 0.01, (np.mean(n), np.mean(n_tok))
 
 
-@pytest.mark.parametrize("rule", ["no_weight_residual", "weights_as_stops"])
+@pytest.mark.parametrize("rule", ["block_subset", "tokenwise_subset"])
+def test_reduced_vocabulary_draft_as_subset_probs_matches_target(rule):
+  counts, n = _counts(rule)
+  assert chi_square_pvalue(counts, EXACT3) > 1e-3, _tv(counts)
+  assert _tv(counts) < 0.01
+  assert 0.05 < np.mean(n == 1) < 0.95 and np.any(n == GAMMA + 1)
+
+
+def test_subset_probs_give_the_dense_rules_outcome():
+  """Same key, q over the vocabulary or as ``SubsetProbs``: the same τ, β and (up to a rare
+  float-rounding flip of the residual draw) the same extra token."""
+  rng = np.random.default_rng(3)
+  b = 20_000
+  drafts = np.stack([rng.choice(SUB, size=b) for _ in range(GAMMA)], axis=1).astype(np.int32)
+  ctx = np.concatenate([np.full((b, 1), X0), drafts], axis=1)
+  q, p = jnp.asarray(Q_SUB[ctx[:, :-1]], jnp.float32), jnp.asarray(P_S[ctx], jnp.float32)
+  key = jax.random.PRNGKey(4)
+  for rule in (accept_block, chain_rule.accept):
+    dense, sub = rule(key, jnp.asarray(drafts), q, p), _on_subset(rule)(key, jnp.asarray(drafts),
+                                                                        q, p)
+    np.testing.assert_array_equal(np.asarray(dense.num_accepted), np.asarray(sub.num_accepted))
+    np.testing.assert_allclose(np.asarray(dense.beta), np.asarray(sub.beta), atol=1e-6)
+    assert np.mean(np.asarray(dense.next_token) == np.asarray(sub.next_token)) > 0.999
+    assert 0 < np.asarray(sub.num_accepted).mean() < GAMMA
+
+
+@pytest.mark.parametrize("rule", ["no_weight_residual", "weights_as_stops", "support_only"])
 def test_wrong_variants_are_rejected(rule):
   counts, _ = _counts(rule)
   assert chi_square_pvalue(counts, EXACT3) < 1e-6, _tv(counts)

@@ -19,7 +19,7 @@ from specjax.generate import generate
 from specjax.kernels import packed as pk
 from specjax.kernels import policy as pol
 from specjax.model import forward, target_features
-from specjax.sampling import Sampling
+from specjax.sampling import Sampling, SubsetProbs, dense_probs
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.testing import tiny_model
@@ -74,7 +74,7 @@ def test_every_proposal_reads_the_true_features_of_the_whole_committed_sequence(
     if bool(jnp.all(state.done)):
       break
     proposal, _ = propose(dp, state, jax.random.PRNGKey(0))
-    drafts_, q = proposal.tokens, proposal.q
+    drafts_, q = proposal.tokens, dense_probs(proposal.q)
     for row in range(len(PROMPTS)):
       if bool(state.done[row]):  # finished rows draft garbage, which nobody reads
         continue
@@ -195,7 +195,9 @@ def test_reduced_vocabulary_gives_zero_q_outside_the_map():
   dec = SpeculativeDecoder(cfg, drafter, gamma=2, sampler=Sampling(1.0), eos_ids=())
   state, _ = dec.prepare(params, dp, PROMPTS, 4)
   proposal, _ = dec.propose(dp, state, jax.random.PRNGKey(0))
-  drafts_, q = proposal.tokens, proposal.q
+  assert isinstance(proposal.q, SubsetProbs)  # q travels at the map's width
+  np.testing.assert_array_equal(np.asarray(proposal.q.ids), vm)
+  drafts_, q = proposal.tokens, proposal.q.dense()
   assert np.all(np.asarray(q)[..., 1::2] == 0.0)
   assert np.all(np.asarray(drafts_) % 2 == 0)
   np.testing.assert_allclose(np.asarray(q).sum(-1), 1.0, atol=1e-5)

@@ -224,18 +224,36 @@ def test_sampling_a_vocabulary_subset_equals_sampling_its_lifted_logits(sampler)
   """q of the subset sampler = the warp of the logits lifted with -inf outside the subset,
   and the drawn tokens follow it."""
   from specjax.drafters.reduced_vocab import lift_logits
-  from specjax.sampling import sample_subset
+  from specjax.sampling import SubsetProbs, sample_subset
 
   v, ids = 12, jnp.array([7, 2, 9, 4, 0])
   logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5)) * 2.0
-  toks, q = sample_subset(sampler, jax.random.PRNGKey(1), logits, ids, v)
+  toks, q_sub = sample_subset(sampler, jax.random.PRNGKey(1), logits, ids)
+  q = SubsetProbs(q_sub, ids, v).dense()
   np.testing.assert_allclose(np.asarray(q), np.asarray(sampler.probs(lift_logits(logits, ids, v))),
                              atol=1e-6)
   keys = jax.random.split(jax.random.PRNGKey(2), 4000)
-  draws = np.asarray(jax.vmap(lambda k: sample_subset(sampler, k, logits[:1], ids, v)[0])(keys))
+  draws = np.asarray(jax.vmap(lambda k: sample_subset(sampler, k, logits[:1], ids)[0])(keys))
   freq = np.bincount(draws.ravel(), minlength=v) / draws.size
   np.testing.assert_allclose(freq, np.asarray(q[0]), atol=0.03)
   assert set(np.unique(draws)) <= set(np.asarray(ids).tolist())
+
+
+def test_subset_probs_places_its_columns_and_finds_tokens():
+  from specjax.sampling import SubsetProbs, as_subset, dense_probs
+
+  q = SubsetProbs(jnp.array([[0.25, 0.75]]), jnp.array([4, 1]), 6)
+  np.testing.assert_array_equal(np.asarray(q.dense()), [[0, 0.75, 0, 0, 0.25, 0]])
+  assert q.shape == (1, 6) and dense_probs(q).shape == (1, 6)
+  slot, found = q.slots(jnp.array([1, 4, 3]))
+  np.testing.assert_array_equal(np.asarray(found), [True, True, False])
+  np.testing.assert_array_equal(np.asarray(slot)[:2], [1, 0])
+  dense = jnp.ones((2, 6))
+  assert as_subset(dense, None, 6) is dense and dense_probs(dense) is dense
+  assert isinstance(as_subset(q.probs, q.ids, 6), SubsetProbs)
+  # A pytree: jit and scan carry it; the vocabulary size stays static.
+  out = jax.jit(lambda s: s)(q)
+  assert isinstance(out, SubsetProbs) and out.vocab_size == 6
 
 
 def test_scale_temperature_keeps_the_warping_at_a_new_temperature():

@@ -21,7 +21,7 @@ from specjax.generate import generate, prefill
 from specjax.kv_cache import init_cache
 from specjax.loaders import CheckpointError
 from specjax.model import forward
-from specjax.sampling import Greedy, Sampling
+from specjax.sampling import Greedy, Sampling, dense_probs
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.drafter import SharedCache
 from specjax.speculative.tree import DynamicTree, TreeTopology
@@ -337,7 +337,8 @@ def test_adapter_exit_drafts_are_the_training_objective_on_the_same_tokens(deep)
   logp, _ = objective.logp_and_aux({k: ep[k] for k in ("res_w", "res_b", "adapter")},
                                    {"final_norm": ep["final_norm"], "head": ep["head"]}, None,
                                    batch, None)
-  np.testing.assert_allclose(q[:, :, np.asarray(ep["vocab_map"])], np.exp(logp), atol=1e-5)
+  np.testing.assert_allclose(dense_probs(q)[:, :, np.asarray(ep["vocab_map"])], np.exp(logp),
+                             atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["trained_exit", "adapter_exit"])
@@ -362,7 +363,7 @@ def test_exit_tree_nodes_are_drawn_from_the_teacher_forced_draft_of_their_ancest
   @jax.jit
   def teacher_forced_q(toks, lens):  # the draft's q after toks[:, :lens] (one compile)
     return drafter.propose_chain(dp, shared(toks, lens, lens), toks, lens,
-                                 jax.random.PRNGKey(0), Sampling(1.0), 1)[1][:, 0]
+                                 jax.random.PRNGKey(0), Sampling(1.0), 1)[1].dense()[:, 0]
 
   prop, own = jax.jit(lambda: drafter.propose(
       dp, shared(tokens, seq_lens, prompt_lens), tokens, seq_lens, jax.random.PRNGKey(0),
@@ -383,7 +384,8 @@ def test_exit_tree_nodes_are_drawn_from_the_teacher_forced_draft_of_their_ancest
       if isinstance(tree, DynamicTree):
         assert np.sum(q > q[toks[b, i]]) < tree.top_k, (b, i)
       else:
-        np.testing.assert_allclose(prop.q[b, i], q, atol=1e-5, err_msg=f"row {b} node {i}")
+        np.testing.assert_allclose(prop.q.dense()[b, i], q, atol=1e-5,
+                                   err_msg=f"row {b} node {i}")
 
 
 def test_bad_exits_are_refused(deep, tmp_path):

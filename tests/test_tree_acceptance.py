@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import sample_from
+from specjax.sampling import SubsetProbs, sample_from
 from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import TreeTopology
@@ -50,12 +50,17 @@ P = _markov(0, 0.6)  # target
 Q = 0.5 * _markov(1, 0.6) + 0.5 * np.roll(P, 1, axis=1)  # draft: overlaps P, but not much
 EXACT = P[X0][:, None] * P  # [V, V] exact law of the first two tokens
 TOP = np.argsort(-Q, axis=1, kind="stable").astype(np.int32)  # [V, V] draft tokens by rank
+# A reduced-vocabulary draft: Q kept on 5 of the 8 ids, which leaves the target 0.3-0.5 of
+# its mass outside the draft's support.
+SUBSET = np.array([0, 2, 3, 5, 6], np.int32)
+Q_SUBSET = np.zeros_like(Q)
+Q_SUBSET[:, SUBSET] = Q[:, SUBSET] / Q[:, SUBSET].sum(axis=1, keepdims=True)
 
 
 # --- harness ------------------------------------------------------------------------
 
 
-def _draft(key, roots, topo, draw, duplicate=None):
+def _draft(key, roots, topo, draw, duplicate=None, draft_matrix=Q):
   """A tree drafted from Q below ``roots`` [B], and the target's p at its entries.
 
   draw: "sampled" (iid from Q[parent]), "without_replacement" (Gumbel-top-k of
@@ -64,7 +69,7 @@ def _draft(key, roots, topo, draw, duplicate=None):
   Returns (tokens [B, N], q [B, N, V] = Q[parent token], p [B, N + 1, V]).
   """
   b, n = roots.shape[0], topo.num_nodes
-  qm, pm = jnp.asarray(Q, jnp.float32), jnp.asarray(P, jnp.float32)
+  qm, pm = jnp.asarray(draft_matrix, jnp.float32), jnp.asarray(P, jnp.float32)
   keys = jax.random.split(key, n + 1)
   gumbel = jax.random.gumbel(keys[n], (b, n + 1, V))  # one vector per parent entry
   block_tok = [roots.astype(jnp.int32)]
@@ -141,15 +146,34 @@ def _reference_accept(key, prop, p, topo, *, update_residual=True):
                         beta=jnp.zeros((b, topo.max_depth), jnp.float32))
 
 
+def _subset_q(q):
+  """Q_SUBSET's rows [..., V] as ``SubsetProbs`` over SUBSET."""
+  return SubsetProbs(q[..., SUBSET], jnp.asarray(SUBSET), V)
+
+
+def _support_only(key, prop, p, topo):
+  """Wrong: recursive rejection on the draft's support alone, the target's mass outside it
+  dropped (what reading p only at a ``SubsetProbs``' ids, final draw included, would do)."""
+  inside = jnp.zeros((V,), bool).at[SUBSET].set(True)
+  return accept_tree(key, prop, jnp.where(inside, p, 0.0), topo)
+
+
 @functools.lru_cache(maxsize=None)
-def _first_two_fn(topo, draw, label, duplicate, rule):
-  """jit: key -> (x1, x2, num_accepted of the first step) for ROWS independent runs."""
+def _first_two_fn(topo, draw, label, duplicate, rule, q_form="dense"):
+  """jit: key -> (x1, x2, num_accepted of the first step) for ROWS independent runs.
+
+  q_form: "dense" (Q, over the vocabulary), "subset_dense" (Q_SUBSET over the vocabulary)
+  or "subset" (Q_SUBSET as ``SubsetProbs``)."""
   accept_fn = {"library": _library, "reference": _reference_accept,
-               "no_residual": functools.partial(_reference_accept, update_residual=False)}[rule]
+               "no_residual": functools.partial(_reference_accept, update_residual=False),
+               "support_only": _support_only}[rule]
+  draft_matrix = Q if q_form == "dense" else Q_SUBSET
 
   def step(key, roots):
     d_key, a_key = jax.random.split(key)
-    tokens, q, p = _draft(d_key, roots, topo, draw, duplicate)
+    tokens, q, p = _draft(d_key, roots, topo, draw, duplicate, draft_matrix)
+    if q_form == "subset":
+      q = _subset_q(q)
     prop = Proposal(tokens=tokens, q=None if label == "point_mass" else q, draw=label)
     acc = accept_fn(a_key, prop, p, topo)
     return accepted_tokens(prop, acc), acc.num_accepted
@@ -164,9 +188,9 @@ def _first_two_fn(topo, draw, label, duplicate, rule):
   return run
 
 
-def _empirical(topo, draw, label=None, duplicate=None, rule="library", seed=0):
-  x1, x2, n = map(np.asarray, _first_two_fn(topo, draw, label or draw, duplicate, rule)(
-      jax.random.PRNGKey(seed)))
+def _empirical(topo, draw, label=None, duplicate=None, rule="library", seed=0, q_form="dense"):
+  x1, x2, n = map(np.asarray, _first_two_fn(topo, draw, label or draw, duplicate, rule,
+                                            q_form)(jax.random.PRNGKey(seed)))
   assert x1.min() >= 0 and x1.max() < V and x2.min() >= 0 and x2.max() < V
   counts = np.bincount(x1 * V + x2, minlength=V * V).reshape(V, V)
   return counts, n
@@ -236,7 +260,63 @@ def test_reference_rule_matches_target_and_library(draw):
   np.testing.assert_array_equal(np.asarray(lib.path)[same], np.asarray(ref.path)[same])
 
 
+@pytest.mark.parametrize("q_form", ["subset", "subset_dense"])
+@pytest.mark.parametrize("draw", ["sampled", "without_replacement"])
+@pytest.mark.parametrize("name", ["two_branch", "chain3"])
+def test_reduced_vocabulary_drafts_match_target(name, draw, q_form):
+  """A draft on 5 of the 8 ids, its q as ``SubsetProbs`` or over the vocabulary: the target's
+  law either way (the chain through the chain rule, the trees through recursive rejection)."""
+  topo = TOPOLOGIES[name]
+  counts, n = _empirical(topo, draw, q_form=q_form)
+  _assert_exact(counts, n, topo)
+
+
+@pytest.mark.parametrize("draw", ["sampled", "without_replacement"])
+@pytest.mark.parametrize("name", ["two_branch", "chain3"])
+def test_subset_q_agrees_with_the_same_q_over_the_vocabulary(name, draw):
+  """Same key: the same outcome row by row (float rounding may flip a rare comparison), and
+  the same β on a chain."""
+  topo = TOPOLOGIES[name]
+  tokens, q, p = _draft(jax.random.PRNGKey(6), jnp.full((20_000,), X0, jnp.int32), topo, draw,
+                        draft_matrix=Q_SUBSET)
+  key = jax.random.PRNGKey(5)
+  dense = accept_tree(key, Proposal(tokens=tokens, q=q, draw=draw), p, topo)
+  sub = accept_tree(key, Proposal(tokens=tokens, q=_subset_q(q), draw=draw), p, topo)
+  same = (np.asarray(dense.num_accepted) == np.asarray(sub.num_accepted)) & (
+      np.asarray(dense.next_token) == np.asarray(sub.next_token))
+  assert same.mean() > 0.999
+  assert 0 < np.asarray(dense.num_accepted).mean() < topo.max_depth
+  assert np.isin(np.asarray(sub.next_token), SUBSET, invert=True).mean() > 0.1  # outside mass
+  np.testing.assert_allclose(np.asarray(sub.beta), np.asarray(dense.beta), atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(first_chain_beta(
+      Proposal(tokens=tokens, q=_subset_q(q), draw=draw), p, topo)[0]), np.asarray(
+          first_chain_beta(Proposal(tokens=tokens, q=q, draw=draw), p, topo)[0]))
+
+
+def test_a_node_outside_the_subset_is_never_accepted():
+  """A node whose token lies outside a ``SubsetProbs``' ids has q = 0 there: never a draw,
+  skipped as over the vocabulary (node 0 here, so the walk tries node 1 first)."""
+  topo = TOPOLOGIES["two_branch"]
+  tokens, q, p = _draft(jax.random.PRNGKey(6), jnp.full((5_000,), X0, jnp.int32), topo,
+                        "sampled", draft_matrix=Q_SUBSET)
+  tokens = tokens.at[:, 0].set(1)  # id 1 is not in SUBSET
+  key = jax.random.PRNGKey(5)
+  dense = accept_tree(key, Proposal(tokens=tokens, q=q, draw="sampled"), p, topo)
+  sub = accept_tree(key, Proposal(tokens=tokens, q=_subset_q(q), draw="sampled"), p, topo)
+  assert not np.any(np.asarray(sub.path)[:, 1] == 1)  # block entry 1 is node 0
+  assert np.any(np.asarray(sub.path)[:, 1] == 2)
+  assert np.mean(np.asarray(dense.path[:, 1]) == np.asarray(sub.path[:, 1])) > 0.999
+
+
 # --- deliberately wrong rules must fail the same harness ------------------------------------
+
+
+@pytest.mark.parametrize("draw", ["sampled", "without_replacement"])
+@pytest.mark.parametrize("name", ["two_branch", "chain3"])
+def test_residual_on_the_drafts_support_alone_is_rejected(name, draw):
+  counts, _ = _empirical(TOPOLOGIES[name], draw, rule="support_only", q_form="subset")
+  _assert_wrong(counts)
+
 
 
 @pytest.mark.parametrize("name", ["wide4", "two_branch"])

@@ -18,7 +18,7 @@ predecessor's *predicted* feature. Verification hands back the true features
 of its block (``observe``), and after acceptance the draft cache keeps only
 the pairs built from true features (lengths = the old s); everything past is
 scratch. Tokens outside a reduced vocabulary get q = 0 (logits lifted with
-−inf), so verification stays exact.
+−inf; q is handed over as ``SubsetProbs`` on the map), so verification stays exact.
 
 Feature fusion (EAGLE-3), ``feature_layers`` = (l₁ … l_k): the feature of a
 position is the fusion g = fuse · [norm₁(h_l₁); …; norm_k(h_l_k)] of k
@@ -64,7 +64,7 @@ from specjax.kernels.packed import (PROJECTIONS, PackedWeight, head_policy_of, p
                                     policy_of, unpacked)
 from specjax.kernels.policy import MatmulPolicy
 from specjax.model import Params, cast_params, compute_dtype, init_params, rms_norm, run_layers
-from specjax.sampling import Sampler, sample_subset
+from specjax.sampling import Sampler, as_subset, sample_subset
 from specjax.sharding import dense
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
@@ -191,10 +191,10 @@ class EagleDrafter(Drafter):
     return lift_logits(logits, dp["vocab_map"], self.vocab_size) if "vocab_map" in dp else logits
 
   def _sample(self, dp: Params, sampler: Sampler, key: jax.Array, h: jax.Array):
-    """(target ids, q over the target vocabulary) drawn from ĥ [B, D]."""
+    """(target ids, q over the head's rows) drawn from ĥ [B, D]."""
     logits = self.head_logits(dp, h)
     if "vocab_map" in dp:
-      return sample_subset(sampler, key, logits, dp["vocab_map"], self.vocab_size)
+      return sample_subset(sampler, key, logits, dp["vocab_map"])
     return sampler.sample(key, logits)
 
   def reads_target_features(self) -> bool:
@@ -242,7 +242,8 @@ class EagleDrafter(Drafter):
 
     (cache, _, _, _), (rest, qs) = jax.lax.scan(step, (cache, h_last, d1, seq_lens), keys[1:])
     drafts = jnp.concatenate([d1[:, None], rest.T.reshape(b, gamma - 1)], axis=1)
-    q = jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    q = as_subset(jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1),
+                  draft_params.get("vocab_map"), self.vocab_size)
     # Only pairs < seq_lens were built from true features; the rest is scratch.
     return drafts, q, state.replace(cache=cache.with_lengths(seq_lens - self.arch.first_pair))
 
@@ -296,10 +297,10 @@ class EagleDrafter(Drafter):
                              mask=jnp.broadcast_to(jnp.asarray(mask), (b, t, w)))
       return self.head_logits(dp, h), h
 
-    to_target, lift_q = vocab_maps(dp.get("vocab_map"), self.vocab_size)
+    to_target, wrap_q = vocab_maps(dp.get("vocab_map"), self.vocab_size)
     # No slot map needed: tree pairs are dropped below.
     proposal, _ = grow_tree(topology, sampler, key, self.head_logits(dp, h_root), h_root, expand,
-                            to_target, lift_q, self.tree_draw)
+                            to_target, wrap_q, self.tree_draw)
     # Tree pairs were built from predicted features: only pairs < seq_lens stay.
     return proposal, state.replace(cache=cache.with_lengths(seq_lens - self.arch.first_pair))
 

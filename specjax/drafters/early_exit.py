@@ -50,7 +50,7 @@ from specjax.drafters.tree_draft import check_tree_draw, grow_tree, vocab_maps
 from specjax.generate import last_tokens, over_backlog, over_chunks
 from specjax.kernels.packed import PackedWeight, unpacked
 from specjax.model import Params, compute_dtype, forward, run_layers
-from specjax.sampling import Sampler, sample_subset
+from specjax.sampling import Sampler, as_subset, sample_subset
 from specjax.speculative.drafter import Drafter, SharedCache
 from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
@@ -231,14 +231,15 @@ class EarlyExitDrafter(Drafter):
       logits, cache, own_cache = self._draft_logits(draft_params, tok[:, None], pos[:, None],
                                                     cache, own_cache)
       nxt, q = (sampler.sample(key, logits[:, 0]) if rows is None
-                else sample_subset(sampler, key, logits[:, 0], rows, self.vocab_size))
+                else sample_subset(sampler, key, logits[:, 0], rows))
       return (cache, own_cache, nxt, pos + 1), (nxt, q)
 
     first = last_tokens(tokens, seq_lens)[:, 0]
     own_cache = own.cache if self.adapter else None
     (_, own_cache, _, _), (drafts, qs) = jax.lax.scan(
         step, (cache, own_cache, first, seq_lens - 1), jax.random.split(key, gamma))
-    return drafts.T, jnp.moveaxis(qs, 0, 1), self._scratch(own, own_cache, seq_lens)
+    return (drafts.T, as_subset(jnp.moveaxis(qs, 0, 1), rows, self.vocab_size),
+            self._scratch(own, own_cache, seq_lens))
 
   def propose(self, draft_params: Params, state: SharedCache, tokens: jax.Array,
               seq_lens: jax.Array, key: jax.Array, sampler: Sampler,
@@ -263,9 +264,9 @@ class EarlyExitDrafter(Drafter):
           mask=jnp.broadcast_to(jnp.asarray(mask), (b, t, w)))
       return logits, None
 
-    to_target, lift_q = vocab_maps(self._rows(draft_params), self.vocab_size)
+    to_target, wrap_q = vocab_maps(self._rows(draft_params), self.vocab_size)
     proposal, _ = grow_tree(topology, sampler, key, root_logits[:, 0], None, expand, to_target,
-                            lift_q, self.tree_draw)
+                            wrap_q, self.tree_draw)
     return proposal, self._scratch(own, own_cache, seq_lens)
 
   def rollback(self, state: Any, seq_lens: jax.Array, accepted: AcceptedPath) -> Any:

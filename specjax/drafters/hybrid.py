@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
-from specjax.sampling import Sampler
+from specjax.sampling import Sampler, dense_probs
 from specjax.speculative.drafter import Drafter, SharedCache
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import DynamicTree, TreeTopology
@@ -201,8 +201,8 @@ class HybridDrafter(Drafter):
 
     tokens_out = jnp.where(copy[:, None], copied, proposal.tokens)
     if topology.is_chain:
-      one_hot = jax.nn.one_hot(copied, self.vocab_size, dtype=proposal.q.dtype)
-      q = jnp.where(copy[:, None, None], one_hot, proposal.q)
+      q = dense_probs(proposal.q)  # a copied token may lie outside a reduced vocabulary
+      q = jnp.where(copy[:, None, None], jax.nn.one_hot(copied, self.vocab_size, dtype=q.dtype), q)
       return Proposal(tokens=tokens_out, q=q, draw=proposal.draw), state
     if proposal.draw != "point_mass" or proposal.parents is None:
       raise ValueError(f"{type(self.model).__name__}'s dynamic tree is not a point-mass "

@@ -9,7 +9,7 @@ the next ``propose`` first feeds that backlog in chunks (``over_backlog``).
 
 Reduced vocabulary (FR-Spec / EAGLE-3 style): a draft with V_d < V outputs
 logits over V_d ids and carries ``vocab_map`` [V_d] of target ids. It samples
-over its V_d rows and lifts q to the target vocabulary with zeros elsewhere
+over its V_d rows and hands q over as ``SubsetProbs`` on the map, zero elsewhere
 (``sampling.sample_subset``; the same as warping logits lifted with -inf), so
 tokens outside the map have q = 0 — verification remains exact.
 
@@ -38,7 +38,7 @@ from specjax.drafters.reduced_vocab import full_input
 from specjax.drafters.tree_draft import check_tree_draw, grow_tree, vocab_maps
 from specjax.generate import over_backlog, prefill
 from specjax.model import Params, compute_dtype, forward
-from specjax.sampling import Sampler, sample_subset
+from specjax.sampling import Sampler, as_subset, sample_subset
 from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 from specjax.speculative.tree_acceptance import AcceptedPath
@@ -186,9 +186,9 @@ class ModelDrafter(Drafter):
     return jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0], cache
 
   def _sample(self, dp, sampler: Sampler, key, logits):
-    """(target ids, q over the target vocabulary) from draft-row logits."""
+    """(target ids, q over the draft's rows) from draft-row logits."""
     if "vocab_map" in dp:
-      return sample_subset(sampler, key, logits, dp["vocab_map"], self.target_vocab_size)
+      return sample_subset(sampler, key, logits, dp["vocab_map"])
     return sampler.sample(key, logits)
 
   def init(self, draft_params, tokens, prompt_lens, features=None) -> kvc.KVCache:
@@ -213,7 +213,7 @@ class ModelDrafter(Drafter):
     (cache, _, _), (rest, qs) = jax.lax.scan(step, (cache, d1, seq_lens), keys[1:])
     drafts = jnp.concatenate([d1[:, None], rest.T.reshape(b, gamma - 1)], axis=1)
     q = jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-    return drafts, q, cache
+    return drafts, as_subset(q, draft_params.get("vocab_map"), self.target_vocab_size), cache
 
   def propose(self, draft_params, state: kvc.KVCache, tokens, seq_lens, key, sampler: Sampler,
               topology: TreeTopology | DynamicTree | SampledDynamicTree):
@@ -232,9 +232,9 @@ class ModelDrafter(Drafter):
                                     mask=jnp.broadcast_to(jnp.asarray(mask), (b, t, w)))
       return logits, None
 
-    to_target, lift_q = vocab_maps(dp.get("vocab_map"), self.vocab_size)
+    to_target, wrap_q = vocab_maps(dp.get("vocab_map"), self.vocab_size)
     proposal, slots = grow_tree(topology, sampler, key, root_logits, None, expand, to_target,
-                                lift_q, self.tree_draw)
+                                wrap_q, self.tree_draw)
     if slots is not None:  # an EAGLE-2 tree; others write node i at slot root + 1 + i
       return proposal, DynamicDraftState(cache=cache, slots=slots)
     return proposal, cache

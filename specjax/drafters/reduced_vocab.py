@@ -13,9 +13,12 @@ training (``specjax.distill.vocab``, which chooses the vocabulary):
     (``vocab_map[0]`` = target id 0, ``<|endoftext|>`` for SmolLM2); a draft of
     the target's width may instead read them through the target's own rows
     (``full_input``);
-  * its logits are lifted to the target vocabulary with -inf outside the map
+  * its logits count as lifted to the target vocabulary with -inf outside the map
     (``lift_logits``) before any sampling warp, so those tokens get q = 0 and
-    verification stays lossless.
+    verification stays lossless; a drafter samples over its Vd rows instead
+    (``sampling.sample_subset``, the same law) and hands q over as
+    ``sampling.SubsetProbs`` on the map, which the acceptance rules read at
+    width Vd.
 Example: vocab_map = [0, 7, 3] -> input_map = [0, 0, 0, 2, 0, 0, 0, 1, ...].
 """
 

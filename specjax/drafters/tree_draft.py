@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.sampling import Greedy, Sampler, lift_probs
+from specjax.sampling import Greedy, Sampler, as_subset
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import DynamicTree, SampledDynamicTree, TreeTopology
 
@@ -59,13 +59,12 @@ Expand = Callable[[jax.Array, Any, int, np.ndarray], tuple[jax.Array, Any]]
 
 
 def vocab_maps(vocab_map: Optional[jax.Array], vocab_size: int):
-  """(draft row ids -> target ids, draft probabilities [..., Vd] -> [..., V]) for ``grow``.
-
-  Identities without a reduced vocabulary (``vocab_map`` None).
-  """
+  """(draft row ids -> target ids, draft probabilities [..., Vd] -> the proposal's q) for
+  ``grow``: ``SubsetProbs`` over ``vocab_map``, or identities without a reduced vocabulary
+  (``vocab_map`` None)."""
   if vocab_map is None:
     return (lambda ids: ids), (lambda q: q)
-  return (lambda ids: vocab_map[ids]), (lambda q: lift_probs(q, vocab_map, vocab_size))
+  return (lambda ids: vocab_map[ids]), (lambda q: as_subset(q, vocab_map, vocab_size))
 
 
 def _take(x: Any, idx: np.ndarray) -> Any:
@@ -75,7 +74,7 @@ def _take(x: Any, idx: np.ndarray) -> Any:
 
 def grow(tree: TreeTopology, sampler: Sampler, key: jax.Array, root_logits: jax.Array,
          root_carry: Any, expand: Expand, to_target: Callable[[jax.Array], jax.Array],
-         lift_q: Optional[Callable[[jax.Array], jax.Array]] = None,
+         wrap_q: Optional[Callable[[jax.Array], Any]] = None,
          draw: str = "point_mass") -> Proposal:
   """Grows ``tree`` from the root's draft logits; returns the proposal.
 
@@ -87,8 +86,8 @@ def grow(tree: TreeTopology, sampler: Sampler, key: jax.Array, root_logits: jax.
     root_carry: pytree of [B, ...] arrays at the root (None if unused).
     expand: one draft forward per depth (see the module docstring).
     to_target: draft row ids -> target ids (identity without a reduced vocabulary).
-    lift_q: warped draft probabilities [..., Vd] -> [..., V] (needed for
-      "without_replacement").
+    wrap_q: warped draft probabilities [..., Vd] -> the proposal's q (``vocab_maps``;
+      needed for "without_replacement").
     draw: one of ``TREE_DRAWS``.
   """
   check_tree_draw(draw)
@@ -108,7 +107,7 @@ def grow(tree: TreeTopology, sampler: Sampler, key: jax.Array, root_logits: jax.
       logq = jnp.log(sampler.probs(logits))  # [B, T_prev, Vd]; -inf outside the support
       perturbed = logq + jax.random.gumbel(keys[d - 1], logq.shape)
       ids = jax.lax.top_k(perturbed, k)[1]
-      qs.append(lift_q(jnp.exp(logq))[:, local])
+      qs.append(jnp.exp(logq)[:, local])
     else:
       ids = jax.lax.top_k(logits, k)[1]  # [B, T_prev, k]
     level_tokens = to_target(ids[:, local, ranks[start:stop]]).astype(jnp.int32)  # [B, T]
@@ -119,7 +118,8 @@ def grow(tree: TreeTopology, sampler: Sampler, key: jax.Array, root_logits: jax.
     prev_start = start
   tokens = jnp.concatenate(tokens, axis=1)
   if sampled:
-    return Proposal(tokens=tokens, q=jnp.concatenate(qs, axis=1), draw="without_replacement")
+    return Proposal(tokens=tokens, q=wrap_q(jnp.concatenate(qs, axis=1)),
+                    draw="without_replacement")
   return Proposal(tokens=tokens, draw="point_mass")
 
 
@@ -203,7 +203,7 @@ def slot_scores(value: jax.Array, q_ids: jax.Array) -> jax.Array:
 def grow_sampled(tree: SampledDynamicTree, sampler: Sampler, key: jax.Array,
                  root_logits: jax.Array, root_carry: Any, expand: Expand,
                  to_target: Callable[[jax.Array], jax.Array],
-                 lift_q: Callable[[jax.Array], jax.Array]) -> Proposal:
+                 wrap_q: Callable[[jax.Array], Any]) -> Proposal:
   """Grows a sampled dynamic tree (``SampledDynamicTree``) from the root's draft logits.
 
   Depth by depth: every node of the previous depth (the root first) draws k =
@@ -221,7 +221,8 @@ def grow_sampled(tree: SampledDynamicTree, sampler: Sampler, key: jax.Array,
 
   Returns:
     the proposal with per-row ``parents`` [B, N] (breadth-first) and, when sampling, the
-    law q [B, N, V] each node was drawn from (its parent's, before removal).
+    law q [B, N, V] each node was drawn from (its parent's, before removal; ``SubsetProbs``
+    [B, N, Vd] over a reduced vocabulary).
   """
   sampled = not isinstance(sampler, Greedy)
   b, vd = root_logits.shape
@@ -254,7 +255,7 @@ def grow_sampled(tree: SampledDynamicTree, sampler: Sampler, key: jax.Array,
     tokens.append(level)
     parents.append((jnp.full_like(local, -1) if d == 1 else prev_first + local).astype(jnp.int32))
     if sampled:
-      qs.append(lift_q(jnp.take_along_axis(q, local[:, :, None], axis=1)))
+      qs.append(jnp.take_along_axis(q, local[:, :, None], axis=1))
     value = jnp.take_along_axis(score, chosen, axis=1)
     mask = jnp.concatenate([jnp.take_along_axis(mask, local[:, :, None], axis=1),
                             jnp.broadcast_to(jnp.eye(width, dtype=bool), (b, width, width))],
@@ -266,7 +267,7 @@ def grow_sampled(tree: SampledDynamicTree, sampler: Sampler, key: jax.Array,
       prev_first += prev
   tokens, parents = jnp.concatenate(tokens, axis=1), jnp.concatenate(parents, axis=1)
   if sampled:
-    return Proposal(tokens=tokens, q=jnp.concatenate(qs, axis=1), parents=parents,
+    return Proposal(tokens=tokens, q=wrap_q(jnp.concatenate(qs, axis=1)), parents=parents,
                     draw="without_replacement")
   return Proposal(tokens=tokens, parents=parents, draw="point_mass")
 
@@ -274,7 +275,7 @@ def grow_sampled(tree: SampledDynamicTree, sampler: Sampler, key: jax.Array,
 def grow_tree(tree: TreeTopology | DynamicTree | SampledDynamicTree, sampler: Sampler,
               key: jax.Array, root_logits: jax.Array, root_carry: Any, expand: Expand,
               to_target: Callable[[jax.Array], jax.Array],
-              lift_q: Callable[[jax.Array], jax.Array],
+              wrap_q: Callable[[jax.Array], Any],
               draw: str) -> tuple[Proposal, Optional[jax.Array]]:
   """Any tree a model-like draft grows: a static topology (``grow``, its children by
   ``draw``), an EAGLE-2 ``DynamicTree`` (``grow_dynamic``) or a ``SampledDynamicTree``
@@ -284,8 +285,8 @@ def grow_tree(tree: TreeTopology | DynamicTree | SampledDynamicTree, sampler: Sa
     return grow_dynamic(tree, root_logits, root_carry, expand, to_target)
   if isinstance(tree, SampledDynamicTree):
     return grow_sampled(tree, sampler, key, root_logits, root_carry, expand, to_target,
-                        lift_q), None
-  return grow(tree, sampler, key, root_logits, root_carry, expand, to_target, lift_q,
+                        wrap_q), None
+  return grow(tree, sampler, key, root_logits, root_carry, expand, to_target, wrap_q,
               draw), None
 
 

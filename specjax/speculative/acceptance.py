@@ -17,12 +17,12 @@ garbage in gives valid token ids and finite β, never NaN.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample_from
+from specjax.sampling import SubsetProbs, sample_from
 
 
 class Acceptance(NamedTuple):
@@ -46,20 +46,49 @@ def finite_probs(x: jax.Array) -> jax.Array:
   return jnp.where((x >= 0) & (x < jnp.inf), x, 0.0)
 
 
-def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) -> Acceptance:
+def support_view(q: jax.Array | SubsetProbs,
+                 p: jax.Array) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+  """(q's entries, p's at the same ids, those ids or None): q [..., V] or ``SubsetProbs``
+  [..., K] (``finite_probs`` applied) and p [..., V] (already finite) where q can be
+  non-zero."""
+  if isinstance(q, SubsetProbs):
+    return finite_probs(q.probs), p[..., q.ids], q.ids
+  return finite_probs(q), p, None
+
+
+def probs_at(q: jax.Array | SubsetProbs, tokens: jax.Array) -> jax.Array:
+  """q [..., N, V or K] at ``tokens`` [..., N] (0 outside a subset's ids; ``finite_probs``)."""
+  if isinstance(q, SubsetProbs):
+    slot, found = q.slots(tokens)
+    at = jnp.take_along_axis(q.probs, slot[..., None], axis=-1)[..., 0]
+    return jnp.where(found, finite_probs(at), 0.0)
+  return finite_probs(jnp.take_along_axis(q, tokens[..., None], axis=-1)[..., 0])
+
+
+def overlap(p: jax.Array, q: jax.Array | SubsetProbs) -> jax.Array:
+  """β = Σₓ min(p, q) over the last axis (p [..., V] finite, q [..., V] or ``SubsetProbs``)."""
+  q_s, p_s, _ = support_view(q, p)
+  return jnp.sum(jnp.minimum(p_s, q_s), axis=-1)
+
+
+def accept(key: jax.Array, drafts: jax.Array, q: jax.Array | SubsetProbs,
+           p: jax.Array) -> Acceptance:
   """Runs the acceptance rule for a batch.
 
   Args:
     key: PRNG key.
     drafts: [B, γ] draft tokens.
-    q: [B, γ, V] draft distributions the drafts were sampled from.
+    q: [B, γ, V] draft distributions the drafts were sampled from, or ``SubsetProbs``
+      [B, γ, K] (a reduced-vocabulary draft: every pass over q and p is K wide but the
+      final draw's, which places the residual's K entries in p's row).
     p: [B, γ+1, V] target distributions at the same prefixes plus the bonus one.
   """
   b, gamma = drafts.shape
   u_key, s_key = jax.random.split(key)
-  p, q = finite_probs(p), finite_probs(q)
+  p = finite_probs(p)
+  q_s, p_s, ids = support_view(q, p)  # [B, γ, K], [B, γ + 1, K] (K = V without a subset)
   p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
-  q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+  q_d = probs_at(q, drafts)
   u = jax.random.uniform(u_key, (b, gamma))
   # u < p/q without dividing: q_d > 0 for a token the draft actually sampled.
   ok = u * q_d < p_d
@@ -67,13 +96,15 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) -> Acc
   n = jnp.sum(accepted, axis=1)
 
   # Residual at position n; a zero row of q at index γ turns it into p_{γ+1}.
-  q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)
+  q_pad = jnp.concatenate([q_s, jnp.zeros_like(q_s[:, :1])], axis=1)
   p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
   q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
-  residual = jnp.maximum(p_n - q_n, 0.0)
+  residual = jnp.maximum(jnp.take_along_axis(p_s, n[:, None, None], axis=1)[:, 0] - q_n, 0.0)
+  if ids is not None:  # outside the subset q is 0: the residual is p there
+    residual = p_n.at[:, ids].set(residual)
   mass = jnp.sum(residual, axis=-1, keepdims=True)
   # mass == 0 only if p_n == q_n, where rejection has probability 0; fall back to p.
   residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
   next_token = sample_from(s_key, residual)
-  beta = jnp.sum(jnp.minimum(p[:, :gamma], q), axis=-1)
+  beta = jnp.sum(jnp.minimum(p_s[:, :gamma], q_s), axis=-1)
   return Acceptance(num_accepted=n, next_token=next_token, accepted=accepted, beta=beta)

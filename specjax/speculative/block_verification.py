@@ -45,17 +45,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample_from
-from specjax.speculative.acceptance import Acceptance, finite_probs
+from specjax.sampling import SubsetProbs, sample_from
+from specjax.speculative.acceptance import (Acceptance, finite_probs, overlap, probs_at,
+                                            support_view)
 
 VERIFICATIONS = ("tokenwise", "block")  # SpeculativeDecoder.verification
 
 
-def block_weights(drafts: jax.Array, q: jax.Array, p: jax.Array) -> jax.Array:
+def block_weights(drafts: jax.Array, q: jax.Array | SubsetProbs, p: jax.Array) -> jax.Array:
   """[B, γ + 1] the running weights w₀ = 1, wᵢ = min(1, wᵢ₋₁ pᵢ(dᵢ)/qᵢ(dᵢ))."""
   gamma = drafts.shape[1]
   p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
-  q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+  q_d = probs_at(q, drafts)
   # A token with q = 0 was never a draw: its ratio is 0 (nothing past it is kept).
   ratio = jnp.where(q_d > 0, p_d / jnp.where(q_d > 0, q_d, 1.0), 0.0)
 
@@ -68,6 +69,27 @@ def block_weights(drafts: jax.Array, q: jax.Array, p: jax.Array) -> jax.Array:
   return jnp.concatenate([ones[:, None], w.T], axis=1)
 
 
+def _stop_terms(drafts: jax.Array, q: jax.Array | SubsetProbs, p: jax.Array):
+  """(w [B, γ + 1], h [B, γ], the residuals max(0, w p − q) on q's support [B, γ + 1, K],
+  their masses s [B, γ + 1], q's ids or None). Outside a ``SubsetProbs``' ids q is 0, so
+  the residual there is w p, counted in s but never materialised."""
+  gamma = drafts.shape[1]
+  w = block_weights(drafts, q, p)  # [B, γ + 1]
+  q_k, p_k, ids = support_view(q, p)
+  q_pad = jnp.concatenate([q_k, jnp.zeros_like(q_k[:, :1])], axis=1)  # q_{γ+1} = 0
+  residual = jnp.maximum(w[:, :, None] * p_k - q_pad, 0.0)  # [B, γ + 1, K]
+  s = jnp.sum(residual, axis=-1)  # [B, γ + 1]
+  if ids is not None:
+    in_support = jnp.zeros((p.shape[-1],), bool).at[ids].set(True)
+    s = s + w * jnp.sum(jnp.where(in_support, 0.0, p), axis=-1)
+  denom = s + 1.0 - w
+  # 0/0 happens only when w = 1 and p = q at that entry: stopping there is then as
+  # good as going on (the residual falls back to p = q below), so h = 1.
+  h = jnp.where(denom > 0, s / jnp.where(denom > 0, denom, 1.0), 1.0)
+  h = jnp.concatenate([h[:, 1:gamma], w[:, gamma:]], axis=1)  # h₁ … h_γ, with h_γ = w_γ
+  return w, h, residual, s, ids
+
+
 def stop_probabilities(drafts: jax.Array, q: jax.Array, p: jax.Array
                        ) -> tuple[jax.Array, jax.Array]:
   """The rule's two laws: (h [B, γ], residual [B, γ + 1, V]).
@@ -75,31 +97,25 @@ def stop_probabilities(drafts: jax.Array, q: jax.Array, p: jax.Array
   h[:, i − 1] is hᵢ, the chance that a block whose longer prefixes all failed keeps i
   tokens; residual[:, τ] is the normalised law of the extra token after τ kept tokens
   (residual[:, γ] = p_{γ+1}). So P(τ = i) = hᵢ Πⱼ₌ᵢ₊₁..γ (1 − hⱼ), with h₀ = 1.
-  Inputs as in ``accept_block`` (already free of NaN and negative entries).
+  Inputs as in ``accept_block`` (already free of NaN and negative entries; q over the
+  vocabulary).
   """
-  gamma = drafts.shape[1]
-  w = block_weights(drafts, q, p)  # [B, γ + 1]
-  q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q_{γ+1} = 0
-  residual = jnp.maximum(w[:, :, None] * p - q_pad, 0.0)  # [B, γ + 1, V]
-  s = jnp.sum(residual, axis=-1)  # [B, γ + 1]
-  denom = s + 1.0 - w
-  # 0/0 happens only when w = 1 and p = q at that entry: stopping there is then as
-  # good as going on (the residual falls back to p = q below), so h = 1.
-  h = jnp.where(denom > 0, s / jnp.where(denom > 0, denom, 1.0), 1.0)
-  h = jnp.concatenate([h[:, 1:gamma], w[:, gamma:]], axis=1)  # h₁ … h_γ, with h_γ = w_γ
+  _, h, residual, s, _ = _stop_terms(drafts, q, p)
   mass = s[..., None]
   residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
   return h, residual
 
 
-def accept_block(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) -> Acceptance:
+def accept_block(key: jax.Array, drafts: jax.Array, q: jax.Array | SubsetProbs,
+                 p: jax.Array) -> Acceptance:
   """Block verification of a batch of chains (the module docstring gives the rule).
 
   Args:
     key: PRNG key.
     drafts: [B, γ] draft tokens.
     q: [B, γ, V] the distributions the drafts were drawn from (one-hot for a
-      deterministic drafter).
+      deterministic drafter), or ``SubsetProbs`` [B, γ, K] (a reduced-vocabulary draft:
+      only the extra token's draw reads a [B, V] row).
     p: [B, γ + 1, V] the target's distributions at the same prefixes plus the bonus one.
 
   Returns the same ``Acceptance`` as token-wise ``acceptance.accept`` (β = Σ min(p, q)
@@ -108,15 +124,21 @@ def accept_block(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array) 
   """
   b, gamma = drafts.shape
   u_key, s_key = jax.random.split(key)
-  p, q = finite_probs(p), finite_probs(q)
-  h, residual = stop_probabilities(drafts, q, p)
+  p = finite_probs(p)
+  w, h, residual, s, ids = _stop_terms(drafts, q, p)
   eta = jax.random.uniform(u_key, (b, gamma))
   levels = jnp.arange(1, gamma + 1)[None, :]
   tau = jnp.max(jnp.where(eta < h, levels, 0), axis=1).astype(jnp.int32)  # largest passing i
-  r_tau = jnp.take_along_axis(residual, tau[:, None, None], axis=1)[:, 0]
+  def at(x):  # x [B, γ + 1, ...] at τ
+    return jnp.take_along_axis(x, tau.reshape((b,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+  r_tau, p_tau = at(residual), at(p)
+  if ids is not None:  # outside q's support the residual is w_τ p_τ
+    r_tau = (at(w)[:, None] * p_tau).at[:, ids].set(r_tau)
+  # An empty residual (w = 1 and p = q there) falls back to p; sample_from normalises.
+  r_tau = jnp.where(at(s)[:, None] > 0, r_tau, p_tau)
   return Acceptance(num_accepted=tau, next_token=sample_from(s_key, r_tau),
-                    accepted=levels <= tau[:, None],
-                    beta=jnp.sum(jnp.minimum(p[:, :gamma], q), axis=-1))
+                    accepted=levels <= tau[:, None], beta=overlap(p[:, :gamma], q))
 
 
 def expected_tokens(drafts: jax.Array, q: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:

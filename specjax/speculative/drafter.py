@@ -156,7 +156,7 @@ class Drafter:
   def propose_chain(self, draft_params: Any, state: Any, tokens: jax.Array, seq_lens: jax.Array,
                     key: jax.Array, sampler: Sampler,
                     gamma: int) -> tuple[jax.Array, jax.Array, Any]:
-    """Returns (drafts [B, γ] int32, q [B, γ, V] float32, new state)."""
+    """Returns (drafts [B, γ] int32, q [B, γ, V] float32 or ``SubsetProbs``, new state)."""
     raise NotImplementedError
 
   def observe(self, state: Any, hidden: jax.Array, start: jax.Array) -> Any:

@@ -30,6 +30,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.sampling import SubsetProbs
+
 DRAWS = ("sampled", "without_replacement", "point_mass")
 
 
@@ -40,14 +42,15 @@ class Proposal:
   Attributes:
     tokens: [B, N] int32 draft token of each node (breadth-first node order).
     q: [B, N, V] float32, the distribution node i's token was drawn from, over
-      the target vocabulary; None for point-mass drafts.
+      the target vocabulary, or ``SubsetProbs`` [B, N, K] where the drafter's vocabulary
+      is a subset of the target's (zero elsewhere); None for point-mass drafts.
     parents: [B, N] int32 per-row parents (dynamic trees, each row
       breadth-first with parents[b, i] < i), or None: the static topology's.
     draw: static, one of ``DRAWS``.
   """
 
   tokens: jax.Array
-  q: Optional[jax.Array] = None
+  q: Optional[jax.Array | SubsetProbs] = None
   parents: Optional[jax.Array] = None
   draw: str = flax.struct.field(pytree_node=False, default="sampled")
 
@@ -58,6 +61,7 @@ class Proposal:
       raise ValueError(f"draw={self.draw!r} {'needs' if self.q is None else 'takes no'} q")
 
   @classmethod
-  def chain(cls, drafts: jax.Array, q: jax.Array) -> "Proposal":
-    """A chain of sampled drafts [B, γ] with their distributions [B, γ, V]."""
+  def chain(cls, drafts: jax.Array, q: jax.Array | SubsetProbs) -> "Proposal":
+    """A chain of sampled drafts [B, γ] with their distributions [B, γ, V] (or
+    ``SubsetProbs`` [B, γ, K])."""
     return cls(tokens=drafts.astype(jnp.int32), q=q, draw="sampled")

@@ -49,7 +49,7 @@ from specjax import sharding
 from specjax.attention import ACCELERATORS, pallas_variant
 from specjax.sampling import first_argmax, sample_from
 from specjax.speculative import acceptance as chain_rule
-from specjax.speculative.acceptance import finite_probs
+from specjax.speculative.acceptance import finite_probs, support_view
 from specjax.speculative.block_verification import accept_block
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import (TreeTopology, block_mask_from_parents,
@@ -265,38 +265,60 @@ def _normalize(x: jax.Array, fallback: jax.Array) -> jax.Array:
 
 
 def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
-  """Recursive rejection with the drafter's real q (SpecInfer; without replacement: Sequoia)."""
+  """Recursive rejection with the drafter's real q (SpecInfer; without replacement: Sequoia).
+
+  The residual r is kept unnormalised on q's support (K entries: the vocabulary, or a
+  ``SubsetProbs``' ids) with its total mass z, the mass outside the support being the
+  current entry's p there, which subtracting q never changes: r's value at x is r_K(x) / z.
+  So a rejection, r <- norm(max(r - q, 0)), is r_K <- max(r_K - q z, 0) with z <- (p's
+  mass outside) + Σ r_K, and only the final draw reads a [B, V] row.
+  """
   b, n = proposal.tokens.shape
   par, mask, depth = _tree_arrays(proposal, topology)
   u_key, s_key = jax.random.split(key)
   u = jax.random.uniform(u_key, (b, n))
   without = proposal.draw == "without_replacement"
-  q = finite_probs(proposal.q)
+  q, p_k, ids = support_view(proposal.q, p)  # [B, N, K], [B, N + 1, K]
+  if ids is None:
+    slot, found = proposal.tokens, jnp.ones((b, n), bool)
+    outside = jnp.zeros(p.shape[:2], p.dtype)
+  else:
+    slot, found = proposal.q.slots(proposal.tokens)  # q is 0 at a token outside the ids
+    in_support = jnp.zeros((p.shape[-1],), bool).at[ids].set(True)
+    outside = jnp.sum(jnp.where(in_support, 0.0, p), axis=-1)  # [B, N + 1]
+  total = jnp.sum(p, axis=-1)  # [B, N + 1]
 
   def body(carry, xs):
-    cur, r, q_run, fresh = carry
-    j, t, q_j, p_next, u_j, par_j = xs
+    cur, r, z, out, q_run, fresh = carry
+    j, t, in_q, q_j, p_next, z_next, out_next, u_j, par_j = xs
     if without:  # later siblings are drawn from q minus the earlier siblings' tokens
       q_j = jnp.where(fresh[:, None], q_j, q_run)
-    q_t = jnp.take_along_axis(q_j, t[:, None], axis=1)[:, 0]
+    q_t = jnp.where(in_q, jnp.take_along_axis(q_j, t[:, None], axis=1)[:, 0], 0.0)
     # A node with q = 0 was never a draw (e.g. padding past q's support): skip it.
     is_child = (par_j == cur) & (q_t > 0)
     r_t = jnp.take_along_axis(r, t[:, None], axis=1)[:, 0]
-    ok = u_j * q_t < r_t
+    ok = u_j * q_t * z < r_t  # u < r(x) / q(x), r(x) = r_t / z
     acc, rej = is_child & ok, is_child & ~ok
+    rest = jnp.maximum(r - q_j * z[:, None], 0.0)
+    z_rest = out + jnp.sum(rest, axis=-1)
+    shrink = rej & (z_rest > 0)  # no mass left: r = q, where rejection has probability 0
     cur = jnp.where(acc, j + 1, cur)
-    r = jnp.where(acc[:, None], p_next,
-                  jnp.where(rej[:, None], _normalize(jnp.maximum(r - q_j, 0.0), r), r))
+    r = jnp.where(acc[:, None], p_next, jnp.where(shrink[:, None], rest, r))
+    z = jnp.where(acc, z_next, jnp.where(shrink, z_rest, z))
+    out = jnp.where(acc, out_next, out)
     if without:
       removed = q_j.at[jnp.arange(b), t].set(0.0)
       q_run = jnp.where(rej[:, None], _normalize(removed, jnp.zeros_like(removed)), q_run)
       fresh = jnp.where(acc, True, jnp.where(rej, False, fresh))
-    return (cur, r, q_run, fresh), None
+    return (cur, r, z, out, q_run, fresh), None
 
-  xs = (jnp.arange(n), proposal.tokens.T, jnp.moveaxis(q, 1, 0), jnp.moveaxis(p[:, 1:], 1, 0),
-        u.T, par.T)
-  init = (jnp.zeros((b,), jnp.int32), p[:, 0], jnp.zeros_like(p[:, 0]), jnp.ones((b,), bool))
-  (cur, r, _, _), _ = jax.lax.scan(body, init, xs)
+  xs = (jnp.arange(n), slot.T, found.T, jnp.moveaxis(q, 1, 0), jnp.moveaxis(p_k[:, 1:], 1, 0),
+        total[:, 1:].T, outside[:, 1:].T, u.T, par.T)
+  init = (jnp.zeros((b,), jnp.int32), p_k[:, 0], total[:, 0], outside[:, 0],
+          jnp.zeros_like(p_k[:, 0]), jnp.ones((b,), bool))
+  (cur, r, _, _, _, _), _ = jax.lax.scan(body, init, xs)
+  if ids is not None:  # r's entries placed in the final entry's p row
+    r = jnp.take_along_axis(p, cur[:, None, None], axis=1)[:, 0].at[:, ids].set(r)
   path = _path_to(cur, mask, depth, topology.max_depth)
   n_acc = jnp.take_along_axis(depth, cur[:, None], axis=1)[:, 0]
   return TreeAcceptance(path=path, num_accepted=n_acc, next_token=sample_from(s_key, r),
@@ -334,7 +356,7 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
   if greedy:
     acc = accept_greedy(proposal, p, topology, impl=greedy_impl, target=target_argmax)
     if chain_of_draws:  # the chain rule's β, without its (here deterministic) residual draw
-      acc = acc._replace(beta=jnp.sum(jnp.minimum(p[:, :n], finite_probs(proposal.q)), axis=-1))
+      acc = acc._replace(beta=chain_rule.overlap(p[:, :n], proposal.q))
     return acc
   if block:
     if proposal.parents is not None or not topology.is_chain:
@@ -399,7 +421,7 @@ def first_chain_beta(proposal: Proposal, p: jax.Array,
     mass = jnp.sum(p, axis=-1)[rows, par]
     r = p_t / jnp.where(mass > 0, mass, 1.0)
   else:  # with min(1, p(x) / q(x)); a node with q = 0 was never a draw (skipped)
-    q_t = finite_probs(proposal.q)[rows, jnp.arange(n)[None, :], proposal.tokens]
+    q_t = chain_rule.probs_at(proposal.q, proposal.tokens)
     r = jnp.where(q_t > 0, p_t / jnp.where(q_t > 0, q_t, 1.0), 0.0)
   beta = jnp.minimum(r, 1.0)
   at = lead[:, None, :] & (depth[:, None, 1:] == jnp.arange(1, d + 1)[None, :, None])
