@@ -56,6 +56,12 @@ def support_view(q: jax.Array | SubsetProbs,
   return finite_probs(q), p, None
 
 
+def mass_outside(p: jax.Array, ids: jax.Array) -> jax.Array:
+  """p [..., V]'s mass outside the vocabulary ids ``ids`` [K] (where a ``SubsetProbs`` is 0)."""
+  in_support = jnp.zeros((p.shape[-1],), bool).at[ids].set(True)
+  return jnp.sum(jnp.where(in_support, 0.0, p), axis=-1)
+
+
 def probs_at(q: jax.Array | SubsetProbs, tokens: jax.Array) -> jax.Array:
   """q [..., N, V or K] at ``tokens`` [..., N] (0 outside a subset's ids; ``finite_probs``)."""
   if isinstance(q, SubsetProbs):

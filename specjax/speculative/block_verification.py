@@ -45,9 +45,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import SubsetProbs, sample_from
-from specjax.speculative.acceptance import (Acceptance, finite_probs, overlap, probs_at,
-                                            support_view)
+from specjax.sampling import SubsetProbs, dense_probs, sample_from
+from specjax.speculative.acceptance import (Acceptance, finite_probs, mass_outside, overlap,
+                                            probs_at, support_view)
 
 VERIFICATIONS = ("tokenwise", "block")  # SpeculativeDecoder.verification
 
@@ -80,8 +80,7 @@ def _stop_terms(drafts: jax.Array, q: jax.Array | SubsetProbs, p: jax.Array):
   residual = jnp.maximum(w[:, :, None] * p_k - q_pad, 0.0)  # [B, γ + 1, K]
   s = jnp.sum(residual, axis=-1)  # [B, γ + 1]
   if ids is not None:
-    in_support = jnp.zeros((p.shape[-1],), bool).at[ids].set(True)
-    s = s + w * jnp.sum(jnp.where(in_support, 0.0, p), axis=-1)
+    s = s + w * mass_outside(p, ids)
   denom = s + 1.0 - w
   # 0/0 happens only when w = 1 and p = q at that entry: stopping there is then as
   # good as going on (the residual falls back to p = q below), so h = 1.
@@ -97,10 +96,10 @@ def stop_probabilities(drafts: jax.Array, q: jax.Array, p: jax.Array
   h[:, i − 1] is hᵢ, the chance that a block whose longer prefixes all failed keeps i
   tokens; residual[:, τ] is the normalised law of the extra token after τ kept tokens
   (residual[:, γ] = p_{γ+1}). So P(τ = i) = hᵢ Πⱼ₌ᵢ₊₁..γ (1 − hⱼ), with h₀ = 1.
-  Inputs as in ``accept_block`` (already free of NaN and negative entries; q over the
-  vocabulary).
+  Inputs as in ``accept_block`` (already free of NaN and negative entries; a
+  ``SubsetProbs`` q is placed in the vocabulary first).
   """
-  _, h, residual, s, _ = _stop_terms(drafts, q, p)
+  _, h, residual, s, _ = _stop_terms(drafts, dense_probs(q), p)
   mass = s[..., None]
   residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
   return h, residual
@@ -149,7 +148,7 @@ def expected_tokens(drafts: jax.Array, q: jax.Array, p: jax.Array) -> tuple[jax.
   token. Averaged over the blocks a run verifies, they compare the two rules on the same
   drafts without the noise of the acceptance draws (``benchmarks/block_verification.py``).
   """
-  p, q = finite_probs(p), finite_probs(q)
+  p, q = finite_probs(p), finite_probs(dense_probs(q))
   gamma = drafts.shape[1]
   p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]
   q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]

@@ -1,7 +1,8 @@
 """What a drafter hands the verifier: a tree of draft tokens and how they were drawn.
 
 A chain of γ drafts is the tree ``TreeTopology.chain(γ)``; its proposal is
-``Proposal(tokens=[B, γ], q=[B, γ, V])`` exactly as before trees existed.
+``Proposal(tokens=[B, γ], q=[B, γ, V])`` exactly as before trees existed (q as
+``SubsetProbs`` [B, γ, K] for a reduced-vocabulary drafter).
 
 ``draw`` (static) says how the drafter chose sibling tokens, which fixes the
 lossless acceptance rule (``tree_acceptance``):

@@ -284,8 +284,7 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
     outside = jnp.zeros(p.shape[:2], p.dtype)
   else:
     slot, found = proposal.q.slots(proposal.tokens)  # q is 0 at a token outside the ids
-    in_support = jnp.zeros((p.shape[-1],), bool).at[ids].set(True)
-    outside = jnp.sum(jnp.where(in_support, 0.0, p), axis=-1)  # [B, N + 1]
+    outside = chain_rule.mass_outside(p, ids)  # [B, N + 1]
   total = jnp.sum(p, axis=-1)  # [B, N + 1]
 
   def body(carry, xs):
