@@ -241,11 +241,6 @@ class SubsetProbs:
   ids: jax.Array
   vocab_size: int = flax.struct.field(pytree_node=False)
 
-  @property
-  def shape(self) -> tuple[int, ...]:
-    """The dense shape, [..., V]."""
-    return self.probs.shape[:-1] + (self.vocab_size,)
-
   def dense(self) -> jax.Array:
     """[..., V] the same distributions over the whole vocabulary."""
     return lift_probs(self.probs, self.ids, self.vocab_size)
