@@ -148,6 +148,12 @@ flags.DEFINE_integer("teacher_topk", 64, "Online teacher: target top-k kept per 
 flags.DEFINE_integer("eval_records", 0, "Held-out records scored by the α evaluations during "
                      "training (an even spread; 0 = all).", lower_bound=0)
 flags.DEFINE_integer("feature_batch", 8, "Sequences per forward when caching EAGLE features.")
+flags.DEFINE_integer("length_group", 0, "Batches of similar lengths, each trimmed to its "
+                     "longest row (a multiple of 64) instead of --seq_len: each window of this "
+                     "many batches of an epoch's shuffle is sorted by length, cut into batches "
+                     "and shuffled again (0: off, every batch --seq_len long). On the archived "
+                     "answer corpora, 16 cuts the padding from 43% to 14% of the positions.",
+                     lower_bound=0)
 flags.DEFINE_float("adaspec_keep", 1.0, "AdaSPEC token selection: train on this fraction of "
                    "positions, those where the draft trails --adaspec_reference most (1: off).",
                    lower_bound=0.0, upper_bound=1.0)
@@ -549,6 +555,8 @@ def run_train_stage(directory: str, workdir: str) -> None:
   if FLAGS.adaspec_keep < 1.0:  # (absent when off, so earlier runs still resume)
     setup.update(adaspec_keep=FLAGS.adaspec_keep,
                  adaspec_reference=os.path.abspath(FLAGS.adaspec_reference))
+  if FLAGS.length_group:  # (absent when off, so earlier runs still resume)
+    setup.update(length_group=FLAGS.length_group)  # (it decides every step's batch)
   if os.path.exists(setup_file):  # resuming: the corpus and the draft must be the same
     with open(setup_file) as f:
       old = json.load(f)
@@ -624,7 +632,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
       lr=FLAGS.lr, warmup_steps=FLAGS.warmup_steps, weight_decay=FLAGS.weight_decay,
       clip_norm=FLAGS.clip_norm, seed=FLAGS.seed, eval_every=FLAGS.eval_every,
       checkpoint_every=FLAGS.checkpoint_every, on_policy_every=FLAGS.on_policy_every,
-      keep_fraction=FLAGS.adaspec_keep)
+      keep_fraction=FLAGS.adaspec_keep, length_group=FLAGS.length_group)
   if FLAGS.adaspec_keep < 1.0:
     frozen = dict(frozen or {}, reference=adaspec_reference(reference_setup, dparams, tc))
   if FLAGS.init_from:
@@ -837,6 +845,8 @@ def main(argv):
     else:
       export_corpus()
     return
+  from specjax import compile_cache  # (a resumed run, or one of several lengths, reuses them)
+  logging.info("persistent compilation cache: %s", compile_cache.enable())
   directory = run_data_stage() if FLAGS.stage in ("data", "all") else corpus_dir()
   if FLAGS.stage in ("train", "all"):
     run_train_stage(directory, FLAGS.workdir)

@@ -20,7 +20,8 @@
 # train: a fused-feature (low/mid/last layer) EAGLE drafter with training-time
 # test (3 unrolled steps), forward KL to the target's top-64 recomputed
 # teacher-forced on every batch (--teacher=online), for $STEPS steps or until
-# $TRAIN_MINUTES (0: no step, the last checkpoint written as draft/). token: the
+# $TRAIN_MINUTES (0: no step, the last checkpoint written as draft/); LENGTH_GROUP=16
+# draws batches of similar lengths, trimmed (a third of the padding). token: the
 # independent token draft (issue #15 item 3) on the same
 # corpus: one layer from the target's layer 0, an 11,008-id vocabulary (the shipped
 # draft's size, under 20 MB in float16), full-vocabulary input (--target_input,
@@ -56,7 +57,7 @@ case "$stage" in
       --steps="${STEPS:-2000}" --batch_size="${BATCH:-64}" --seq_len=416 --lr="${LR:-1e-3}" \
       --warmup_steps="${WARMUP:-100}" --eval_every="${EVAL_EVERY:-250}" \
       --checkpoint_every="${CHECKPOINT_EVERY:-250}" --max_minutes="${TRAIN_MINUTES:-1e9}" \
-      --eval_records="${EVAL_RECORDS:-384}" \
+      --eval_records="${EVAL_RECORDS:-384}" --length_group="${LENGTH_GROUP:-0}" \
       --feature_weight=0.1 --feature_noise=0.05 "$@" ;;
   token)
     python -m experiments.train_draft --stage=train "${DATA[@]}" --workdir="$workdir" \

@@ -1,6 +1,7 @@
 """Draft distillation: losses, α, orbax checkpoints and resumption, export, draft loading."""
 
 import dataclasses
+import json
 import os
 import time
 
@@ -416,6 +417,90 @@ def test_interrupted_run_resumes_at_saved_step(toy, tmp_path):
   assert [m["step"] for m in hist] == [6]  # started at 3: no step-0 eval, one eval at 6
   for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_grouped_batches_cover_each_epoch_once_by_length_and_depend_on_the_step_alone():
+  """``batch_indices(..., group=G)``: an epoch's n // B batches hold distinct records (the
+  n % B left over differ between epochs), a window's batches are cut from its records in
+  length order (so with G = all batches, consecutive length ranges), and the batch of a step
+  is the same however it is reached."""
+  rng = np.random.default_rng(0)
+  n, b = 103, 4
+  lengths = rng.integers(5, 400, n)
+  per_epoch = n // b
+  for group in (1, 5, per_epoch):
+    for epoch in range(2):
+      steps = range(epoch * per_epoch, (epoch + 1) * per_epoch)
+      idx = np.concatenate([train.batch_indices(s, b, n, 7, lengths, group) for s in steps])
+      assert len(idx) == per_epoch * b and len(set(idx.tolist())) == len(idx)
+    np.testing.assert_array_equal(train.batch_indices(31, b, n, 7, lengths, group),
+                                  train.batch_indices(31, b, n, 7, lengths, group))
+  whole = [lengths[train.batch_indices(s, b, n, 7, lengths, per_epoch)] for s in range(per_epoch)]
+  whole.sort(key=min)
+  assert all(a.max() <= c.min() for a, c in zip(whole, whole[1:]))
+  spread = lambda g: np.mean([np.ptp(lengths[train.batch_indices(s, b, n, 7, lengths, g)])
+                              for s in range(per_epoch)])
+  assert spread(5) < 0.5 * np.mean([np.ptp(lengths[train.batch_indices(s, b, n, 7)])
+                                   for s in range(per_epoch)])
+  assert spread(per_epoch) < spread(5)
+  with pytest.raises(ValueError, match="one length per record"):
+    train.batch_indices(0, b, n, 7, None, 4)
+  with pytest.raises(ValueError, match="make no batch"):
+    train.batch_indices(0, b, 3, 7, lengths[:3], 4)
+  with pytest.raises(ValueError, match="length_group"):
+    train.TrainConfig(length_group=-1)
+
+
+def test_a_trimmed_batch_gives_the_untrimmed_loss_and_alpha(toy):
+  """``make_batch(pad_to=...)`` cuts the trailing padding (L = the longest row rounded up)
+  and changes neither the loss nor held-out α; ``heldout_alpha`` in length order agrees."""
+  _, _, recs, held, _ = toy
+  draft, params = _draft(toy)
+  vm, im = draft.maps()
+  obj = train.TokenObjective(draft.cfg)
+  short = sorted(recs, key=lambda r: train.record_length(r, TC.seq_len))[:8]
+  full = {k: jnp.asarray(v) for k, v in train.make_batch(short, TC.seq_len, K).items()}
+  cut = {k: jnp.asarray(v) for k, v in train.make_batch(short, TC.seq_len, K, pad_to=8).items()}
+  longest = max(train.record_length(r, TC.seq_len) for r in short)
+  assert cut["tokens"].shape[1] == -(-longest // 8) * 8 < TC.seq_len
+  for kind in ("fkl", "top1"):
+    np.testing.assert_allclose(float(train.loss_fn(params, obj, kind, vm, im, {}, cut)),
+                               float(train.loss_fn(params, obj, kind, vm, im, {}, full)),
+                               rtol=1e-5)
+  a = train.heldout_alpha(params, draft, held, TC.seq_len, K, batch_size=3)
+  b = train.heldout_alpha(params, draft, held, TC.seq_len, K, batch_size=3, pad_to=8)
+  assert a.keys() == b.keys() and a["positions_T0"] == b["positions_T0"] > 0
+  for key in a:
+    np.testing.assert_allclose(b[key], a[key], rtol=1e-5)
+
+
+def test_a_length_grouped_run_resumes_bit_exact(toy, tmp_path, monkeypatch):
+  """Grouped, trimmed batches (several lengths, so several programs) keep resumption exact,
+  and the run trains on other batches than the ungrouped one."""
+  _, _, recs, held, _ = toy
+  monkeypatch.setattr(train, "LENGTH_PAD", 8)
+  draft, params = _draft(toy)
+  tc = dataclasses.replace(TC, length_group=3)
+  lengths = [train.record_length(r, tc.seq_len) for r in recs]
+  widths = {train.make_batch([recs[i] for i in train.batch_indices(
+      s, tc.batch_size, len(recs), tc.seed, lengths, 3)], tc.seq_len, K, tc.pad_to)["tokens"]
+            .shape[1] for s in range(tc.steps)}
+  assert len(widths) > 1 and max(widths) <= tc.seq_len
+  full, _ = train.train(draft, params, recs, held, tc, str(tmp_path / "a"), k=K,
+                        log=lambda m: 0, progress=False)
+  train.train(draft, params, recs, held, tc, str(tmp_path / "b"), k=K, stop_after=3,
+              log=lambda m: 0, progress=False)
+  resumed, _ = train.train(draft, params, recs, held, tc, str(tmp_path / "b"), k=K,
+                           log=lambda m: 0, progress=False)
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  logged = [json.loads(line) for line in (tmp_path / "a" / "steps.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in logged] == list(range(1, tc.steps + 1))
+  assert {m["length"] for m in logged} == widths and all(m["trained"] > 0 for m in logged)
+  plain, _ = train.train(draft, params, recs, held, TC, str(tmp_path / "c"), k=K,
+                         log=lambda m: 0, progress=False)
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(plain)))
 
 
 def test_a_passed_deadline_takes_no_step_and_returns_the_checkpoint(toy, tmp_path):

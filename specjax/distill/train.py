@@ -49,12 +49,20 @@ class TrainConfig:
   checkpoint_every: int = 25
   on_policy_every: int = 0  # every n-th step trains on draft samples scored by the target
   keep_fraction: float = 1.0  # AdaSPEC: train on this fraction of positions (``selected``)
+  length_group: int = 0  # > 0: batches of similar lengths, trimmed (``batch_indices``)
 
   def __post_init__(self):
     if self.loss not in losses.LOSSES:
       raise ValueError(f"loss must be one of {losses.LOSSES}, got {self.loss!r}")
     if not 0.0 < self.keep_fraction <= 1.0:
       raise ValueError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}")
+    if self.length_group < 0:
+      raise ValueError(f"length_group must be >= 0 (0: off), got {self.length_group}")
+
+  @property
+  def pad_to(self) -> Optional[int]:
+    """``make_batch``'s ``pad_to``: grouped batches are trimmed to their longest row."""
+    return LENGTH_PAD if self.length_group else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +96,23 @@ class Draft:
 # ------------------------------------------------------------------ batches
 
 
-def make_batch(records: Sequence[dict], seq_len: int, k: int) -> dict[str, np.ndarray]:
+LENGTH_PAD = 64  # trimmed batches' lengths are multiples of this (few programs)
+
+
+def record_length(rec: dict, seq_len: int) -> int:
+  """Prompt + response tokens of ``rec`` that ``make_batch`` keeps in a row of ``seq_len``."""
+  return min(len(rec["prompt"]) + len(rec["response"]), seq_len)
+
+
+def make_batch(records: Sequence[dict], seq_len: int, k: int,
+               pad_to: Optional[int] = None) -> dict[str, np.ndarray]:
   """Pads records into fixed shapes.
 
   Response token i of a record with prompt length P is predicted at sequence
   position P - 1 + i (e.g. P = 3: tokens [p0 p1 p2 r0 r1], r0 predicted at 2).
+  With ``pad_to``, L is the longest row rounded up to a multiple of it (at most
+  ``seq_len``) instead of ``seq_len``: the same loss, since no trained position
+  attends to the trailing padding, at the cost of one program per length.
 
   Returns:
     tokens [B, L] target ids; pred_pos [B, R] positions whose next-token
@@ -119,6 +139,12 @@ def make_batch(records: Sequence[dict], seq_len: int, k: int) -> dict[str, np.nd
         out["features"] = np.zeros((b, seq_len, rec["features"].shape[-1]), np.float16)
       cut = len(rec["prompt"]) - len(p)
       out["features"][i, :len(p) + n] = rec["features"][cut:cut + len(p) + n]
+  if pad_to:
+    longest = max(record_length(rec, seq_len) for rec in records)
+    l_used = min(seq_len, -(-longest // pad_to) * pad_to)
+    for key in ("tokens", "features"):
+      if key in out:
+        out[key] = out[key][:, :l_used]
   # trim R to the longest response, rounded to 32 (fewer LM-head rows, few shapes)
   r_used = max(1, int(out["weight"].sum(1).max()))
   r_used = min(r_max, -(-r_used // 32) * 32)
@@ -127,8 +153,33 @@ def make_batch(records: Sequence[dict], seq_len: int, k: int) -> dict[str, np.nd
   return out
 
 
-def batch_indices(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
-  """Indices of step ``step``: consecutive slices of per-epoch permutations of range(n)."""
+def batch_indices(step: int, batch_size: int, n: int, seed: int,
+                  lengths: Optional[Sequence[int]] = None, group: int = 0) -> np.ndarray:
+  """Indices of step ``step``: consecutive slices of per-epoch permutations of range(n).
+
+  With ``group`` > 0 (and ``lengths``, one per record), batches of similar lengths: each
+  epoch's permutation is cut into windows of ``group`` batches, a window's records are
+  sorted by length and cut into batches, and those batches are taken in a random order
+  (HF's ``group_by_length``, fairseq's buckets). An epoch is then ``n // batch_size``
+  batches (the ``n % batch_size`` records its permutation puts last sit it out). Still a
+  function of (seed, step) alone, so a resumed run draws the same batches.
+  """
+  if group:
+    if lengths is None or len(lengths) != n:
+      raise ValueError(f"group={group} needs one length per record ({n})")
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+      raise ValueError(f"{n} records make no batch of {batch_size}")
+    epoch, j = divmod(step, per_epoch)
+    window, slot = divmod(j, group)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    first = window * group
+    count = min(group, per_epoch - first)
+    members = perm[first * batch_size:(first + count) * batch_size]
+    ordered = members[np.argsort(np.asarray(lengths)[members], kind="stable")]
+    order = np.random.default_rng([seed, epoch, window, 1]).permutation(count)
+    b = order[slot]
+    return ordered[b * batch_size:(b + 1) * batch_size]
   idx = []
   start = step * batch_size
   for g in range(start, start + batch_size):
@@ -325,9 +376,12 @@ def alpha_stats(params, objective, vocab_map, in_map, frozen, batch) -> dict[str
 
 def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len: int,
                   k: int, batch_size: int = 16, objective=None, frozen=None,
-                  teacher: Optional[tuple[Teacher, Params]] = None) -> dict[str, float]:
+                  teacher: Optional[tuple[Teacher, Params]] = None,
+                  pad_to: Optional[int] = None) -> dict[str, float]:
   """α on held-out generations: T=0 on greedy responses, T=1 on sampled ones
-  (``teacher``: (Teacher, target params) for id-only records)."""
+  (``teacher``: (Teacher, target params) for id-only records). With ``pad_to`` the records
+  are taken in length order, in batches trimmed as ``make_batch`` trims them: the same sums
+  over positions in less time."""
   objective = objective or TokenObjective(draft.cfg)
   vm, im = draft.maps()
   out = {}
@@ -335,10 +389,13 @@ def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len
     recs = [r for r in records if (r.get("mode", "greedy") == "greedy") == (mode == "greedy")]
     if not recs:
       recs = list(records)
+    if pad_to:
+      recs.sort(key=lambda r: record_length(r, seq_len))
     tot = dict(n=0.0, beta0=0.0, beta1_lo=0.0, beta1_hi=0.0)
     for i in range(0, len(recs), batch_size):
       s = alpha_stats(params, objective, vm, im, frozen or {},
-                      device_batch(recs[i:i + batch_size], seq_len, k, teacher))
+                      device_batch(recs[i:i + batch_size], seq_len, k, teacher,
+                                   pad_to=pad_to))
       for name in tot:
         tot[name] += float(s[name])
     n = max(tot["n"], 1.0)
@@ -353,10 +410,11 @@ def heldout_alpha(params: Params, draft: Draft, records: Sequence[dict], seq_len
 
 def device_batch(records, seq_len: int, k: int,
                  teacher: Optional[tuple[Teacher, Params]],
-                 place: Optional[Callable[[dict], dict]] = None) -> dict:
+                 place: Optional[Callable[[dict], dict]] = None,
+                 pad_to: Optional[int] = None) -> dict:
   """``make_batch`` as device arrays (laid out by ``place``, e.g. rows over a mesh's data
   axis), filled in by ``teacher`` (when given) for id-only records."""
-  batch = make_batch(records, seq_len, k)
+  batch = make_batch(records, seq_len, k, pad_to)
   batch = place(batch) if place else {key: jnp.asarray(v) for key, v in batch.items()}
   return batch if teacher is None else teacher[0].fill(teacher[1], batch)
 
@@ -439,7 +497,8 @@ def train(draft: Draft, params: Params, train_records: Sequence[dict],
     stop_after: stop (after checkpointing) at this step (for tests of resumption).
     deadline: wall-clock time (time.time()) after which to checkpoint and stop; one already
       past takes no step (the latest checkpoint's parameters are returned).
-    log: receives one metrics dict per log event (also appended to metrics.jsonl).
+    log: receives one metrics dict per log event (also appended to metrics.jsonl; each
+      step's seconds, batch length and trained positions go to steps.jsonl).
     objective: what is trained (default ``TokenObjective(draft.cfg)``).
     frozen: arrays the objective reads but does not train (e.g. the target's
       embedding and LM-head rows for EAGLE).
@@ -492,6 +551,7 @@ def _train(draft, params, train_records, heldout_records, tc, workdir, k, target
   vm, im = draft.maps()
   history = []
   metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+  steps_file = open(os.path.join(workdir, "steps.jsonl"), "a")  # (each step's time and shape)
 
   def emit(m):
     history.append(m)
@@ -501,14 +561,18 @@ def _train(draft, params, train_records, heldout_records, tc, workdir, k, target
 
   if start == 0 and heldout_records:
     emit(dict(step=0, **heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k,
-                                      objective=objective, frozen=frozen, teacher=teacher)))
+                                      objective=objective, frozen=frozen, teacher=teacher,
+                                      pad_to=tc.pad_to)))
   end = tc.steps if stop_after is None else min(tc.steps, stop_after)
   if deadline is not None and time.time() > deadline:
     end = start  # out of time before the first step: the checkpoint stands as it is
   bar = tqdm.tqdm(range(start, end), initial=start, total=tc.steps, desc="distill",
                   disable=not progress)
+  lengths = ([record_length(r, tc.seq_len) for r in train_records] if tc.length_group
+             else None)
   t0, losses_acc = time.time(), []
   for step in bar:
+    t_step = time.time()
     if tc.on_policy_every and step % tc.on_policy_every == tc.on_policy_every - 1:
       idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed + 1)
       prompts = [train_records[i]["prompt"] for i in idx]
@@ -516,11 +580,16 @@ def _train(draft, params, train_records, heldout_records, tc, workdir, k, target
                                max_new=max(1, tc.seq_len - max(map(len, prompts))), k=k,
                                seed=tc.seed * 100_003 + step)
     else:
-      idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed)
+      idx = batch_indices(step, tc.batch_size, len(train_records), tc.seed, lengths,
+                          tc.length_group)
       recs = [train_records[i] for i in idx]
-    state, loss = train_step(state, objective, tc, vm, im, frozen,
-                             device_batch(recs, tc.seq_len, k, teacher, place))
+    batch = device_batch(recs, tc.seq_len, k, teacher, place, tc.pad_to)
+    state, loss = train_step(state, objective, tc, vm, im, frozen, batch)
     losses_acc.append(float(loss))
+    steps_file.write(json.dumps(dict(
+        step=step + 1, seconds=round(time.time() - t_step, 3), length=batch["tokens"].shape[1],
+        rows=batch["tokens"].shape[0], trained=int(jnp.sum(batch["weight"] > 0)))) + "\n")
+    steps_file.flush()
     bar.set_postfix(loss=f"{losses_acc[-1]:.4f}")
     s = step + 1
     out_of_time = deadline is not None and time.time() > deadline
@@ -530,11 +599,13 @@ def _train(draft, params, train_records, heldout_records, tc, workdir, k, target
       m = dict(step=s, loss=float(np.mean(losses_acc)), seconds=round(time.time() - t0, 1))
       if heldout_records:
         m.update(heldout_alpha(state["params"], draft, heldout_records, tc.seq_len, k,
-                               objective=objective, frozen=frozen, teacher=teacher))
+                               objective=objective, frozen=frozen, teacher=teacher,
+                               pad_to=tc.pad_to))
       emit(m)
       losses_acc = []
     if out_of_time:
       break
   bar.close()
   metrics_file.close()
+  steps_file.close()
   return state["params"], history
