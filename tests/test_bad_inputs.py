@@ -8,6 +8,7 @@ specjax.speculative.acceptance), sequence-length and cache-memory limits
 weights) and export into a used directory.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -418,6 +419,44 @@ def test_eagle_draft_with_nan_weights_is_refused(model, tmp_path):
   drafts.save_eagle(str(tmp_path), cfg, weights, None, tokenizer_sha256="-")
   with pytest.raises(CheckpointError, match="non-finite"):
     drafts.load_eagle(str(tmp_path), cfg, params)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([3, 5, 3, 9], r"names target ids \[3\] more than once"),
+    ([3, 5, 64, 9], r"outside the target's vocabulary \[0, 64\)"),
+])
+def test_a_vocab_map_of_repeated_or_foreign_ids_is_refused_on_save_and_load(model, tmp_path,
+                                                                              bad, match):
+  """Each draft row is one target token: a map naming a token twice would count its draft
+  probability twice in every acceptance rule. Refused when written and, for a directory
+  edited afterwards, when read (EAGLE and token drafts)."""
+  from safetensors.numpy import load_file
+  from specjax.drafters.eagle import random_eagle_weights
+  cfg, params = model
+  weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(1))
+  with pytest.raises(CheckpointError, match=match):
+    drafts.save_eagle(str(tmp_path / "e0"), cfg, weights, np.array(bad), tokenizer_sha256="-")
+  dcfg, dparams = tiny_model(seed=1, num_layers=1)
+  dcfg = dataclasses.replace(dcfg, vocab_size=4)
+  dparams = dict(dparams, embed=dparams["embed"][:4])
+  if "lm_head" in dparams:
+    dparams["lm_head"] = dparams["lm_head"][:4]
+  with pytest.raises(CheckpointError, match=match):
+    drafts.save_draft(str(tmp_path / "t0"), dcfg, dparams, np.array(bad),
+                      target_vocab_size=cfg.vocab_size, tokenizer_sha256="-")
+  good = np.array([3, 5, 7, 9])
+  drafts.save_eagle(str(tmp_path / "e"), cfg, weights, good, tokenizer_sha256="-")
+  drafts.save_draft(str(tmp_path / "t"), dcfg, dparams, good, target_vocab_size=cfg.vocab_size,
+                    tokenizer_sha256="-")
+  for d in ("e", "t"):
+    file = str(tmp_path / d / "weights.safetensors")
+    tensors = load_file(file)
+    tensors["vocab_map"] = np.array(bad, np.int32)
+    save_file(tensors, file)
+  with pytest.raises(CheckpointError, match=match):
+    drafts.load_eagle(str(tmp_path / "e"), cfg, params)
+  with pytest.raises(CheckpointError, match=match):
+    drafts.load_draft(str(tmp_path / "t"), target_vocab_size=cfg.vocab_size)
 
 
 # --- export into a used directory --------------------------------------------------------------

@@ -126,6 +126,28 @@ def read_checked_metadata(path: str, formats: tuple[str, ...], *,
 # ------------------------------------------------------------------ token drafts
 
 
+def checked_vocab_map(vocab_map: Optional[np.ndarray], target_vocab_size: int,
+                      where: str = "vocab_map", rows: Optional[int] = None
+                      ) -> Optional[np.ndarray]:
+  """``vocab_map`` as int32 [Vd], refused unless it names ``rows`` (when given) distinct
+  target ids in [0, V): a draft row is one target token, and two rows of one token would
+  count its draft probability twice in every acceptance rule."""
+  if vocab_map is None:
+    return None
+  vm = np.asarray(vocab_map)
+  if vm.ndim != 1 or (rows is not None and len(vm) != rows):
+    raise CheckpointError(f"{where}: vocab_map of shape {vm.shape}, not one target id per "
+                          f"draft row ({rows if rows is not None else 'Vd'})")
+  if len(vm) and (vm.min() < 0 or vm.max() >= target_vocab_size):
+    raise CheckpointError(f"{where}: vocab_map holds ids from {vm.min()} to {vm.max()}, outside "
+                          f"the target's vocabulary [0, {target_vocab_size})")
+  ids, counts = np.unique(vm, return_counts=True)
+  if len(ids) != len(vm):
+    dup = ids[counts > 1][:5]
+    raise CheckpointError(f"{where}: vocab_map names target ids {dup.tolist()} more than once")
+  return vm.astype(np.int32)
+
+
 def save_draft(path: str, cfg: ModelConfig, params: Params, vocab_map: Optional[np.ndarray], *,
                target_vocab_size: int, input_map: Optional[np.ndarray] = None,
                tokenizer_sha256: str, info: Optional[dict] = None, dtype=np.float16) -> None:
@@ -133,10 +155,7 @@ def save_draft(path: str, cfg: ModelConfig, params: Params, vocab_map: Optional[
   os.makedirs(path, exist_ok=True)  # before the checks below, as it always has been
   tensors = {k: v.astype(dtype) for k, v in params_to_hf(cfg, params).items()}
   if vocab_map is not None:
-    vm = np.asarray(vocab_map, np.int32)
-    if len(vm) != cfg.vocab_size or vm.min() < 0 or vm.max() >= target_vocab_size:
-      raise ValueError("vocab_map must have one target id in [0, V) per draft row")
-    tensors["vocab_map"] = vm
+    tensors["vocab_map"] = checked_vocab_map(vocab_map, target_vocab_size, path, cfg.vocab_size)
     if input_map is not None:  # draft rows fit int16 for Vd < 32768: half the bytes
       im = np.asarray(input_map)
       tensors["input_map"] = im.astype(np.int16 if cfg.vocab_size < 2**15 else np.int32)
@@ -165,6 +184,8 @@ def load_draft(path: str, *, target_vocab_size: Optional[int] = None,
   cfg = config_from_hf_dict(meta["config"])
   tensors = _read_weights(path, "draft", check_finite=False)  # params_from_hf checks them
   vocab_map = tensors.pop("vocab_map", None)
+  if vocab_map is not None:
+    vocab_map = checked_vocab_map(vocab_map, meta["target_vocab_size"], path, cfg.vocab_size)
   in_map = tensors.pop("input_map", None)
   in_map = None if in_map is None else in_map.astype(np.int32)
   if meta.get("reduced_vocab") and vocab_map is None:
@@ -194,7 +215,7 @@ def save_eagle(path: str, target_cfg: ModelConfig, weights: Params,
     for k, v in layer.items():
       tensors[f"layers.{i}.{k}"] = np.asarray(v, dtype)
   if vocab_map is not None:
-    tensors["vocab_map"] = np.asarray(vocab_map, np.int32)
+    tensors["vocab_map"] = checked_vocab_map(vocab_map, target_cfg.vocab_size, path)
   meta = dict(format=EAGLE_FORMAT, target_config=config_to_hf_dict(target_cfg),
               num_layers=len(weights["layers"]), target_vocab_size=target_cfg.vocab_size,
               tokenizer_sha256=tokenizer_sha256, param_layout=param_layout.LAYOUT, info=info or {})
@@ -243,7 +264,7 @@ def _load_eagle_weights(path: str, target_cfg: ModelConfig, tokenizer_sha256: Op
                     if k != "layers" and (fused or k not in FUSION_KEYS)}, layers=layers)
   except KeyError as e:
     raise CheckpointError(f"{path}: the weights lack tensor {e.args[0]}") from None
-  return meta, weights, t.get("vocab_map")
+  return meta, weights, checked_vocab_map(t.get("vocab_map"), target_cfg.vocab_size, path)
 
 
 def _read_weights(path: str, what: str, check_finite: bool = True) -> dict[str, np.ndarray]:
@@ -285,7 +306,7 @@ def _save_heads(path: str, fmt: str, target_cfg: ModelConfig, weights: Params,
     tensors[ADAPTER_PREFIX + name] = np.asarray(w, dtype)
   num_heads, num_layers = tensors["res_w"].shape[:2]
   if vocab_map is not None:
-    tensors["vocab_map"] = np.asarray(vocab_map, np.int32)
+    tensors["vocab_map"] = checked_vocab_map(vocab_map, target_cfg.vocab_size, path)
   meta = dict(format=fmt, target_config=config_to_hf_dict(target_cfg), num_heads=int(num_heads),
               num_layers=int(num_layers), target_vocab_size=target_cfg.vocab_size,
               tokenizer_sha256=tokenizer_sha256, **extra, info=info or {})
@@ -321,7 +342,7 @@ def _load_heads(path: str, fmt: str, what: str, target_cfg: ModelConfig,
     raise CheckpointError(f"{path}: res_w of shape {weights['res_w'].shape} does not hold the "
                           f"{meta['num_heads']} heads of {meta['num_layers']} blocks draft.json "
                           "declares")
-  return meta, weights, t.get("vocab_map")
+  return meta, weights, checked_vocab_map(t.get("vocab_map"), target_cfg.vocab_size, path)
 
 
 def save_medusa(path: str, target_cfg: ModelConfig, weights: Params,
