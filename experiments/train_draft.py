@@ -643,6 +643,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
                  init_setup.get("train_tokens"), setup["train_responses"], setup["train_tokens"])
   logging.info("draft %s, %.2fM params; %s", dcfg, dcfg.num_params / 1e6, tc)
   start = time.time()
+  log_invocation(os.path.join(workdir, "steps.jsonl"))
   online_teacher = None
   if online:
     online_teacher = (train.Teacher(cfg, k, feature_layers if not token_run else None), params)
@@ -685,6 +686,21 @@ def run_train_stage(directory: str, workdir: str) -> None:
                       target_vocab_size=cfg.vocab_size,
                       tokenizer_sha256=drafts.tokenizer_fingerprint(tok), info=info)
   logging.info("draft written to %s: %s", out, json.dumps(last))
+
+
+def log_invocation(path: str) -> None:
+  """Appends this invocation's machine and code to ``path`` (the run's ``steps.jsonl``), so
+  the step times that follow it are read against the host that took them (a run resumed
+  across sessions may change CPU kind; ``benchmarks.train_steps`` splits on these lines)."""
+  from experiments.machine import cpu_info, describe_cpu
+  from experiments.report import git_revision
+  from specjax.kernels import streaming_matmul as sm
+  line = dict(invocation=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=describe_cpu(cpu_info()),
+              cpu_family=sm.cpuinfo_field("cpu family"), cpu_model=sm.cpuinfo_field("model"),
+              cores=os.cpu_count(), git=git_revision(),
+              command="python -m experiments.train_draft " + " ".join(sys.argv[1:]))
+  with open(path, "a") as f:
+    f.write(json.dumps(line) + "\n")
 
 
 def _run_setup(workdir: str, flag: str) -> dict:

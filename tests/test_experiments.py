@@ -1454,6 +1454,28 @@ def test_alpha_pairs_bootstraps_the_prompts_pairwise(benchmark_module):
     bench.paired_difference(a, (b[0][:2], b[1][:2]), draws=10, seed=0)
 
 
+def test_train_steps_prices_each_length_at_its_median_per_invocation(benchmark_module, tmp_path):
+  """benchmarks.train_steps: steps split at each invocation line (the host that took them),
+  a compiling step does not move its length's median, and the ratio is the longest length's
+  median over the mean step priced at the medians."""
+  bench = benchmark_module("train_steps")
+  rows = [dict(step=1, seconds=30.0, length=128, rows=4, trained=100),  # (compiles)
+          dict(step=2, seconds=5.0, length=128, rows=4, trained=100),
+          dict(step=3, seconds=5.0, length=128, rows=4, trained=100),
+          dict(step=4, seconds=20.0, length=416, rows=4, trained=400)]
+  header = dict(invocation="2026-12-07 05:00:00", cpu="x", cpu_family="25", cpu_model="17",
+                cores=2, git=dict(commit="abc", dirty=False), command="c")
+  path = tmp_path / "steps.jsonl"
+  path.write_text("\n".join(json.dumps(m) for m in [rows[0], header, *rows[1:]]) + "\n")
+  parts = bench.invocations(str(path))
+  assert [h for h, _ in parts] == [{}, header] and [len(s) for _, s in parts] == [1, 3]
+  s = bench.summary(rows)
+  assert s["median"] == {128: 5.0, 416: 20.0} and s["count"] == {128: 3, 416: 1}
+  assert s["typical"] == pytest.approx((3 * 5.0 + 20.0) / 4)
+  assert s["ratio"] == pytest.approx(20.0 / 8.75) and s["longest"] == 416
+  assert s["positions_per_s"] == pytest.approx(700 / 60.0)
+
+
 def test_adaptive_rows_of_old_records_compare_with_the_sweeps_rounds():
   """A results.json from before the pairing (no paired_speedup) still renders: its adaptive
   ratio is against the sweep's best γ, labelled so; a paired one's against the γ beside it."""

@@ -40,6 +40,10 @@ def _metrics(workdir):
   return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _steps(workdir):
+  return [json.loads(l) for l in (workdir / "steps.jsonl").read_text().splitlines()]
+
+
 def _vocab_map(workdir):
   from specjax.drafts import shards
   return np.asarray(shards.read_tensors(str(workdir / "draft"))["vocab_map"])
@@ -57,9 +61,14 @@ def test_train_resume_and_warm_start_on_a_grown_corpus(tmp_path):
   card = json.loads((first / "draft" / "draft.json").read_text())
   assert card["info"]["final"]["step"] == 2
 
+  steps = _steps(first)
+  assert "invocation" in steps[0] and steps[0]["cores"] == os.cpu_count()
+  assert [m["step"] for m in steps[1:]] == [1, 2]
+
   # The same command again resumes at the last checkpoint: nothing more to train.
   _train_draft(tmp_path, "--stage=train", "--train_batches=1", f"--workdir={first}")
   assert _metrics(first)[len(done):] == []
+  assert _steps(first)[len(steps):][0]["invocation"] and len(_steps(first)) == len(steps) + 1
 
   # One more answer batch, then a warm start from the first run on the grown corpus.
   _train_draft(tmp_path, "--stage=all", "--train_batches=2", f"--workdir={second}",
