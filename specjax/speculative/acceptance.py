@@ -73,8 +73,8 @@ def probs_at(q: jax.Array | SubsetProbs, tokens: jax.Array) -> jax.Array:
 
 def overlap(p: jax.Array, q: jax.Array | SubsetProbs) -> jax.Array:
   """β = Σₓ min(p, q) over the last axis (p [..., V] finite, q [..., V] or ``SubsetProbs``)."""
-  q_s, p_s, _ = support_view(q, p)
-  return jnp.sum(jnp.minimum(p_s, q_s), axis=-1)
+  q_k, p_k, _ = support_view(q, p)
+  return jnp.sum(jnp.minimum(p_k, q_k), axis=-1)
 
 
 def accept(key: jax.Array, drafts: jax.Array, q: jax.Array | SubsetProbs,
@@ -92,7 +92,7 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array | SubsetProbs,
   b, gamma = drafts.shape
   u_key, s_key = jax.random.split(key)
   p = finite_probs(p)
-  q_s, p_s, ids = support_view(q, p)  # [B, γ, K], [B, γ + 1, K] (K = V without a subset)
+  q_k, p_k, ids = support_view(q, p)  # [B, γ, K], [B, γ + 1, K] (K = V without a subset)
   p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
   q_d = probs_at(q, drafts)
   u = jax.random.uniform(u_key, (b, gamma))
@@ -102,15 +102,15 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array | SubsetProbs,
   n = jnp.sum(accepted, axis=1)
 
   # Residual at position n; a zero row of q at index γ turns it into p_{γ+1}.
-  q_pad = jnp.concatenate([q_s, jnp.zeros_like(q_s[:, :1])], axis=1)
+  q_pad = jnp.concatenate([q_k, jnp.zeros_like(q_k[:, :1])], axis=1)
   p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
   q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
-  residual = jnp.maximum(jnp.take_along_axis(p_s, n[:, None, None], axis=1)[:, 0] - q_n, 0.0)
+  residual = jnp.maximum(jnp.take_along_axis(p_k, n[:, None, None], axis=1)[:, 0] - q_n, 0.0)
   if ids is not None:  # outside the subset q is 0: the residual is p there
     residual = p_n.at[:, ids].set(residual)
   mass = jnp.sum(residual, axis=-1, keepdims=True)
   # mass == 0 only if p_n == q_n, where rejection has probability 0; fall back to p.
   residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
   next_token = sample_from(s_key, residual)
-  beta = jnp.sum(jnp.minimum(p_s[:, :gamma], q_s), axis=-1)
+  beta = jnp.sum(jnp.minimum(p_k[:, :gamma], q_k), axis=-1)
   return Acceptance(num_accepted=n, next_token=next_token, accepted=accepted, beta=beta)

@@ -278,7 +278,7 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
   u_key, s_key = jax.random.split(key)
   u = jax.random.uniform(u_key, (b, n))
   without = proposal.draw == "without_replacement"
-  q, p_k, ids = support_view(proposal.q, p)  # [B, N, K], [B, N + 1, K]
+  q_k, p_k, ids = support_view(proposal.q, p)  # [B, N, K], [B, N + 1, K]
   if ids is None:
     slot, found = proposal.tokens, jnp.ones((b, n), bool)
     outside = jnp.zeros(p.shape[:2], p.dtype)
@@ -311,7 +311,7 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
       fresh = jnp.where(acc, True, jnp.where(rej, False, fresh))
     return (cur, r, z, out, q_run, fresh), None
 
-  xs = (jnp.arange(n), slot.T, found.T, jnp.moveaxis(q, 1, 0), jnp.moveaxis(p_k[:, 1:], 1, 0),
+  xs = (jnp.arange(n), slot.T, found.T, jnp.moveaxis(q_k, 1, 0), jnp.moveaxis(p_k[:, 1:], 1, 0),
         total[:, 1:].T, outside[:, 1:].T, u.T, par.T)
   init = (jnp.zeros((b,), jnp.int32), p_k[:, 0], total[:, 0], outside[:, 0],
           jnp.zeros_like(p_k[:, 0]), jnp.ones((b,), bool))
