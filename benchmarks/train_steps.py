@@ -35,7 +35,10 @@ def invocations(path: str) -> list[tuple[dict, list[dict]]]:
   out: list[tuple[dict, list[dict]]] = [({}, [])]
   with open(path) as f:
     for line in f:
-      m = json.loads(line)
+      try:
+        m = json.loads(line)
+      except json.JSONDecodeError:  # (a line cut short by a kill)
+        continue
       if "invocation" in m:
         out.append((m, []))
       else:
@@ -44,8 +47,9 @@ def invocations(path: str) -> list[tuple[dict, list[dict]]]:
 
 
 def summary(steps: list[dict]) -> dict:
-  """Median seconds per length, how often each length came up, the mean step and the ratio of
-  a step at the longest length to the run's steps, each priced at its length's median."""
+  """Median seconds per length, how often each length came up, the mean step priced at those
+  medians (``typical``: compiling steps left out), the ratio of a step at the longest length
+  seen to it, the mean step as taken (``mean``) and trained positions per second as taken."""
   by_length = collections.defaultdict(list)
   for m in steps:
     by_length[m["length"]].append(m)
@@ -55,6 +59,7 @@ def summary(steps: list[dict]) -> dict:
   typical = sum(count[l] * median[l] for l in median) / n
   longest = max(median)
   return dict(median=median, count=count, steps=n, typical=typical, longest=longest,
+              mean=sum(m["seconds"] for m in steps) / n,
               ratio=median[longest] / typical,
               positions_per_s=sum(m["trained"] for m in steps) / sum(m["seconds"] for m in steps))
 
@@ -79,9 +84,11 @@ def main(argv):
               "| batch length | steps | median s/step |", "|---|---|---|"]
     lines += [f"| {l} | {s['count'][l]} | {s['median'][l]:.2f} |" for l in sorted(s["median"])]
     lines += ["", f"Mean step, each priced at its length's median: **{s['typical']:.2f} s**; a step "
-              f"at the longest length ({s['longest']}): {s['median'][s['longest']]:.2f} s, "
-              f"**{s['ratio']:.2f}×** the mean. Trained positions per second over these steps: "
-              f"{s['positions_per_s']:.0f}.", ""]
+              f"at the longest length seen ({s['longest']}; {s['count'][s['longest']]} steps): "
+              f"{s['median'][s['longest']]:.2f} s, "
+              f"**{s['ratio']:.2f}×** the mean. As taken (compilations and any slow steps "
+              f"included, evaluations and checkpoints not): {s['mean']:.2f} s a step, "
+              f"{s['positions_per_s']:.0f} trained positions a second.", ""]
   write_markdown(OUT.value, lines)
 
 

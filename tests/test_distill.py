@@ -526,7 +526,7 @@ def test_a_warm_start_may_change_the_corpus_but_not_the_draft():
                 train_tokens=900, draft_kind="exit", exit_layer=10, exit_adapter=True)
   more_data = dict(exit10, corpus="/c/b", train_responses=20, train_tokens=1800,
                    teacher="online", teacher_topk=64, init_from="/runs/a",
-                   also_corpora=["/c/c"])  # --also_data_seeds: more answers, the same draft
+                   also_corpora=["/c/c"], length_group=16)  # more answers, other batches
   assert ckpt.draft_mismatch(exit10, more_data) == {}
   assert ckpt.draft_mismatch(exit10, dict(more_data, exit_layer=6)) == {"exit_layer": (10, 6)}
   no_adapter = {k: v for k, v in exit10.items() if k != "exit_adapter"}

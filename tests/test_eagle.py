@@ -259,6 +259,35 @@ def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_ste
   assert accepted[1] > accepted[0]
 
 
+def test_a_trimmed_batch_gives_the_eagle_loss_of_the_padded_one(toy):
+  """``make_batch(pad_to=...)`` (length-grouped training) cuts the trailing padding of tokens
+  and stored features; the EAGLE loss, training-time test unrolled over 3 steps (its cache and
+  mask are 3L long), is the untrimmed one (noise off: its draw depends on the shape)."""
+  cfg, params, recs, _ = toy
+  layers = (0,)
+  recs = sorted(recs, key=lambda r: len(r["prompt"]) + len(r["response"]))[:4]
+  feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
+                                     layers=layers)
+  recs = [dict(r, features=f) for r, f in zip(recs, feats)]
+  vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
+  drafter = EagleDrafter(eagle_config(cfg, 1), feature_layers=layers)
+  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.0, ttt_steps=3)
+  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
+                      target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  longest = max(len(f) for f in feats)
+  full = {k: jnp.asarray(v) for k, v in train.make_batch(recs, longest + 24, 8).items()}
+  cut = {k: jnp.asarray(v) for k, v in train.make_batch(recs, longest + 24, 8, pad_to=8).items()}
+  assert cut["tokens"].shape[1] == -(-longest // 8) * 8 < full["tokens"].shape[1]
+  assert cut["features"].shape[1] == cut["tokens"].shape[1]
+  v, i = draft.maps()
+  weights = init_eagle_weights(cfg, params, 1, feature_layers=layers)
+  frozen = eagle.frozen_arrays(cfg, params, vm)
+  for kind in ("fkl", "top1"):
+    losses = [float(train.loss_fn(weights, objective, kind, v, i, frozen, b,
+                                  jax.random.PRNGKey(0))) for b in (full, cut)]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
 def test_a_fusion_trains_on_stored_zero_padded_features_with_finite_gradients(toy):
   """Stored features pad a batch with zeros (the online teacher's are the target's over pad
   tokens); the input noise's scale must not make the fusion's gradients NaN there."""

@@ -1466,14 +1466,15 @@ def test_train_steps_prices_each_length_at_its_median_per_invocation(benchmark_m
   header = dict(invocation="2026-12-07 05:00:00", cpu="x", cpu_family="25", cpu_model="17",
                 cores=2, git=dict(commit="abc", dirty=False), command="c")
   path = tmp_path / "steps.jsonl"
-  path.write_text("\n".join(json.dumps(m) for m in [rows[0], header, *rows[1:]]) + "\n")
+  path.write_text("\n".join(json.dumps(m) for m in [rows[0], header, *rows[1:]]) + "\n"
+                  + '{"step": 5, "seco')  # (a line cut short by a kill)
   parts = bench.invocations(str(path))
   assert [h for h, _ in parts] == [{}, header] and [len(s) for _, s in parts] == [1, 3]
   s = bench.summary(rows)
   assert s["median"] == {128: 5.0, 416: 20.0} and s["count"] == {128: 3, 416: 1}
   assert s["typical"] == pytest.approx((3 * 5.0 + 20.0) / 4)
   assert s["ratio"] == pytest.approx(20.0 / 8.75) and s["longest"] == 416
-  assert s["positions_per_s"] == pytest.approx(700 / 60.0)
+  assert s["positions_per_s"] == pytest.approx(700 / 60.0) and s["mean"] == 15.0
 
 
 def test_adaptive_rows_of_old_records_compare_with_the_sweeps_rounds():

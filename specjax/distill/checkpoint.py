@@ -55,7 +55,7 @@ def latest_step(mngr: ocp.CheckpointManager) -> Optional[int]:
 # (experiments.train_draft --init_from) may change these and still continue the same draft.
 CORPUS_SETUP_KEYS = ("corpus", "train_responses", "train_tokens", "corpus_kind", "text_corpus",
                      "teacher", "teacher_topk", "adaspec_keep", "adaspec_reference", "init_from",
-                     "also_corpora")
+                     "also_corpora", "length_group")
 
 
 def draft_mismatch(theirs: dict, ours: dict) -> dict:

@@ -112,7 +112,9 @@ def make_batch(records: Sequence[dict], seq_len: int, k: int,
   position P - 1 + i (e.g. P = 3: tokens [p0 p1 p2 r0 r1], r0 predicted at 2).
   With ``pad_to``, L is the longest row rounded up to a multiple of it (at most
   ``seq_len``) instead of ``seq_len``: the same loss, since no trained position
-  attends to the trailing padding, at the cost of one program per length.
+  attends to the trailing padding (with EAGLE's feature noise, a draw of the same
+  distribution: the noise is drawn at the batch's shape), at the cost of one program
+  per (L, R) pair.
 
   Returns:
     tokens [B, L] target ids; pred_pos [B, R] positions whose next-token
