@@ -259,6 +259,20 @@ def test_tiny_eagle_training_lowers_loss_and_raises_alpha(toy, tmp_path, ttt_ste
   assert accepted[1] > accepted[0]
 
 
+def _fused_setup(cfg, params, recs, *, noise, ttt_steps, layers=(0,)):
+  """Records with the toy target's stored features of ``layers``, a 48-row vocabulary and a
+  fused one-layer EAGLE objective and draft over it."""
+  feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
+                                     layers=layers)
+  recs = [dict(r, features=f) for r, f in zip(recs, feats)]
+  vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
+  drafter = EagleDrafter(eagle_config(cfg, 1), feature_layers=layers)
+  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=noise, ttt_steps=ttt_steps)
+  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
+                      target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  return recs, feats, vm, objective, draft
+
+
 def test_a_trimmed_batch_gives_the_eagle_loss_of_the_padded_one(toy):
   """``make_batch(pad_to=...)`` (length-grouped training) cuts the trailing padding of tokens
   and stored features; the EAGLE loss, training-time test unrolled over 3 steps (its cache and
@@ -266,14 +280,7 @@ def test_a_trimmed_batch_gives_the_eagle_loss_of_the_padded_one(toy):
   cfg, params, recs, _ = toy
   layers = (0,)
   recs = sorted(recs, key=lambda r: len(r["prompt"]) + len(r["response"]))[:4]
-  feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
-                                     layers=layers)
-  recs = [dict(r, features=f) for r, f in zip(recs, feats)]
-  vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
-  drafter = EagleDrafter(eagle_config(cfg, 1), feature_layers=layers)
-  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.0, ttt_steps=3)
-  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
-                      target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  recs, feats, vm, objective, draft = _fused_setup(cfg, params, recs, noise=0.0, ttt_steps=3)
   longest = max(len(f) for f in feats)
   full = {k: jnp.asarray(v) for k, v in train.make_batch(recs, longest + 24, 8).items()}
   cut = {k: jnp.asarray(v) for k, v in train.make_batch(recs, longest + 24, 8, pad_to=8).items()}
@@ -293,15 +300,8 @@ def test_a_fusion_trains_on_stored_zero_padded_features_with_finite_gradients(to
   tokens); the input noise's scale must not make the fusion's gradients NaN there."""
   cfg, params, recs, _ = toy
   layers = (0,)  # (the toy target's one layer)
-  recs = recs[:4]
-  feats = features.sequence_features(params, cfg, [features.record_sequence(r) for r in recs],
-                                     layers=layers)
-  recs = [dict(r, features=f) for r, f in zip(recs, feats)]
-  vm = vocab.select_vocab(vocab.token_counts(recs, cfg.vocab_size), 48)
-  drafter = EagleDrafter(eagle_config(cfg, 1), feature_layers=layers)
-  objective = eagle.EagleObjective(drafter, feature_weight=0.1, noise=0.05, ttt_steps=2)
-  draft = train.Draft(cfg=dataclasses.replace(drafter.cfg, vocab_size=len(vm)),
-                      target_vocab_size=cfg.vocab_size, vocab_map=vm)
+  recs, feats, vm, objective, draft = _fused_setup(cfg, params, recs[:4], noise=0.05,
+                                                   ttt_steps=2)
   longest = max(len(f) for f in feats)
   batch = {k: jnp.asarray(v) for k, v in train.make_batch(recs, longest + 8, 8).items()}
   assert not np.any(np.asarray(batch["features"][:, -8:]))  # zero padding in every row
