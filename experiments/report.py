@@ -29,7 +29,13 @@ CSV_COLUMNS = ("experiment", "draft", "gamma", "temperature", "category", "promp
 
 def git_revision() -> dict[str, Any]:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout
+
+  def run(*args):
+    try:
+      return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout
+    except OSError:  # no git binary (a bare container): the revision is unknown, not an error
+      return ""
+
   return {"commit": run("rev-parse", "HEAD").strip() or None,
           "dirty": bool(run("status", "--porcelain", "--untracked-files=no").strip())}
 

@@ -429,13 +429,22 @@ def test_a_vocab_map_of_repeated_or_foreign_ids_is_refused_on_save_and_load(mode
                                                                               bad, match):
   """Each draft row is one target token: a map naming a token twice would count its draft
   probability twice in every acceptance rule. Refused when written and, for a directory
-  edited afterwards, when read (EAGLE and token drafts)."""
+  edited afterwards, when read (EAGLE, token, Medusa and trained-exit drafts)."""
   from safetensors.numpy import load_file
   from specjax.drafters.eagle import random_eagle_weights
+  from specjax.drafters.medusa import random_medusa_weights
   cfg, params = model
   weights = random_eagle_weights(cfg, 1, jax.random.PRNGKey(1))
-  with pytest.raises(CheckpointError, match=match):
-    drafts.save_eagle(str(tmp_path / "e0"), cfg, weights, np.array(bad), tokenizer_sha256="-")
+  heads = random_medusa_weights(cfg, 2, 1, jax.random.PRNGKey(2), own_head=False)
+  exit_w = random_medusa_weights(cfg, 1, 1, jax.random.PRNGKey(3), own_head=False)
+  save = {
+      "e": lambda path, vm: drafts.save_eagle(path, cfg, weights, vm, tokenizer_sha256="-"),
+      "m": lambda path, vm: drafts.save_medusa(path, cfg, heads, vm, tokenizer_sha256="-"),
+      "x": lambda path, vm: drafts.save_exit(path, cfg, exit_w, vm, exit_layer=1,
+                                             tokenizer_sha256="-")}
+  for d, write in save.items():
+    with pytest.raises(CheckpointError, match=match):
+      write(str(tmp_path / f"{d}0"), np.array(bad))
   dcfg, dparams = tiny_model(seed=1, num_layers=1)
   dcfg = dataclasses.replace(dcfg, vocab_size=4)
   dparams = dict(dparams, embed=dparams["embed"][:4])
@@ -445,10 +454,12 @@ def test_a_vocab_map_of_repeated_or_foreign_ids_is_refused_on_save_and_load(mode
     drafts.save_draft(str(tmp_path / "t0"), dcfg, dparams, np.array(bad),
                       target_vocab_size=cfg.vocab_size, tokenizer_sha256="-")
   good = np.array([3, 5, 7, 9])
-  drafts.save_eagle(str(tmp_path / "e"), cfg, weights, good, tokenizer_sha256="-")
+  for d, write in save.items():
+    write(str(tmp_path / d), np.arange(3, 64, 4))  # Medusa's top-10 needs 10 rows
   drafts.save_draft(str(tmp_path / "t"), dcfg, dparams, good, target_vocab_size=cfg.vocab_size,
                     tokenizer_sha256="-")
-  for d in ("e", "t"):
+  drafts.load_medusa(str(tmp_path / "m"), cfg, params)  # the good map loads
+  for d in ("e", "m", "x", "t"):
     file = str(tmp_path / d / "weights.safetensors")
     tensors = load_file(file)
     tensors["vocab_map"] = np.array(bad, np.int32)
@@ -457,6 +468,10 @@ def test_a_vocab_map_of_repeated_or_foreign_ids_is_refused_on_save_and_load(mode
     drafts.load_eagle(str(tmp_path / "e"), cfg, params)
   with pytest.raises(CheckpointError, match=match):
     drafts.load_draft(str(tmp_path / "t"), target_vocab_size=cfg.vocab_size)
+  with pytest.raises(CheckpointError, match=match):
+    drafts.load_medusa(str(tmp_path / "m"), cfg, params)
+  with pytest.raises(CheckpointError, match=match):
+    drafts.load_exit(str(tmp_path / "x"), cfg, params)
 
 
 # --- export into a used directory --------------------------------------------------------------

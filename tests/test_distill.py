@@ -501,6 +501,11 @@ def test_a_length_grouped_run_resumes_bit_exact(toy, tmp_path, monkeypatch):
                          log=lambda m: 0, progress=False)
   assert any(not np.array_equal(np.asarray(a), np.asarray(b))
              for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(plain)))
+  # Too few records for one batch: refused before the workdir or an evaluation is made.
+  with pytest.raises(ValueError, match="make no batch"):
+    train.train(draft, params, recs[:tc.batch_size - 1], held, tc, str(tmp_path / "d"), k=K,
+                log=lambda m: pytest.fail(f"evaluated before the check: {m}"), progress=False)
+  assert not (tmp_path / "d").exists()
 
 
 def test_a_passed_deadline_takes_no_step_and_returns_the_checkpoint(toy, tmp_path):

@@ -380,6 +380,10 @@ def _bump_last_d2t(c, t):
   t["d2t"][-1] += V
 
 
+def _repeat_d2t(c, t):  # draft ids 0 and 1 both name draft id 0's target token
+  t["d2t"][1] = t["d2t"][0] - 1
+
+
 def _flip_t2d(c, t):
   t["t2d"][np.argmin(t["t2d"])] = True
 
@@ -436,6 +440,8 @@ BAD = {  # id: (checkpoint, change, target, error, message)
     "d2t_dtype": ("eagle3", lambda c, t: t.update(d2t=t["d2t"].astype(np.float32)), {},
                   CheckpointError, "'d2t' has dtype float32, not an integer"),
     "t2d_disagrees": ("eagle3", _flip_t2d, {}, CheckpointError, "t2d and d2t disagree"),
+    "d2t_repeats": ("eagle3", _repeat_d2t, {}, CheckpointError,
+                    r"d2t: vocab_map names target ids \[\d+\] more than once"),
     "non_finite": ("eagle1", _nan, {}, CheckpointError, "'fc.weight' holds non-finite values"),
 }
 

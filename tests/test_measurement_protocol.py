@@ -478,3 +478,16 @@ def test_the_bench_draws_sampled_drafts_at_the_configured_draft_temperature(tmp_
                               draft_temperature=ratio)
     dec = Bench(target, batches, config).decoder(draft, 2, t)
     assert dec.draft_sampler == want and dec.sampler == (Sampling(t) if t else Greedy())
+
+
+def test_provenance_without_a_git_binary_says_unknown(monkeypatch):
+  """Results headers and a training run's invocation lines name the commit where git runs; on a
+  machine without the git binary the commit is unknown (None) instead of the run failing."""
+  import subprocess
+  from experiments import report
+
+  def missing(*args, **kwargs):
+    raise FileNotFoundError(2, "No such file or directory: 'git'")
+
+  monkeypatch.setattr(subprocess, "run", missing)
+  assert report.git_revision() == {"commit": None, "dirty": False}

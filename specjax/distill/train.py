@@ -531,6 +531,9 @@ def _train(draft, params, train_records, heldout_records, tc, workdir, k, target
 
   if tc.on_policy_every and target is None:
     raise ValueError("on-policy steps need the target: pass target=(cfg, params)")
+  if tc.length_group and len(train_records) < tc.batch_size:  # before the step-0 evaluation
+    raise ValueError(f"length_group={tc.length_group}: {len(train_records)} training records "
+                     f"make no batch of {tc.batch_size}")
   objective = objective or TokenObjective(draft.cfg)
   if teacher is not None and teacher[0].k != k:
     raise ValueError(f"k={k} but the teacher keeps its top {teacher[0].k}")

@@ -58,6 +58,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.eagle import EagleDrafter, pack_eagle_params
 from specjax.drafters.residual_head import target_head
 from specjax.drafters import eagle_arch
+from specjax.drafts.format import checked_vocab_map
 from specjax.kernels.packed import head_policy_of, policy_of
 from specjax.loaders.hf import CheckpointError, read_config_json
 from specjax.model import Params, compute_dtype
@@ -303,11 +304,10 @@ def _vocab_map(ckpt: _Checkpoint, vd: int, v: int) -> np.ndarray:
     raise ValueError(f"{ckpt.file}: d2t maps draft ids to target ids up to {ids.max()} (from "
                      f"{ids.min()}), outside this target's vocabulary of {v}: built for "
                      "another target")
-  if len(np.unique(ids)) != vd:
-    raise CheckpointError(f"{ckpt.file}: d2t maps two draft ids to one target id")
+  ids = checked_vocab_map(ids, v, f"{ckpt.file}: d2t")  # refuses two draft ids of one token
   if "t2d" in ckpt.meta and not np.array_equal(np.flatnonzero(ckpt.get("t2d")), np.sort(ids)):
     raise CheckpointError(f"{ckpt.file}: t2d and d2t disagree on the draft vocabulary")
-  return ids.astype(np.int32)
+  return ids
 
 
 # ------------------------------------------------------------------ loading
