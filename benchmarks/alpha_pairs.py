@@ -5,13 +5,16 @@ Usage:
       [--draws 5000] [--out benchmarks/results/alpha_pairs.md]
 
 Reads each ``experiments.run --experiment=drafts_alpha`` output directory's ``progress.jsonl``
-(every draft's per-prompt counters at each temperature; a draft measured in several runs, as
-the shipped one beside each candidate, must have the same counters in each) and, for each
-pair A:B and temperature, prints α(A) − α(B) with the standard deviation of a paired
+(every draft's per-prompt counters at each temperature; a draft measured in several runs of
+one seed, as the shipped one beside each candidate, must have the same counters in each) and,
+for each pair A:B and temperature, prints α(A) − α(B) with the standard deviation of a paired
 bootstrap over the prompts: each draw resamples the prompts with replacement and recomputes
 both drafts' pooled α = Σβ / Σ(positions) on the same draw. At T = 0 both drafts score the
 same greedy text, so the pairing is tight; at T > 0 each prompt's sampled answer differs
-between drafts and the spread is the one that matters.
+between drafts and the spread is the one that matters. Runs of other seeds (``--seed``) add
+answers at T > 0: each (seed, prompt) is then one unit of the bootstrap, and a pair must
+have been drawn under the same seeds. At T = 0 the seed draws nothing, so runs of any seed
+must agree there and count once.
 """
 
 from __future__ import annotations
@@ -32,31 +35,42 @@ SEED = flags.DEFINE_integer("seed", 0, "bootstrap seed")
 OUT = flags.DEFINE_string("out", "benchmarks/results/alpha_pairs.md", "markdown output")
 
 
-def per_prompt(directories: list[str]) -> dict[tuple[str, float], tuple[np.ndarray, np.ndarray]]:
-  """(draft, T) -> (Σβ, positions) of each prompt, from the runs' untimed α records."""
-  out = {}
+def per_prompt(directories: list[str]
+               ) -> dict[tuple[str, float], tuple[np.ndarray, np.ndarray, tuple[int, ...]]]:
+  """(draft, T) -> (Σβ, positions) of each (seed, prompt), seeds in order, and the seeds, from
+  the runs' untimed α records (at T = 0 one seed stands for all)."""
+  by_seed = {}
   for directory in directories:
     path = os.path.join(directory, "progress.jsonl")
     if not os.path.exists(path):
       raise SystemExit(f"--runs: no progress.jsonl in {directory}")
     with open(path) as f:
-      records = [json.loads(line)["run"] for line in f if '"run"' in line]
-    for rec in records:
+      lines = [json.loads(line) for line in f if line.strip()]
+    seed = next((l["header"]["config"].get("seed", 0) for l in lines if "header" in l), 0)
+    for rec in (l["run"] for l in lines if "run" in l):
       run = SpecRun.from_record(rec)
       sums = np.concatenate([c["beta_sum"] for c in run.counters]).astype(np.float64)
       counts = np.concatenate([c["beta_count"] for c in run.counters]).astype(np.float64)
-      key = (run.draft, float(run.temperature))
-      if key in out and not (np.array_equal(out[key][0], sums)
-                             and np.array_equal(out[key][1], counts)):
-        raise SystemExit(f"{run.draft} at T = {run.temperature} differs between --runs")
-      out[key] = (sums, counts)
+      key = (run.draft, float(run.temperature), seed if run.temperature > 0 else 0)
+      if key in by_seed and not (np.array_equal(by_seed[key][0], sums)
+                                 and np.array_equal(by_seed[key][1], counts)):
+        where = f"seed {seed}" if run.temperature > 0 else "any seed"
+        raise SystemExit(f"{run.draft} at T = {run.temperature} differs between --runs "
+                         f"({where})")
+      by_seed[key] = (sums, counts)
+  out = {}
+  for (draft, t, seed), (sums, counts) in sorted(by_seed.items()):
+    s, c, seeds = out.get((draft, t), (np.zeros(0), np.zeros(0), ()))
+    out[(draft, t)] = (np.concatenate([s, sums]), np.concatenate([c, counts]), seeds + (seed,))
   return out
 
 
-def paired_difference(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray],
-                      draws: int, seed: int) -> tuple[float, float]:
-  """(α(a) − α(b), the standard deviation of that difference over prompt-bootstrap draws)."""
-  (sa, ca), (sb, cb) = a, b
+def paired_difference(a: tuple, b: tuple, draws: int, seed: int) -> tuple[float, float]:
+  """(α(a) − α(b), the standard deviation of that difference over prompt-bootstrap draws);
+  ``a``, ``b``: (Σβ, positions) per unit, and the seeds (``per_prompt``) where known."""
+  (sa, ca, *seeds_a), (sb, cb, *seeds_b) = a, b
+  if seeds_a != seeds_b:  # (seed, prompt) units pair only under the same seeds
+    raise SystemExit(f"the two drafts were drawn under seeds {seeds_a[0]} and {seeds_b[0]}")
   if len(sa) != len(sb):
     raise SystemExit(f"the two drafts were measured on {len(sa)} and {len(sb)} prompts")
   idx = np.random.default_rng(seed).integers(0, len(sa), (draws, len(sa)))
@@ -78,9 +92,10 @@ def main(argv):
            f"`python -m benchmarks.alpha_pairs --runs={','.join(RUNS.value)} "
            f"--pairs={','.join(PAIRS.value)} --draws={DRAWS.value}`  ",
            f"{provenance()} (nothing decoded: the runs' committed counters)", "",
-           "| draft | T | prompts | α |", "|---|---|---|---|"]
-  for (draft, t), (s, c) in sorted(data.items()):
-    lines.append(f"| {draft} | {t:g} | {len(s)} | {s.sum() / c.sum():.4f} |")
+           "| draft | T | seeds | answers (seeds × prompts) | α |", "|---|---|---|---|---|"]
+  for (draft, t), (s, c, seeds) in sorted(data.items()):
+    lines.append(f"| {draft} | {t:g} | {', '.join(map(str, seeds))} | {len(s)} | "
+                 f"{s.sum() / c.sum():.4f} |")
   lines += ["", "| A − B | T | difference | ± (bootstrap sd) |", "|---|---|---|---|"]
   for a, b in pairs:
     for t in temps:

@@ -1454,6 +1454,39 @@ def test_alpha_pairs_bootstraps_the_prompts_pairwise(benchmark_module):
     bench.paired_difference(a, (b[0][:2], b[1][:2]), draws=10, seed=0)
 
 
+def test_alpha_pairs_pools_seeds_at_t_above_zero_only(benchmark_module, tmp_path):
+  """Runs under other seeds add (seed, prompt) answers at T > 0; at T = 0 the seed draws
+  nothing, so equal greedy counters count once and unequal ones are refused, as are pairs
+  drawn under different seeds."""
+  from experiments.measure import SpecRun
+  bench = benchmark_module("alpha_pairs")
+
+  def run_dir(name, seed, runs):
+    d = tmp_path / name
+    d.mkdir()
+    lines = [dict(header=dict(config=dict(seed=seed)))] + [
+        dict(run=SpecRun(draft=draft, gamma=4, temperature=t, counters=[dict(
+            beta_sum=np.array(sums, float), beta_count=np.array([4.0] * len(sums)))],
+                         generated=[], steps=[]).to_record()) for draft, t, sums in runs]
+    (d / "progress.jsonl").write_text("\n".join(json.dumps(l) for l in lines) + "\n")
+    return str(d)
+
+  greedy = [("a", 0.0, [3.0, 1.0]), ("b", 0.0, [2.0, 2.0])]
+  s0 = run_dir("s0", 0, greedy + [("a", 1.0, [1.0, 2.0]), ("b", 1.0, [2.0, 2.0])])
+  s1 = run_dir("s1", 1, greedy + [("a", 1.0, [3.0, 4.0]), ("b", 1.0, [1.0, 1.0])])
+  data = bench.per_prompt([s0, s1])
+  assert data[("a", 0.0)][2] == (0,) and list(data[("a", 0.0)][0]) == [3.0, 1.0]
+  assert data[("a", 1.0)][2] == (0, 1) and list(data[("a", 1.0)][0]) == [1.0, 2.0, 3.0, 4.0]
+  diff, _ = bench.paired_difference(data[("a", 1.0)], data[("b", 1.0)], draws=10, seed=0)
+  assert diff == pytest.approx((10.0 - 6.0) / 16.0)
+  bad = run_dir("bad", 2, [("a", 0.0, [1.0, 1.0])])
+  with pytest.raises(SystemExit, match=r"a at T = 0.0 differs between --runs \(any seed\)"):
+    bench.per_prompt([s0, bad])
+  data = bench.per_prompt([s0, s1, run_dir("other", 2, [("b", 1.0, [1.0, 1.0])])])
+  with pytest.raises(SystemExit, match=r"drawn under seeds \(0, 1\) and \(0, 1, 2\)"):
+    bench.paired_difference(data[("a", 1.0)], data[("b", 1.0)], draws=10, seed=0)
+
+
 def test_train_steps_prices_each_length_at_its_median_per_invocation(benchmark_module, tmp_path):
   """benchmarks.train_steps: steps split at each invocation line (the host that took them),
   a compiling step does not move its length's median, and the ratio is the longest length's
