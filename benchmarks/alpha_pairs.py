@@ -94,8 +94,8 @@ def main(argv):
            f"{provenance()} (nothing decoded: the runs' committed counters)", "",
            "| draft | T | seeds | answers (seeds × prompts) | α |", "|---|---|---|---|---|"]
   for (draft, t), (s, c, seeds) in sorted(data.items()):
-    lines.append(f"| {draft} | {t:g} | {', '.join(map(str, seeds))} | {len(s)} | "
-                 f"{s.sum() / c.sum():.4f} |")
+    shown = ", ".join(map(str, seeds)) if t > 0 else "any (greedy)"
+    lines.append(f"| {draft} | {t:g} | {shown} | {len(s)} | {s.sum() / c.sum():.4f} |")
   lines += ["", "| A − B | T | difference | ± (bootstrap sd) |", "|---|---|---|---|"]
   for a, b in pairs:
     for t in temps:
