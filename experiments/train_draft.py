@@ -568,7 +568,7 @@ def run_train_stage(directory: str, workdir: str) -> None:
       json.dump(setup, f, indent=2)
   vocab_map = in_map = None
   if FLAGS.draft_vocab and FLAGS.init_from:  # the continued draft's rows keep their ids
-    vocab_map = init_vocab_map(FLAGS.init_from, FLAGS.draft_vocab)
+    vocab_map = init_vocab_map(FLAGS.init_from, FLAGS.draft_vocab, cfg.vocab_size)
   elif FLAGS.draft_vocab:
     # Rank by use in responses (expected counts) and, for a token draft, in
     # prompts: it reads the prompt too, and a prompt token outside its
@@ -795,9 +795,9 @@ def adaspec_reference(setup: dict, dparams, tc):
   return params
 
 
-def init_vocab_map(workdir: str, size: int):
+def init_vocab_map(workdir: str, size: int, target_vocab: int):
   """The draft vocabulary of the run in ``workdir`` (its written draft's ``vocab_map``), or of
-  the draft directory ``workdir``."""
+  the draft directory ``workdir``: ``size`` ids, each below ``target_vocab``."""
   from specjax.drafts import shards
   out = workdir if _is_draft_dir(workdir) else os.path.join(workdir, "draft")
   try:
@@ -811,8 +811,7 @@ def init_vocab_map(workdir: str, size: int):
                          f"{'no' if vm is None else len(vm)} rows, this run's "
                          f"--draft_vocab={size}")
   from specjax.drafts.format import checked_vocab_map
-  from specjax.loaders.embedded import smollm2_config
-  return checked_vocab_map(vm, smollm2_config().vocab_size, out)  # (before any training)
+  return checked_vocab_map(vm, target_vocab, out)  # (before any training)
 
 
 def check_warm_start(setup: dict) -> dict:
