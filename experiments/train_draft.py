@@ -150,8 +150,9 @@ flags.DEFINE_integer("eval_records", 0, "Held-out records scored by the α evalu
 flags.DEFINE_integer("feature_batch", 8, "Sequences per forward when caching EAGLE features.")
 flags.DEFINE_integer("length_group", 0, "Batches of similar lengths, each trimmed to its "
                      "longest row (rounded up to 64, at most --seq_len) instead of --seq_len: "
-                     "each window of this many batches of an epoch's shuffle is sorted by length, cut into batches "
-                     "and shuffled again (0: off, every batch --seq_len long). On the archived "
+                     "each window of this many batches of an epoch's shuffle is sorted by "
+                     "length, cut into batches and shuffled again (0: off, every batch "
+                     "--seq_len long). On the archived "
                      "answer corpora, 16 cuts the padding from 43% to 14% of the positions.",
                      lower_bound=0)
 flags.DEFINE_float("adaspec_keep", 1.0, "AdaSPEC token selection: train on this fraction of "
