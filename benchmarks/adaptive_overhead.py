@@ -1,8 +1,10 @@
-"""What an adaptive decoder costs beyond plain decoding when it decodes plainly.
+"""What an adaptive decoder costs beyond the decoding it chooses: plain decoding, or a draft.
 
 Usage:
   python -m benchmarks.adaptive_overhead [--batch_sizes 1,4] [--new_tokens 128] [--rounds 5]
       [--draft eagle] [--target smollm2] [--out benchmarks/results/adaptive_overhead.md]
+  python -m benchmarks.adaptive_overhead --forced_gammas 2,4 [--temperatures 0,1]
+      [--choices 0,1,2,3,4] [...]
 
 The adaptive policy's price of plain decoding is 1 (a plain step costs what plain decoding's
 step does) and the calibrated whole-call figure takes the speculative prefill as measured.
@@ -20,6 +22,16 @@ interleaved rounds per batch size (medians reported), three ways:
 For each: the prefill (validation and packing included, both models for ``loop``) and the
 decode loop per generated token, with their ratios to plain decoding's. The three must
 produce the same tokens (the run stops otherwise).
+
+With ``--forced_gammas`` it measures the policy's loop where it drafts instead: for each γ
+listed and each of ``--temperatures``, a fixed-γ ``SpeculativeDecoder`` against the same
+decoder under a policy over ``--choices`` (the default run's set) priced so that it always
+chooses that γ (its step cost 0.01 plain steps, every other draft's 50): the choice, the
+per-choice inner loops and the estimates' update, with the step itself unchanged. Both draw
+from the same seed, so they must produce the same tokens at every temperature (the run
+stops otherwise), and the forced policy must have taken every step at its γ. What remains
+between them is the policy's own cost per step, which the default run's adaptive row
+measures mixed with its choices (``benchmarks.policy_decisions`` models the choices alone).
 """
 
 from __future__ import annotations
@@ -33,11 +45,11 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from benchmarks.common import int_list, provenance, write_markdown
+from benchmarks.common import int_list, provenance, temperature_list, write_markdown
 from experiments.machine import probe_output_dir
 from experiments.models import load_draft, load_target
 from experiments.prompts import default_prompts
-from specjax.sampling import Greedy
+from specjax.sampling import Greedy, make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import AdaptiveGamma
 
@@ -49,8 +61,16 @@ PROMPTS = flags.DEFINE_integer("prompts", 8, "distinct held-out prompts (cycled 
 DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_draft spec)")
 TARGET = flags.DEFINE_string("target", "smollm2", "target (experiments.models.load_target spec)")
 OUT = flags.DEFINE_string("out", "benchmarks/results/adaptive_overhead.md", "markdown output")
+FORCED = flags.DEFINE_list("forced_gammas", [], "draft lengths at which to time a policy "
+                           "forced to always choose them against the fixed γ (empty: time "
+                           "the never-drafting policy against plain decoding)")
+TEMPS = flags.DEFINE_list("temperatures", ["0"], "temperatures of the forced comparison "
+                          "(the never-drafting one is greedy)")
+CHOICES = flags.DEFINE_list("choices", ["0", "1", "2", "3", "4"], "the forced policy's "
+                            "choices (each forced γ among them)")
 
 METHODS = ("plain", "loop", "generate")
+FORCED_METHODS = ("fixed", "forced")
 
 
 def _calls(target, draft, prompts: list, new: int, cache: int) -> dict:
@@ -81,34 +101,101 @@ def _calls(target, draft, prompts: list, new: int, cache: int) -> dict:
   return dict(plain=plain, loop=loop, generate=generate)
 
 
-def _measure(target, draft, prompts: list, batch: int) -> dict:
-  rows = [prompts[i % len(prompts)] for i in range(batch)]
-  new = NEW.value
-  cache = max(len(p) for p in rows) + new + 8
-  calls = _calls(target, draft, rows, new, cache)
+def forced_policy(choices: list[int], gamma: int) -> AdaptiveGamma:
+  """A policy over ``choices`` that chooses ``gamma`` at every step, whatever its estimate:
+  that draft priced at 0.01 plain steps (a score of at least 100 against plain decoding's 1
+  and at most (max γ + 1) / 50 for the other drafts, priced at 50)."""
+  if gamma < 1 or gamma not in choices:
+    raise ValueError(f"forced γ {gamma} must be >= 1 and among the choices {choices}")
+  return AdaptiveGamma(gammas=tuple(choices), step_costs=tuple(
+      1.0 if g == 0 else 0.01 if g == gamma else 50.0 for g in choices))
+
+
+def _forced_calls(target, draft, prompts: list, new: int, cache: int, gamma: int,
+                  temperature: float, choices: list[int]) -> dict:
+  """{method: () -> (seconds, prefill seconds, tokens, choice steps)}: fixed γ and the policy
+  forced to it, one seed for both."""
+  sampler = make_sampler(temperature)
+  decoders = dict(
+      fixed=SpeculativeDecoder(target.cfg, draft.drafter, gamma=gamma, sampler=sampler,
+                               eos_ids=()),
+      forced=SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler, eos_ids=(),
+                                policy=forced_policy(choices, gamma)))
+
+  def call(dec):
+    def run():
+      out = dec.generate(target.params, draft.params, prompts, new, seed=0, cache_size=cache)
+      return (out.seconds, out.prefill_seconds, np.asarray(out.tokens),
+              out.per_row.get("choice_steps"))
+    return run
+
+  return {m: call(d) for m, d in decoders.items()}
+
+
+def _timed(calls: dict, rows: list, new: int, label: str) -> tuple[dict, dict]:
+  """Compiles every call, checks that its tokens equal the first method's, then times them in
+  ``--rounds`` interleaved rounds (each round starting from the next method): ({method:
+  [(seconds, prefill seconds)]}, {method: the compiling call's outputs})."""
+  methods = list(calls)
   outs = {m: f() for m, f in calls.items()}  # compile
   made = lambda tokens: [tokens[i, len(p):len(p) + new].tolist() for i, p in enumerate(rows)]
-  for m in METHODS[1:]:
-    if made(outs[m][2]) != made(outs["plain"][2]):
-      raise SystemExit(f"B={batch}: {m}'s tokens differ from plain decoding's")
-  times = {m: [] for m in METHODS}
+  for m in methods[1:]:
+    if made(outs[m][2]) != made(outs[methods[0]][2]):
+      raise SystemExit(f"{label}: {m}'s tokens differ from {methods[0]}'s")
+  times = {m: [] for m in methods}
   for r in range(ROUNDS.value):
-    order = METHODS[r % 3:] + METHODS[:r % 3]
-    for m in order:
-      seconds, prefill, _ = calls[m]()
-      times[m].append((seconds, prefill))
-  cell = {"batch": batch}
-  plain = np.asarray(times["plain"])
-  for m in METHODS:
-    t = np.asarray(times[m])
+    k = r % len(methods)
+    for m in methods[k:] + methods[:k]:
+      times[m].append(calls[m]()[:2])
+  return times, outs
+
+
+def _cell(times: dict, new: int, base: str) -> dict:
+  """Each method's median prefill and decode per token, with each round's ratios to
+  ``base``'s call in the same round."""
+  ref = np.asarray(times[base])
+  cell = {}
+  for m, runs in times.items():
+    t = np.asarray(runs)
     decode = (t[:, 0] - t[:, 1]) / new
     cell[m] = dict(prefill=float(np.median(t[:, 1])), decode_per_token=float(np.median(decode)),
-                   # each round's ratio to plain decoding's call in the same round
-                   decode_ratios=(decode / ((plain[:, 0] - plain[:, 1]) / new)).tolist(),
-                   prefill_ratios=(t[:, 1] / plain[:, 1]).tolist())
-  print(f"[{time.strftime('%H:%M:%S')}] B={batch}: " + ", ".join(
+                   decode_ratios=(decode / ((ref[:, 0] - ref[:, 1]) / new)).tolist(),
+                   prefill_ratios=(t[:, 1] / ref[:, 1]).tolist())
+  return cell
+
+
+def _print(label: str, cell: dict, methods) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {label}: " + ", ".join(
       f"{m} prefill {cell[m]['prefill'] * 1e3:.0f} ms, decode "
-      f"{cell[m]['decode_per_token'] * 1e3:.1f} ms/token" for m in METHODS), flush=True)
+      f"{cell[m]['decode_per_token'] * 1e3:.1f} ms/token" for m in methods), flush=True)
+
+
+def _batch_rows(prompts: list, batch: int) -> tuple[list, int]:
+  rows = [prompts[i % len(prompts)] for i in range(batch)]
+  return rows, max(len(p) for p in rows) + NEW.value + 8
+
+
+def _measure(target, draft, prompts: list, batch: int) -> dict:
+  rows, cache = _batch_rows(prompts, batch)
+  times, _ = _timed(_calls(target, draft, rows, NEW.value, cache), rows, NEW.value, f"B={batch}")
+  cell = {"batch": batch, **_cell(times, NEW.value, "plain")}
+  _print(f"B={batch}", cell, METHODS)
+  return cell
+
+
+def _measure_forced(target, draft, prompts: list, batch: int, gamma: int, temperature: float,
+                    choices: list[int]) -> dict:
+  rows, cache = _batch_rows(prompts, batch)
+  label = f"B={batch}, T={temperature:g}, γ={gamma}"
+  calls = _forced_calls(target, draft, rows, NEW.value, cache, gamma, temperature, choices)
+  times, outs = _timed(calls, rows, NEW.value, label)
+  steps = np.asarray(outs["forced"][3]).sum(axis=0)
+  if steps.sum() == 0 or steps.sum() != steps[choices.index(gamma)]:
+    raise SystemExit(f"{label}: the forced policy's steps by choice {steps.tolist()} are not "
+                     f"all at γ = {gamma}")
+  cell = {"batch": batch, "temperature": temperature, "gamma": gamma,
+          **_cell(times, NEW.value, "fixed")}
+  _print(label, cell, FORCED_METHODS)
   return cell
 
 
@@ -116,7 +203,7 @@ def _report(cells: list[dict], command: str) -> list[str]:
   lines = ["# The adaptive decoder decoding plainly: its loop and prefill against plain "
            "decoding's", "", f"Command: `{command}`  ", provenance() + ".", "",
            f"{DRAFT.value} draft, greedy, {NEW.value} new tokens a row (EOS ignored), "
-           f"{PROMPTS.value} held-out prompts cycled to fill a batch, {ROUNDS.value} "
+           f"{_rows_text()}, {ROUNDS.value} "
            "interleaved rounds (medians). loop = the speculative decoder's own loop under a "
            "policy that never drafts (each step a plain step; both models prefilled); "
            "generate = `SpeculativeDecoder.generate` with it (plain decoding's loop on the "
@@ -129,24 +216,75 @@ def _report(cells: list[dict], command: str) -> list[str]:
            "|---|---|---|---|---|---|---|"]
   for c in cells:
     p = c["plain"]
-    ratio = lambda xs: f"{np.median(xs):.3f} ({min(xs):.2f}–{max(xs):.2f})"
     lines.append(f"| {c['batch']} | {p['decode_per_token'] * 1e3:.2f} | "
-                 f"{ratio(c['loop']['decode_ratios'])} | {ratio(c['generate']['decode_ratios'])} "
-                 f"| {p['prefill'] * 1e3:.0f} | {ratio(c['loop']['prefill_ratios'])} | "
-                 f"{ratio(c['generate']['prefill_ratios'])} |")
+                 f"{_ratio(c['loop']['decode_ratios'])} | "
+                 f"{_ratio(c['generate']['decode_ratios'])} | {p['prefill'] * 1e3:.0f} | "
+                 f"{_ratio(c['loop']['prefill_ratios'])} | "
+                 f"{_ratio(c['generate']['prefill_ratios'])} |")
+  return lines
+
+
+def _rows_text() -> str:
+  return (f"a batch of B takes the first B of {PROMPTS.value} held-out prompts (cycled past "
+          f"{PROMPTS.value}; at B = 1 the first alone)")
+
+
+def _ratio(xs) -> str:
+  """The median round's ratio, in brackets the range over rounds."""
+  return f"{np.median(xs):.3f} ({min(xs):.2f}–{max(xs):.2f})"
+
+
+def _report_forced(cells: list[dict], command: str, choices: list[int]) -> list[str]:
+  lines = ["# The adaptive decoder forced to one draft length: its loop against the fixed γ",
+           "", f"Command: `{command}`  ", provenance() + ".", "",
+           f"{DRAFT.value} draft, {NEW.value} new tokens a row (EOS ignored), "
+           f"{_rows_text()}, {ROUNDS.value} interleaved rounds "
+           "(medians). fixed = `SpeculativeDecoder(gamma=γ)`; forced = the same decoder under "
+           f"a policy over γ ∈ {{{', '.join(map(str, choices))}}} priced to choose γ at every "
+           "step (it did: every step counted at γ), so its choice, per-choice loops and "
+           "estimates run as in the default run's adaptive row while the steps are the fixed "
+           "γ's. Same seed: the tokens equal the fixed decoder's in every call, sampled ones "
+           "included. Decode = the call after its prefill, per generated token; forced / fixed "
+           "= the ratio to the fixed decoder's call in the same round: the median round, in "
+           "brackets the range over rounds.", "",
+           "| B | T | γ | fixed decode ms/token | forced decode / fixed | fixed prefill ms | "
+           "forced prefill / fixed |", "|---|---|---|---|---|---|---|"]
+  for c in cells:
+    f = c["fixed"]
+    lines.append(f"| {c['batch']} | {c['temperature']:g} | {c['gamma']} | "
+                 f"{f['decode_per_token'] * 1e3:.2f} | {_ratio(c['forced']['decode_ratios'])} | "
+                 f"{f['prefill'] * 1e3:.0f} | {_ratio(c['forced']['prefill_ratios'])} |")
   return lines
 
 
 def main(_):
   batches = int_list(BATCHES)
+  forced, temperatures = int_list(FORCED) if FORCED.value else [], temperature_list(TEMPS)
+  choices = int_list(CHOICES, least=0)
+  if not forced and temperatures != [0.0]:
+    raise SystemExit("--temperatures applies to the forced comparison (--forced_gammas); the "
+                     "never-drafting policy is timed greedy")
+  for g in forced:
+    try:
+      forced_policy(choices, g)
+    except ValueError as e:
+      raise SystemExit(f"--forced_gammas: {e}") from None
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   target = load_target(TARGET.value)
   draft = load_draft(DRAFT.value, target, lambda: [])
-  if not draft.drafter.tolerates_skipped_steps():
-    raise SystemExit(f"draft {DRAFT.value!r} cannot skip steps: no plain steps to measure")
+  if 0 in (choices if forced else [0]) and not draft.drafter.tolerates_skipped_steps():
+    raise SystemExit(f"draft {DRAFT.value!r} cannot skip steps: no plain steps to measure"
+                     + (" (leave 0 out of --choices)" if forced else ""))
   prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
   cells = []
   command = " ".join(["python -m benchmarks.adaptive_overhead", *sys.argv[1:]])
+  if forced:
+    settings = [(b, t, g) for b in batches for t in temperatures for g in forced]
+    for i, (b, t, g) in enumerate(settings):
+      cells.append(_measure_forced(target, draft, prompts, b, g, t, choices))
+      write_markdown(OUT.value, _report_forced(cells, command, choices),
+                     quiet=i != len(settings) - 1)
+    return
   for batch in batches:
     cells.append(_measure(target, draft, prompts, batch))
     write_markdown(OUT.value, _report(cells, command), quiet=batch != batches[-1])

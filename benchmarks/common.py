@@ -263,7 +263,7 @@ def temperature_list(flag) -> list[float]:
   return _number_list(flag, float, "numbers", 0)
 
 
-def int_list(flag) -> list[int]:
-  """A non-empty list flag of integers >= 1, or SystemExit naming the flag (before anything
-  is built)."""
-  return _number_list(flag, int, "integers", 1)
+def int_list(flag, least: int = 1) -> list[int]:
+  """A non-empty list flag of integers >= ``least``, or SystemExit naming the flag (before
+  anything is built)."""
+  return _number_list(flag, int, "integers", least)

@@ -754,7 +754,9 @@ def test_roofline_benchmark_runs_on_a_tiny_model(tmp_path):
 def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path):
   """The benchmark times plain decoding, the never-drafting policy's speculative loop and its
   generate (plain decoding's loop) at each batch size, checks their tokens equal, and
-  reports ratios to plain decoding; a drafter that cannot skip steps is refused."""
+  reports ratios to plain decoding; a drafter that cannot skip steps is refused. Forced, it
+  times a policy always choosing γ against the fixed γ; a forced γ outside the choices, and
+  temperatures without a forced γ, are refused."""
   out = tmp_path / "overhead.md"
   args = [sys.executable, "-m", "benchmarks.adaptive_overhead", "--target=tiny",
           "--batch_sizes=1,2", "--new_tokens=4", "--rounds=2", "--prompts=2"]
@@ -771,6 +773,25 @@ def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path):
   refused = subprocess.run(args + ["--draft=jacobi", f"--out={tmp_path / 'j.md'}"], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
   assert refused.returncode != 0 and "cannot skip steps" in refused.stderr
+  # Forced: a policy always choosing γ against the fixed γ, greedy and sampled (the script
+  # stops unless the tokens are equal and every step was at γ).
+  forced = tmp_path / "forced.md"
+  proc = subprocess.run(args + ["--draft=tiny", "--batch_sizes=1", "--forced_gammas=1,2",
+                                "--temperatures=0,1", f"--out={forced}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [l.split(" | ") for l in forced.read_text().splitlines() if l.startswith("| 1 | ")]
+  assert [(r[1], r[2]) for r in rows] == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")], rows
+  for r in rows:
+    assert float(r[3]) > 0 and float(r[5]) > 0
+    for c in (r[4], r[6]):
+      median, (low, high) = float(c.split(" (")[0]), c.split(" (")[1].split(")")[0].split("–")
+      assert 0 < float(low) <= round(median, 2) <= float(high), c
+  for bad, message in (("--forced_gammas=5", "among the choices"),
+                       ("--temperatures=1", "applies to the forced comparison")):
+    refused = subprocess.run(args + ["--draft=tiny", bad, f"--out={tmp_path / 'b.md'}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and message in refused.stderr, (bad, refused.stderr[-500:])
 
 
 @pytest.mark.heavy
