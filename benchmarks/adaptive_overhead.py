@@ -5,6 +5,8 @@ Usage:
       [--draft eagle] [--target smollm2] [--out benchmarks/results/adaptive_overhead.md]
   python -m benchmarks.adaptive_overhead --forced_gammas 2,4 [--temperatures 0,1]
       [--choices 0,1,2,3,4] [...]
+  python -m benchmarks.adaptive_overhead --switching [--temperatures 0,1] [--choices 0,1,2,3,4]
+      [--step_costs 1,1.07,1.14,1.18,1.25] [...]
 
 The adaptive policy's price of plain decoding is 1 (a plain step costs what plain decoding's
 step does) and the calibrated whole-call figure takes the speculative prefill as measured.
@@ -32,6 +34,17 @@ from the same seed, so they must produce the same tokens at every temperature (t
 stops otherwise), and the forced policy must have taken every step at its γ. What remains
 between them is the policy's own cost per step, which the default run's adaptive row
 measures mixed with its choices (``benchmarks.policy_decisions`` models the choices alone).
+
+A forced policy never leaves its inner loop. With ``--switching`` the policy chooses as it
+does in a run (over ``--choices`` at ``--step_costs``, which need only make it switch), and
+each round decodes every one of the ``--prompts`` prompts (in batches of B) with it and with
+each of its choices held fixed (γ = 0: the never-drafting policy's ``generate``, plain
+decoding's loop), the decoders in
+an order that rotates by round, all from the round's seed. A call's **predicted** decode
+time is Σ_k n_k t_k: the batch's steps at each choice k (the counts of its longest-running
+row, active at every step) times that choice's time per step, its fixed decoder's on the
+same prompts in the same round. Measured over predicted is then what switching between
+the choices' loops costs beyond their steps.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ import time
 
 import jax
 import numpy as np
+import tqdm
 from absl import app, flags
 
 import specjax
@@ -66,8 +80,13 @@ FORCED = flags.DEFINE_list("forced_gammas", [], "draft lengths at which to time 
                            "the never-drafting policy against plain decoding)")
 TEMPS = flags.DEFINE_list("temperatures", ["0"], "temperatures of the forced comparison "
                           "(the never-drafting one is greedy)")
-CHOICES = flags.DEFINE_list("choices", ["0", "1", "2", "3", "4"], "the forced policy's "
-                            "choices (each forced γ among them)")
+CHOICES = flags.DEFINE_list("choices", ["0", "1", "2", "3", "4"], "the forced or switching "
+                            "policy's choices (each forced γ among them)")
+SWITCHING = flags.DEFINE_bool("switching", False, "time the policy choosing as in a run "
+                              "against its choices held fixed (the module docstring)")
+STEP_COSTS = flags.DEFINE_list("step_costs", ["1", "1.07", "1.14", "1.18", "1.25"],
+                               "the switching policy's step cost of each choice, in plain "
+                               "steps (default: the Zen 4 default run's at T = 1, git bd21e70)")
 
 METHODS = ("plain", "loop", "generate")
 FORCED_METHODS = ("fixed", "forced")
@@ -164,6 +183,53 @@ def _cell(times: dict, new: int, base: str) -> dict:
   return cell
 
 
+def _switching_decoders(target, draft, choices: list[int], costs: list[float],
+                        temperature: float) -> dict:
+  """{"adaptive": the policy, k: choice k held fixed} (k = 0: the never-drafting policy, whose
+  ``generate`` runs plain decoding's loop)."""
+  sampler = make_sampler(temperature)
+  make = lambda **kw: SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler,
+                                         eos_ids=(), **kw)
+  decoders = {"adaptive": make(policy=AdaptiveGamma(gammas=tuple(choices),
+                                                    step_costs=tuple(costs)))}
+  for k in choices:
+    decoders[k] = make(policy=AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 50.0))) \
+        if k == 0 else make(gamma=k)
+  return decoders
+
+
+def _measure_switching(target, draft, prompts: list, batch: int, temperature: float,
+                       choices: list[int], costs: list[float]) -> dict:
+  new = NEW.value
+  calls = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+  decoders = _switching_decoders(target, draft, choices, costs, temperature)
+  keys = list(decoders)
+  ratios, measured, predicted, taken = [], 0.0, 0.0, np.zeros(len(choices), np.int64)
+  for r in tqdm.trange(ROUNDS.value + 1, desc=f"B={batch}, T={temperature:g}"):
+    for rows in calls:
+      cache = max(len(p) for p in rows) + new + 8
+      runs = {}
+      for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+        out = decoders[k].generate(target.params, draft.params, rows, new, seed=r,
+                                   cache_size=cache)
+        runs[k] = (out.seconds - out.prefill_seconds, out.steps, out.per_row.get("choice_steps"))
+      if r == 0:
+        continue  # compiling
+      seconds, _, steps = runs["adaptive"]
+      steps = np.asarray(steps)
+      steps = steps[np.argmax(steps.sum(axis=1))]  # the row active at every step
+      per_step = [runs[k][0] / runs[k][1] for k in choices]
+      guess = float(np.dot(steps, per_step))
+      ratios.append(seconds / guess)
+      measured, predicted, taken = measured + seconds, predicted + guess, taken + steps
+  cell = dict(batch=batch, temperature=temperature, steps=taken.tolist(), ratios=ratios,
+              pooled=measured / predicted, measured=measured, predicted=predicted)
+  print(f"[{time.strftime('%H:%M:%S')}] B={batch}, T={temperature:g}: steps by choice "
+        f"{taken.tolist()}, measured / predicted {cell['pooled']:.3f} pooled, "
+        f"{np.median(ratios):.3f} median call", flush=True)
+  return cell
+
+
 def _print(label: str, cell: dict, methods) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {label}: " + ", ".join(
       f"{m} prefill {cell[m]['prefill'] * 1e3:.0f} ms, decode "
@@ -257,13 +323,44 @@ def _report_forced(cells: list[dict], command: str, choices: list[int]) -> list[
   return lines
 
 
+def _report_switching(cells: list[dict], command: str, choices: list[int],
+                      costs: list[float]) -> list[str]:
+  lines = ["# The adaptive decoder switching between draft lengths: its decode against its "
+           "choices' steps", "", f"Command: `{command}`  ", provenance() + ".", "",
+           f"{DRAFT.value} draft, {NEW.value} new tokens a row (EOS ignored), the first "
+           f"{PROMPTS.value} held-out prompts in batches of B, {ROUNDS.value} rounds. The "
+           f"policy chooses among γ ∈ {{{', '.join(map(str, choices))}}} at step costs "
+           f"{', '.join(f'{c:g}' for c in costs)} as in a run; each round decodes every batch "
+           "with it and with each choice held fixed (γ = 0: plain decoding's loop), "
+           "in an order rotating by round, all from the round's seed. Predicted = Σ_k n_k t_k, "
+           "the policy's steps at each choice times the fixed decoder's time per step on the "
+           "same batch in the same round; measured / predicted: pooled over the calls, and "
+           "the median call with the range over calls in brackets.", "",
+           "| B | T | steps at γ (all rounds) | measured / predicted, pooled | median call "
+           "(range) |", "|---|---|---|---|---|"]
+  for c in cells:
+    taken = " / ".join(f"{g}: {n}" for g, n in zip(choices, c["steps"]))
+    lines.append(f"| {c['batch']} | {c['temperature']:g} | {taken} | {c['pooled']:.3f} | "
+                 f"{_ratio(c['ratios'])} |")
+  return lines
+
+
 def main(_):
   batches = int_list(BATCHES)
   forced, temperatures = int_list(FORCED) if FORCED.value else [], temperature_list(TEMPS)
   choices = int_list(CHOICES, least=0)
-  if not forced and temperatures != [0.0]:
-    raise SystemExit("--temperatures applies to the forced comparison (--forced_gammas); the "
-                     "never-drafting policy is timed greedy")
+  if forced and SWITCHING.value:
+    raise SystemExit("--forced_gammas and --switching are two measurements: give one")
+  if not (forced or SWITCHING.value) and temperatures != [0.0]:
+    raise SystemExit("--temperatures applies to the forced and switching comparisons "
+                     "(--forced_gammas, --switching); the never-drafting policy is timed greedy")
+  costs = []
+  if SWITCHING.value:
+    try:
+      costs = [float(c) for c in STEP_COSTS.value]
+      AdaptiveGamma(gammas=tuple(choices), step_costs=tuple(costs))
+    except ValueError as e:
+      raise SystemExit(f"--choices / --step_costs: {e}") from None
   for g in forced:
     try:
       forced_policy(choices, g)
@@ -272,9 +369,10 @@ def main(_):
   probe_output_dir(os.path.dirname(OUT.value) or ".")
   target = load_target(TARGET.value)
   draft = load_draft(DRAFT.value, target, lambda: [])
-  if 0 in (choices if forced else [0]) and not draft.drafter.tolerates_skipped_steps():
+  policy_mode = forced or SWITCHING.value
+  if 0 in (choices if policy_mode else [0]) and not draft.drafter.tolerates_skipped_steps():
     raise SystemExit(f"draft {DRAFT.value!r} cannot skip steps: no plain steps to measure"
-                     + (" (leave 0 out of --choices)" if forced else ""))
+                     + (" (leave 0 out of --choices)" if policy_mode else ""))
   prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
   cells = []
   command = " ".join(["python -m benchmarks.adaptive_overhead", *sys.argv[1:]])
@@ -283,6 +381,13 @@ def main(_):
     for i, (b, t, g) in enumerate(settings):
       cells.append(_measure_forced(target, draft, prompts, b, g, t, choices))
       write_markdown(OUT.value, _report_forced(cells, command, choices),
+                     quiet=i != len(settings) - 1)
+    return
+  if SWITCHING.value:
+    settings = [(b, t) for b in batches for t in temperatures]
+    for i, (b, t) in enumerate(settings):
+      cells.append(_measure_switching(target, draft, prompts, b, t, choices, costs))
+      write_markdown(OUT.value, _report_switching(cells, command, choices, costs),
                      quiet=i != len(settings) - 1)
     return
   for batch in batches:

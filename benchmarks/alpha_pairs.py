@@ -67,10 +67,10 @@ def per_prompt(directories: list[str]
 
 def paired_difference(a: tuple, b: tuple, draws: int, seed: int) -> tuple[float, float]:
   """(α(a) − α(b), the standard deviation of that difference over prompt-bootstrap draws);
-  ``a``, ``b``: (Σβ, positions) per unit, and the seeds (``per_prompt``) where known."""
-  (sa, ca, *seeds_a), (sb, cb, *seeds_b) = a, b
+  ``a``, ``b``: (Σβ per unit, positions per unit, the seeds), as ``per_prompt`` gives them."""
+  (sa, ca, seeds_a), (sb, cb, seeds_b) = a, b
   if seeds_a != seeds_b:  # (seed, prompt) units pair only under the same seeds
-    raise SystemExit(f"the two drafts were drawn under seeds {seeds_a[0]} and {seeds_b[0]}")
+    raise SystemExit(f"the two drafts were drawn under seeds {seeds_a} and {seeds_b}")
   if len(sa) != len(sb):
     raise SystemExit(f"the two drafts were measured on {len(sa)} and {len(sb)} prompts")
   idx = np.random.default_rng(seed).integers(0, len(sa), (draws, len(sa)))

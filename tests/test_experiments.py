@@ -1463,16 +1463,16 @@ def test_alpha_pairs_bootstraps_the_prompts_pairwise(benchmark_module):
   """benchmarks.alpha_pairs: the difference of pooled α, with no spread between a draft and
   itself, a spread where prompts disagree, and refusals of unequal prompt counts."""
   bench = benchmark_module("alpha_pairs")
-  a = (np.array([3.0, 1.0, 2.0]), np.array([4.0, 4.0, 4.0]))
+  a = (np.array([3.0, 1.0, 2.0]), np.array([4.0, 4.0, 4.0]), (0,))
   assert bench.paired_difference(a, a, draws=200, seed=0) == (0.0, 0.0)
-  b = (np.array([2.0, 2.0, 2.0]), np.array([4.0, 4.0, 4.0]))
+  b = (np.array([2.0, 2.0, 2.0]), np.array([4.0, 4.0, 4.0]), (0,))
   diff, sd = bench.paired_difference(a, b, draws=2000, seed=0)
   assert diff == pytest.approx(0.0) and 0.0 < sd < 0.25  # same pooled α, prompts disagree
-  shifted = (a[0] + 1.0, a[1])
+  shifted = (a[0] + 1.0, a[1], a[2])
   diff, sd = bench.paired_difference(shifted, a, draws=2000, seed=0)
   assert diff == pytest.approx(0.25) and sd == pytest.approx(0.0, abs=1e-12)
   with pytest.raises(SystemExit, match="3 and 2 prompts"):
-    bench.paired_difference(a, (b[0][:2], b[1][:2]), draws=10, seed=0)
+    bench.paired_difference(a, (b[0][:2], b[1][:2], b[2]), draws=10, seed=0)
 
 
 def test_alpha_pairs_pools_seeds_at_t_above_zero_only(benchmark_module, tmp_path):
