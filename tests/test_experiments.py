@@ -755,8 +755,9 @@ def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path):
   """The benchmark times plain decoding, the never-drafting policy's speculative loop and its
   generate (plain decoding's loop) at each batch size, checks their tokens equal, and
   reports ratios to plain decoding; a drafter that cannot skip steps is refused. Forced, it
-  times a policy always choosing γ against the fixed γ; a forced γ outside the choices, and
-  temperatures without a forced γ, are refused."""
+  times a policy always choosing γ against the fixed γ, and switching, a policy choosing as in
+  a run against its choices' steps; a forced γ outside the choices, temperatures without
+  either, costs that do not match the choices and both modes at once are refused."""
   out = tmp_path / "overhead.md"
   args = [sys.executable, "-m", "benchmarks.adaptive_overhead", "--target=tiny",
           "--batch_sizes=1,2", "--new_tokens=4", "--rounds=2", "--prompts=2"]
@@ -787,9 +788,22 @@ def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path):
     for c in (r[4], r[6]):
       median, (low, high) = float(c.split(" (")[0]), c.split(" (")[1].split(")")[0].split("–")
       assert 0 < float(low) <= round(median, 2) <= float(high), c
+  # Switching: the policy as in a run against its choices' steps at their fixed times.
+  switching = tmp_path / "switching.md"
+  proc = subprocess.run(args + ["--draft=tiny", "--batch_sizes=1", "--switching",
+                                "--temperatures=0,1", f"--out={switching}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [l.split(" | ") for l in switching.read_text().splitlines() if l.startswith("| 1 | ")]
+  assert [r[1] for r in rows] == ["0", "1"], rows
+  for r in rows:  # steps at every choice, summing to the policy's steps; positive ratios
+    counts = [int(x.split(": ")[1]) for x in r[2].split(" / ")]
+    assert len(counts) == 5 and sum(counts) > 0 and float(r[3]) > 0, r
   for bad, message in (("--forced_gammas=5", "among the choices"),
-                       ("--temperatures=1", "applies to the forced comparison")):
-    refused = subprocess.run(args + ["--draft=tiny", bad, f"--out={tmp_path / 'b.md'}"],
+                       ("--temperatures=1", "applies to the forced and switching"),
+                       ("--switching --step_costs=1,2", "5 gammas"),
+                       ("--switching --forced_gammas=2", "give one")):
+    refused = subprocess.run(args + ["--draft=tiny", *bad.split(), f"--out={tmp_path / 'b.md'}"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and message in refused.stderr, (bad, refused.stderr[-500:])
 
