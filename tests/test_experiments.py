@@ -761,50 +761,54 @@ def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path):
   out = tmp_path / "overhead.md"
   args = [sys.executable, "-m", "benchmarks.adaptive_overhead", "--target=tiny",
           "--batch_sizes=1,2", "--new_tokens=4", "--rounds=2", "--prompts=2"]
-  proc = subprocess.run(args + ["--draft=tiny", f"--out={out}"], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300)
+
+  def run(*flags, out=out, draft="tiny"):
+    return subprocess.run(args + [f"--draft={draft}", *flags, f"--out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+  def rows_of(path, start):
+    return [l.split(" | ") for l in path.read_text().splitlines() if l.startswith(start)]
+
+  def check_ratio(cell):  # "median (low–high)"
+    median, (low, high) = float(cell.split(" (")[0]), cell.split(" (")[1].split(")")[0].split("–")
+    assert 0 < float(low) <= round(median, 2) <= float(high), cell
+
+  proc = run()
   assert proc.returncode == 0, proc.stderr[-2000:]
-  rows = [l.split(" | ") for l in out.read_text().splitlines() if l[:4] in ("| 1 ", "| 2 ")]
+  rows = rows_of(out, "| 1 ") + rows_of(out, "| 2 ")
   assert [r[0] for r in rows] == ["| 1", "| 2"] and all(len(r) == 7 for r in rows), rows
   for r in rows:  # plain's decode ms/token and prefill ms; the others' ratios, with a range
     assert float(r[1]) > 0 and float(r[4]) > 0
     for c in (r[2], r[3], r[5], r[6]):
-      median, (low, high) = float(c.split(" (")[0]), c.split(" (")[1].split(")")[0].split("–")
-      assert 0 < float(low) <= round(median, 2) <= float(high), c
-  refused = subprocess.run(args + ["--draft=jacobi", f"--out={tmp_path / 'j.md'}"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
+      check_ratio(c)
+  refused = run(draft="jacobi", out=tmp_path / "j.md")
   assert refused.returncode != 0 and "cannot skip steps" in refused.stderr
   # Forced: a policy always choosing γ against the fixed γ, greedy and sampled (the script
   # stops unless the tokens are equal and every step was at γ).
   forced = tmp_path / "forced.md"
-  proc = subprocess.run(args + ["--draft=tiny", "--batch_sizes=1", "--forced_gammas=1,2",
-                                "--temperatures=0,1", f"--out={forced}"], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300)
+  proc = run("--batch_sizes=1", "--forced_gammas=1,2", "--temperatures=0,1", out=forced)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  rows = [l.split(" | ") for l in forced.read_text().splitlines() if l.startswith("| 1 | ")]
+  rows = rows_of(forced, "| 1 | ")
   assert [(r[1], r[2]) for r in rows] == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")], rows
   for r in rows:
     assert float(r[3]) > 0 and float(r[5]) > 0
-    for c in (r[4], r[6]):
-      median, (low, high) = float(c.split(" (")[0]), c.split(" (")[1].split(")")[0].split("–")
-      assert 0 < float(low) <= round(median, 2) <= float(high), c
+    check_ratio(r[4])
+    check_ratio(r[6])
   # Switching: the policy as in a run against its choices' steps at their fixed times.
   switching = tmp_path / "switching.md"
-  proc = subprocess.run(args + ["--draft=tiny", "--batch_sizes=1", "--switching",
-                                "--temperatures=0,1", f"--out={switching}"], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300)
+  proc = run("--batch_sizes=1", "--switching", "--temperatures=0,1", out=switching)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  rows = [l.split(" | ") for l in switching.read_text().splitlines() if l.startswith("| 1 | ")]
+  rows = rows_of(switching, "| 1 | ")
   assert [r[1] for r in rows] == ["0", "1"], rows
-  for r in rows:  # steps at every choice, summing to the policy's steps; positive ratios
+  for r in rows:  # steps counted at each of the five choices; a positive pooled ratio
     counts = [int(x.split(": ")[1]) for x in r[2].split(" / ")]
     assert len(counts) == 5 and sum(counts) > 0 and float(r[3]) > 0, r
+    check_ratio(r[4])
   for bad, message in (("--forced_gammas=5", "among the choices"),
                        ("--temperatures=1", "applies to the forced and switching"),
                        ("--switching --step_costs=1,2", "5 gammas"),
                        ("--switching --forced_gammas=2", "give one")):
-    refused = subprocess.run(args + ["--draft=tiny", *bad.split(), f"--out={tmp_path / 'b.md'}"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    refused = run(*bad.split(), out=tmp_path / "b.md")
     assert refused.returncode != 0 and message in refused.stderr, (bad, refused.stderr[-500:])
 
 
