@@ -205,6 +205,7 @@ def _measure_switching(target, draft, prompts: list, batch: int, temperature: fl
   decoders = _switching_decoders(target, draft, choices, costs, temperature)
   keys = list(decoders)
   ratios, measured, predicted, taken = [], 0.0, 0.0, np.zeros(len(choices), np.int64)
+  per_step_all = {k: [] for k in choices}
   for r in tqdm.trange(ROUNDS.value + 1, desc=f"B={batch}, T={temperature:g}"):
     for rows in calls:
       cache = max(len(p) for p in rows) + new + 8
@@ -219,11 +220,14 @@ def _measure_switching(target, draft, prompts: list, batch: int, temperature: fl
       steps = np.asarray(steps)
       steps = steps[np.argmax(steps.sum(axis=1))]  # the row active at every step
       per_step = [runs[k][0] / runs[k][1] for k in choices]
+      for k, t in zip(choices, per_step):
+        per_step_all[k].append(t)
       guess = float(np.dot(steps, per_step))
       ratios.append(seconds / guess)
       measured, predicted, taken = measured + seconds, predicted + guess, taken + steps
   cell = dict(batch=batch, temperature=temperature, steps=taken.tolist(), ratios=ratios,
-              pooled=measured / predicted, measured=measured, predicted=predicted)
+              pooled=measured / predicted, measured=measured, predicted=predicted,
+              step_ms=[float(np.median(per_step_all[k])) * 1e3 for k in choices])
   print(f"[{time.strftime('%H:%M:%S')}] B={batch}, T={temperature:g}: steps by choice "
         f"{taken.tolist()}, measured / predicted {cell['pooled']:.3f} pooled, "
         f"{np.median(ratios):.3f} median call", flush=True)
@@ -335,13 +339,18 @@ def _report_switching(cells: list[dict], command: str, choices: list[int],
            "in an order rotating by round, all from the round's seed. Predicted = Σ_k n_k t_k, "
            "the policy's steps at each choice times the fixed decoder's time per step on the "
            "same batch in the same round; measured / predicted: pooled over the calls, and "
-           "the median call with the range over calls in brackets.", "",
+           "the median call with the range over calls in brackets. Fixed steps: each choice's "
+           "time per step held fixed, the median call, and over the first choice's (plain "
+           "decoding's where 0 is a choice): the step costs these rounds measured, beside the "
+           "prices the policy was given.", "",
            "| B | T | steps at γ (all rounds) | measured / predicted, pooled | median call "
-           "(range) |", "|---|---|---|---|---|"]
+           "(range) | fixed steps, ms (cost) |", "|---|---|---|---|---|---|"]
   for c in cells:
     taken = " / ".join(f"{g}: {n}" for g, n in zip(choices, c["steps"]))
+    fixed = " / ".join(f"{g}: {t:.1f} ({t / c['step_ms'][0]:.2f})"
+                       for g, t in zip(choices, c["step_ms"]))
     lines.append(f"| {c['batch']} | {c['temperature']:g} | {taken} | {c['pooled']:.3f} | "
-                 f"{_ratio(c['ratios'])} |")
+                 f"{_ratio(c['ratios'])} | {fixed} |")
   return lines
 
 

@@ -804,6 +804,8 @@ def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path):
     counts = [int(x.split(": ")[1]) for x in r[2].split(" / ")]
     assert len(counts) == 5 and sum(counts) > 0 and float(r[3]) > 0, r
     check_ratio(r[4])
+    costs = [float(x.split("(")[1].rstrip(") |")) for x in r[5].split(" / ")]
+    assert len(costs) == 5 and costs[0] == 1.0 and min(costs) > 0, r
   for bad, message in (("--forced_gammas=5", "among the choices"),
                        ("--temperatures=1", "applies to the forced and switching"),
                        ("--switching --step_costs=1,2", "5 gammas"),
