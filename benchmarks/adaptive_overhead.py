@@ -49,6 +49,7 @@ the choices' loops costs beyond their steps.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -92,11 +93,21 @@ METHODS = ("plain", "loop", "generate")
 FORCED_METHODS = ("fixed", "forced")
 
 
+def never_drafting() -> AdaptiveGamma:
+  """A policy that decodes plainly at every step: γ = 1 priced at 50 plain steps."""
+  return AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 50.0))
+
+
+def _decoder(target, draft, temperature: float, **kwargs) -> SpeculativeDecoder:
+  """A decoder of ``draft`` for ``target`` at ``temperature``, EOS ignored; ``kwargs`` its
+  ``gamma`` or ``policy``."""
+  return SpeculativeDecoder(target.cfg, draft.drafter, sampler=make_sampler(temperature),
+                            eos_ids=(), **kwargs)
+
+
 def _calls(target, draft, prompts: list, new: int, cache: int) -> dict:
   """{method: () -> (seconds, prefill seconds, tokens)}."""
-  never = AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 50.0))
-  dec = SpeculativeDecoder(target.cfg, draft.drafter, sampler=Greedy(), eos_ids=(),
-                           policy=never)
+  dec = _decoder(target, draft, 0.0, policy=never_drafting())
   if not dec.plain_only(len(prompts)):
     raise SystemExit("the never-drafting policy would draft: nothing to measure")
   tp, dp = target.params, draft.params
@@ -134,12 +145,9 @@ def _forced_calls(target, draft, prompts: list, new: int, cache: int, gamma: int
                   temperature: float, choices: list[int]) -> dict:
   """{method: () -> (seconds, prefill seconds, tokens, choice steps)}: fixed γ and the policy
   forced to it, one seed for both."""
-  sampler = make_sampler(temperature)
-  decoders = dict(
-      fixed=SpeculativeDecoder(target.cfg, draft.drafter, gamma=gamma, sampler=sampler,
-                               eos_ids=()),
-      forced=SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler, eos_ids=(),
-                                policy=forced_policy(choices, gamma)))
+  decoders = dict(fixed=_decoder(target, draft, temperature, gamma=gamma),
+                  forced=_decoder(target, draft, temperature,
+                                  policy=forced_policy(choices, gamma)))
 
   def call(dec):
     def run():
@@ -187,14 +195,11 @@ def _switching_decoders(target, draft, choices: list[int], costs: list[float],
                         temperature: float) -> dict:
   """{"adaptive": the policy, k: choice k held fixed} (k = 0: the never-drafting policy, whose
   ``generate`` runs plain decoding's loop)."""
-  sampler = make_sampler(temperature)
-  make = lambda **kw: SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler,
-                                         eos_ids=(), **kw)
+  make = functools.partial(_decoder, target, draft, temperature)
   decoders = {"adaptive": make(policy=AdaptiveGamma(gammas=tuple(choices),
                                                     step_costs=tuple(costs)))}
   for k in choices:
-    decoders[k] = make(policy=AdaptiveGamma(gammas=(0, 1), step_costs=(1.0, 50.0))) \
-        if k == 0 else make(gamma=k)
+    decoders[k] = make(policy=never_drafting()) if k == 0 else make(gamma=k)
   return decoders
 
 
@@ -379,7 +384,8 @@ def main(_):
   target = load_target(TARGET.value)
   draft = load_draft(DRAFT.value, target, lambda: [])
   policy_mode = forced or SWITCHING.value
-  if 0 in (choices if policy_mode else [0]) and not draft.drafter.tolerates_skipped_steps():
+  plain_steps = 0 in choices or not policy_mode  # the never-drafting mode times only those
+  if plain_steps and not draft.drafter.tolerates_skipped_steps():
     raise SystemExit(f"draft {DRAFT.value!r} cannot skip steps: no plain steps to measure"
                      + (" (leave 0 out of --choices)" if policy_mode else ""))
   prompts = [target.encode(p.text) for p in default_prompts(PROMPTS.value)]
