@@ -6,10 +6,13 @@ Usage:
 
 ``calibration.measure_chain_alphas`` prices an adaptive policy's prior α_c (and each prompt's
 ease) from a few training-side prompts, decoded alone with a chain of ``--gamma``. Under
-``evidence="expected"`` (the default since d2cc146) a sampled chain's positions count their
-β = Σ min(p, q), under ``"accepted"`` their accept/reject outcomes: the same expectation.
-For each seed one decode of the prompts gives both counts (``calibration.chain_alphas``: the
-decoding does not depend on the evidence, only the counting does), and the table gives their mean and their spread over the
+``evidence="expected"`` a sampled chain's draft positions count their β = Σ min(p, q), each
+weighted by its chance of being scored given the drafts (the default since this benchmark's
+third row was added); under ``"accepted"`` their accept/reject outcomes; the third row,
+"scored βs", is what "expected" counted from d2cc146 until then: the βs of the positions
+the flips scored. All three have the same expectation. For each seed one decode of the
+prompts gives every count (``calibration.chain_alphas``: the decoding does not depend on the
+evidence, only the counting does), and the table gives their mean and their spread over the
 seeds (the standard deviation, and the largest minus the smallest), for the shipped EAGLE-3
 drafter on the embedded target.
 """
@@ -37,6 +40,7 @@ SEEDS = flags.DEFINE_integer("seeds", 5, "seeds (each decodes every prompt once)
 GAMMA = flags.DEFINE_integer("gamma", 4, "the calibration chain's γ")
 NEW = flags.DEFINE_integer("new_tokens", 128, "tokens per prompt")
 OUT = flags.DEFINE_string("out", "benchmarks/results/alpha_evidence.md", "markdown output")
+SCORED = "scored βs"  # Σβ over the positions the flips scored, over their number
 
 
 def main(argv):
@@ -55,13 +59,15 @@ def main(argv):
   prompts = [target.encode(t) for t in training_prompts(PROMPTS.value)]
   start = time.perf_counter()
   chain = chain_decoder(template, GAMMA.value)
-  alphas = {e: [] for e in EVIDENCE}
+  counts_of = EVIDENCE + (SCORED,)
+  alphas = {e: [] for e in counts_of}
   for seed in range(SEEDS.value):
     counts = decode_each(chain, target.params, draft.params, prompts, NEW.value, seed * 1000,
-                         None, CHAIN_COUNTERS)  # what measure_chain_alphas decodes
+                         None, CHAIN_COUNTERS + ("beta_sum", "beta_count"))
     for e in EVIDENCE:
-      alphas[e].append(chain_alphas(counts, template, e)[0])
-    print(f"seed {seed}: " + ", ".join(f"{e} {alphas[e][-1]:.4f}" for e in EVIDENCE)
+      alphas[e].append(chain_alphas(counts, e)[0])
+    alphas[SCORED].append(float(counts["beta_sum"].sum() / counts["beta_count"].sum()))
+    print(f"seed {seed}: " + ", ".join(f"{e} {alphas[e][-1]:.4f}" for e in counts_of)
           + f" ({time.perf_counter() - start:.0f} s)", flush=True)
   lines = ["# α_c counted by βs or by outcomes", "",
            f"Command: `python -m benchmarks.alpha_evidence --temperature {TEMP.value:g} "
@@ -74,7 +80,7 @@ def main(argv):
            "(`calibration.measure_chain_alphas`' decodes, `calibration.chain_alphas`).", "",
            "| evidence | α_c per seed | mean | std over seeds | max − min |",
            "|---|---|---|---|---|"]
-  for e in EVIDENCE:
+  for e in counts_of:
     a = np.asarray(alphas[e])
     lines.append(f"| {e} | {', '.join(f'{x:.3f}' for x in a)} | {a.mean():.3f} | "
                  f"{a.std(ddof=1) if len(a) > 1 else 0.0:.4f} | {a.max() - a.min():.3f} |")

@@ -24,7 +24,8 @@ exceeds them), in one process:
      (the chains' rate and its spread are still measured, ``measure_chain_alphas``); it
      drafts only when a draft promises more than ``--min_gain`` over plain decoding, and
      the policy and its calibration count a sampled chain step's ``--evidence`` (each
-     scored draft's β, or the outcomes: ``AdaptiveGamma.evidence``);
+     draft's β weighted by its chance of being scored, or the outcomes:
+     ``AdaptiveGamma.evidence``);
   3. ``--rounds`` interleaved rounds timing plain decoding, every fixed chain, each
      EAGLE-2 dynamic tree (``k:D:N``) and the adaptive policy (in an order rotated by
      one per batch and round, as in ``experiments``), whole generations
@@ -107,8 +108,9 @@ MARGIN = flags.DEFINE_float("min_gain", MIN_GAIN, "the adaptive policy drafts on
                             "(AdaptiveGamma.min_gain; 0: the formula's argmax)")
 EVIDENCE_FLAG = flags.DEFINE_enum("evidence", EVIDENCE[0], list(EVIDENCE),
                                   "what the adaptive policy and its calibration count of a "
-                                  "sampled chain step (AdaptiveGamma.evidence): each scored "
-                                  "draft's acceptance chance β, or the outcomes")
+                                  "sampled chain step (AdaptiveGamma.evidence): each draft's "
+                                  "acceptance chance β weighted by its chance of being "
+                                  "scored, or the outcomes")
 DATA = flags.DEFINE_integer("data_parallel", 1, "rows sharded over this many devices (an N x 1 "
                             "('data', 'model') mesh, docs/sharding.md; on CPU simulate devices "
                             "with XLA_FLAGS=--xla_force_host_platform_device_count=N); the "

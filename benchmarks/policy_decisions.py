@@ -14,7 +14,7 @@ sweep's row that predates α_c gets it measured here as the sweep's calibration 
 (``Bench.calibrate``: a chain as deep as the calibration tree, on the same training-side
 prompts, seed and length), so an old sweep is judged with today's pricing. Every
 setting decodes each prompt alone (batch 1, as the sweep), to exactly ``new_tokens`` tokens
-(no EOS stop), once per seed:
+(no EOS stop), once per seed, chains verified as that run verified them (trees token-wise):
 
   * each choice held fixed: a chain of γ or a tree, as a plain ``SpeculativeDecoder``;
   * the policy, the policy counting its sampled chains' accept/reject outcomes in place of
@@ -108,6 +108,17 @@ def calibration_chain_rate(target, draft):
   return rate
 
 
+RULE_WORDS = {"tokenwise": "token-wise", "block": "block-wise (Sun et al. 2024)"}
+
+
+def run_verification(path: str) -> str:
+  """How the run behind ``path`` verified its chains (``SpeculativeDecoder.verification``;
+  its trees, and a policy with trees, token-wise): "tokenwise" for runs that predate the
+  choice."""
+  with open(path) as f:
+    return json.load(f)["config"].get("verification", "tokenwise")
+
+
 def settings(policy: AdaptiveGamma, temperature: float
              ) -> dict[str, tuple[AdaptiveGamma | None, dict, float]]:
   """name -> (policy or None, the decoder's shape keywords, a fixed setting's step cost)."""
@@ -132,6 +143,7 @@ def main(_):
   target = load_target("smollm2")
   draft = load_draft(DRAFT.value, target, lambda: [])
   policies = sweep_policies(RESULTS.value, temps, calibration_chain_rate(target, draft))
+  verification = run_verification(RESULTS.value)
   evals = default_prompts(PROMPTS.value)
   prompts = [target.encode(p.text) for p in evals]
   start = time.perf_counter()
@@ -140,7 +152,8 @@ def main(_):
            f"from `{RESULTS.value}`; {len(prompts)} held-out prompts "
            f"({', '.join(sorted({p.category for p in evals}))}), each alone (batch 1), "
            f"{NEW.value} new tokens, no EOS stop, seeds 0…{SEEDS.value - 1} (one at T = 0: "
-           "greedy decoding draws nothing).", "",
+           f"greedy decoding draws nothing); chains verified {RULE_WORDS[verification]} (as in "
+           "that run; trees token-wise).", "",
            "Modelled speedup = generated tokens / Σ step costs (in plain decoding steps, as "
            "measured in the sweep), prefill excluded: what a timed run would give if every "
            "step took its calibrated time. Per seed: the policy's over the best fixed "
@@ -159,8 +172,10 @@ def main(_):
     jobs = [(s, p, k) for s in range(seeds) for p in prompts for k in table]
     for seed, prompt, name in tqdm.tqdm(jobs, desc=f"T={t:g}", unit="run"):
       pol, shape, step_cost = table[name]
+      chains = (pol is None and shape["tree"].is_chain) or (pol is not None and not pol.trees)
       dec = SpeculativeDecoder(target.cfg, draft.drafter, sampler=sampler, eos_ids=(),
-                               policy=pol, **shape)
+                               policy=pol, verification=verification if chains else "tokenwise",
+                               **shape)
       out = dec.generate(target.params, draft.params, [prompt], NEW.value, seed=seed,
                          cache_size=size)
       tokens[name][seed] += out.num_generated.sum()

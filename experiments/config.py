@@ -131,8 +131,8 @@ class ExperimentConfig:
       plain decoding (``AdaptiveGamma.min_gain``, default its ``MIN_GAIN``; 0 takes the
       formula's argmax); their settings carry it.
     evidence: what the adaptive policies, and the calibrations that price them, count of a
-      sampled chain step (``AdaptiveGamma.evidence``): "expected" (each scored draft's
-      acceptance chance β, the default) or "accepted" (the outcomes); their settings carry
+      sampled chain step (``AdaptiveGamma.evidence``): "expected" (each draft's acceptance
+      chance β, weighted by its chance of being scored; the default) or "accepted" (the outcomes); their settings carry
       it.
     draft_temperature: the drafts' temperature as a multiple of the target's in sampled runs
       (``sampling.scale_temperature``: the same top-k and top-p; 0 drafts the drafter's

@@ -369,8 +369,11 @@ def margin_words(gains) -> str:
 
 
 EVIDENCE_WORDS = {
-    "expected": "a sampled step adds each scored draft's β, its chance of acceptance, not "
-                "the outcome (a chain's drafts; a tree's first-ranked chain's since d36ca86)",
+    "expected": "a sampled step adds its drafts' βs, their chances of acceptance, not the "
+                "outcomes (a chain's: each draft's β weighted by its chance of being scored "
+                "given the drafts, under either verification rule, since 2026-12-07; before, "
+                "the scored drafts' βs, and outcomes under block verification; a tree's "
+                "first-ranked chain's scored nodes since d36ca86)",
     "accepted": "a sampled chain step adds its drafts' outcomes (`--evidence=accepted`)",
     None: "a sampled chain step's count not recorded (its outcomes before git 3d3668c, each "
           "scored draft's β after)"}

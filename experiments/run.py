@@ -106,7 +106,8 @@ flags.DEFINE_float("min_gain", DEFAULT.min_gain, "The adaptive policies draft on
                    "the calibrated formula's argmax).")
 flags.DEFINE_enum("evidence", DEFAULT.evidence, ["expected", "accepted"], "What the "
                   "adaptive policies and their calibrations count of a sampled chain step: "
-                  "each scored draft's acceptance chance β (expected) or the outcomes "
+                  "each draft's acceptance chance β weighted by its chance of being "
+                  "scored (expected) or the outcomes "
                   "(accepted).")
 flags.DEFINE_float("draft_temperature", DEFAULT.draft_temperature, "The drafts' temperature "
                    "as a multiple of the target's in sampled runs (same top-k / top-p; 0: the "

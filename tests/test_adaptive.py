@@ -445,26 +445,27 @@ def _policy_after(dec, params, dp, new_tokens):
 
 def test_sampled_chain_steps_feed_the_policy_their_betas_and_greedy_ones_their_outcomes(models):
   """With nothing forgotten (decay 1) and chains only, the policy's counts are the loop's
-  own: under ``"expected"`` at T = 1 its successes are the counters' Σβ and its trials their
-  scored positions; under ``"accepted"`` its successes are the accepted drafts (which
-  differ from Σβ: the test would fail if the βs went unused), as under block verification.
-  Greedy βs are the outcomes, so at T = 0 both evidences make the same choices and counts."""
+  own: under ``"expected"`` at T = 1 its successes are the counters' weighted Σwβ and its
+  trials Σw, under token-wise and block verification alike (not the βs of the positions
+  scored, nor the outcomes); under ``"accepted"`` its successes are the accepted drafts
+  (which differ: the test would fail if the βs went unused). Greedy βs are the outcomes, so
+  at T = 0 both evidences make the same choices and counts."""
   target, draft = models
   cfg, params = target
   drafter, dp = _drafter("model", target, draft)
   policy = AdaptiveGamma(gammas=(1, 3), step_costs=(1.1, 1.3), prior_alpha=0.5, decay=1.0)
   old = dataclasses.replace(policy, evidence="accepted")
   t1 = dict(sampler=Sampling(temperature=1.0), eos_ids=())
-  st = _policy_after(SpeculativeDecoder(cfg, drafter, policy=policy, **t1), params, dp, 24)
-  np.testing.assert_allclose(st.policy.successes, st.counters.beta_sum, rtol=1e-5)
-  np.testing.assert_allclose(st.policy.successes + st.policy.failures, st.counters.beta_count,
-                             rtol=1e-5)
+  for verification in ("tokenwise", "block"):
+    dec = SpeculativeDecoder(cfg, drafter, policy=policy, verification=verification, **t1)
+    st = _policy_after(dec, params, dp, 24)
+    c = st.counters
+    np.testing.assert_allclose(st.policy.successes, c.weighted_beta_sum, rtol=1e-5)
+    np.testing.assert_allclose(st.policy.successes + st.policy.failures, c.weighted_count,
+                               rtol=1e-5)
+    assert not np.allclose(st.policy.successes, c.beta_sum, atol=1e-3), verification
+    assert not np.allclose(st.policy.successes, c.accepted, atol=1e-3), verification
   st = _policy_after(SpeculativeDecoder(cfg, drafter, policy=old, **t1), params, dp, 24)
-  np.testing.assert_array_equal(st.policy.successes, st.counters.accepted)
-  assert not np.allclose(st.policy.successes, st.counters.beta_sum, atol=1e-3)
-  # Block verification accepts with other probabilities than β: outcomes count there.
-  block = SpeculativeDecoder(cfg, drafter, policy=policy, verification="block", **t1)
-  st = _policy_after(block, params, dp, 24)
   np.testing.assert_array_equal(st.policy.successes, st.counters.accepted)
   switching = dataclasses.replace(SWITCHING, evidence="accepted")
   runs = [SpeculativeDecoder(cfg, drafter, policy=p, eos_ids=()).generate(params, dp, PROMPTS, 30)
@@ -503,13 +504,12 @@ def test_recursive_rejection_steps_feed_the_policy_their_first_chains_betas(mode
   # A chain of point-mass drafts (Medusa's) is priced by the same count: two prompts' counters
   # as ``decode_each`` gives them, one weighed by lead βs, one by none (greedy: outcomes).
   counts = dict(accept_len_hist=np.array([[2, 1, 3], [1, 1, 1]]),
-                beta_sum=np.zeros(2), beta_count=np.zeros(2, np.int32),
+                weighted_beta_sum=np.zeros(2), weighted_count=np.zeros(2),
                 lead_beta_sum=np.array([3.5, 0.0]), lead_beta_count=np.array([10, 0]))
-  template = SpeculativeDecoder(cfg, drafter, sampler=Sampling(temperature=1.0), eos_ids=())
-  alpha, ease = chain_alphas(counts, template)
+  alpha, ease = chain_alphas(counts)
   assert alpha == pytest.approx((3.5 + 3) / (10 + 5))  # outcomes: 3 accepted, 2 short steps
   assert ease == pytest.approx((0.35 / alpha, 0.6 / alpha))
-  assert chain_alphas(counts, template, "accepted")[0] == pytest.approx((7 + 3) / (10 + 5))
+  assert chain_alphas(counts, "accepted")[0] == pytest.approx((7 + 3) / (10 + 5))
 
 
 def test_a_policy_that_never_drafts_decodes_plainly_with_the_loops_tokens_and_counters(
@@ -774,8 +774,8 @@ def test_measured_costs_make_a_policy(models):
   assert with_trees.rank_accept == tuple(map(tuple, table["table"].tolist()))
   assert with_trees.prior_alpha == 0.99  # its chains' rate, 1, measured and clipped
   # The chains' rate as the policy counts it (sampled, where the random draft is accepted
-  # some of the time): by default Σβ over the scored positions over those positions; counting
-  # outcomes, drafts accepted over those plus short steps.
+  # some of the time): by default Σwβ over Σw (each position's β weighted by its chance of
+  # being scored); counting outcomes, drafts accepted over those plus short steps.
   sampled = dataclasses.replace(template, sampler=Sampling(temperature=1.0))
   chain3 = dataclasses.replace(sampled, gamma=None, tree=TreeTopology.chain(3))  # one program
   outs = [chain3.generate(target[1], dp, [p], 8, seed=i)
@@ -783,21 +783,23 @@ def test_measured_costs_make_a_policy(models):
   row = lambda o, k: float(o.per_row[k][0])
   accepted = sum(row(o, "accepted") for o in outs)
   short = sum(float(o.per_row["accept_len_hist"][0][:3].sum()) for o in outs)
-  beta, scored = sum(row(o, "beta_sum") for o in outs), sum(row(o, "beta_count") for o in outs)
-  assert 0 < accepted and 0 < short and scored == accepted + short  # each scored once
-  assert beta / scored != pytest.approx(accepted / scored, abs=1e-3)  # the two differ here
+  assert 0 < accepted and 0 < short
+  assert sum(row(o, "beta_count") for o in outs) == accepted + short  # each scored once
+  beta = sum(row(o, "weighted_beta_sum") for o in outs)
+  scored = sum(row(o, "weighted_count") for o in outs)
+  assert beta / scored != pytest.approx(accepted / (accepted + short), abs=1e-3)  # they differ
   assert measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8) == pytest.approx(
       beta / scored)
   counted = measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8, evidence="accepted")
   assert counted == pytest.approx(accepted / (accepted + short))
-  # Block verification is priced as its policy counts it: outcomes.
+  # Block verification is priced from the same evidence (its chains measured token-wise).
   assert measure_chain_alpha(dataclasses.replace(sampled, verification="block"), target[1], dp,
-                             PROMPTS[:2], 3, 8) == pytest.approx(counted)
+                             PROMPTS[:2], 3, 8) == pytest.approx(beta / scored)
   with pytest.raises(ValueError, match="evidence must be one of"):
     measure_chain_alphas(sampled, target[1], dp, PROMPTS[:2], 3, 8, evidence="flips")
   # Each prompt's own rate, over the pooled one.
   alpha, ease = measure_chain_alphas(sampled, target[1], dp, PROMPTS[:2], 3, 8)
-  own = [row(o, "beta_sum") / row(o, "beta_count") for o in outs]
+  own = [row(o, "weighted_beta_sum") / row(o, "weighted_count") for o in outs]
   assert alpha == pytest.approx(beta / scored)
   np.testing.assert_allclose(np.asarray(ease) * alpha, own, rtol=1e-6)
   # Both prices at once: the same table, and the rate of a chain as deep as the full tree.

@@ -1453,6 +1453,10 @@ def test_policy_decisions_benchmark_reads_the_sweeps_policies_and_names_their_ch
   assert default.prior_alpha == 0.5 and asked == [0.0, 1.0]  # not re-measured
   with pytest.raises(FileNotFoundError, match="no such file"):
     sweep_policies(str(tmp_path / "missing.json"), [1.0])
+  # Its chains are verified as the run verified them; a run from before the choice, token-wise.
+  assert bench.run_verification("experiments/results/avx512_zen4/results.json") == "block"
+  (tmp_path / "old.json").write_text(json.dumps({"config": {}}))
+  assert bench.run_verification(str(tmp_path / "old.json")) == "tokenwise"
 
 
 def test_xla_flags_benchmark_refuses_bad_sets_and_counts_the_bits_that_differ(benchmark_module):

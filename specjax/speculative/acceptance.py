@@ -77,6 +77,24 @@ def overlap(p: jax.Array, q: jax.Array | SubsetProbs) -> jax.Array:
   return jnp.sum(jnp.minimum(p_k, q_k), axis=-1)
 
 
+def keep_probabilities(drafts: jax.Array, q: jax.Array | SubsetProbs,
+                       p: jax.Array) -> jax.Array:
+  """[B, γ] the chance token-wise verification keeps each draft once it is reached:
+  min(1, pᵢ(dᵢ)/qᵢ(dᵢ)), 0 where qᵢ(dᵢ) = 0 (never a draw). ``drafts`` [B, γ], q as in
+  ``accept``, p [B, ≥ γ, V]; NaN, ±inf and negative entries count as 0."""
+  gamma = drafts.shape[1]
+  p_d = jnp.take_along_axis(finite_probs(p[:, :gamma]), drafts[..., None], axis=-1)[..., 0]
+  q_d = probs_at(q, drafts)
+  return jnp.where(q_d > 0, jnp.minimum(1.0, p_d / jnp.where(q_d > 0, q_d, 1.0)), 0.0)
+
+
+def scoring_chances(keep: jax.Array) -> jax.Array:
+  """[B, γ] the chance that token-wise verification scores each draft position (reaches it:
+  every earlier draft kept), Πⱼ<ᵢ keepⱼ, from ``keep_probabilities``' [B, γ]."""
+  reached = jnp.cumprod(keep, axis=1)
+  return jnp.concatenate([jnp.ones_like(keep[:, :1]), reached[:, :-1]], axis=1)
+
+
 def accept(key: jax.Array, drafts: jax.Array, q: jax.Array | SubsetProbs,
            p: jax.Array) -> Acceptance:
   """Runs the acceptance rule for a batch.

@@ -82,28 +82,34 @@ this is the chains' own estimate, (s_c + w·α_c) / (s_c + f_c + w). Every step
 decays all counts, so while plain decoding is chosen ρ̂ drifts back to 1 and
 the drafts are tried again.
 
-What a sampled chain step counts (``evidence``). Its drafts are accepted by coin flips, each
-with probability β_i = Σₓ min(p_i(x), q_i(x)) given its context, and the step knows every
-β_i it flipped for (the target's p and the draft's q are both in the verification). By
-default (``"expected"``) a step counts Σβ_i over the positions it scored (its drafts up to
-and including the first rejected one) as successes and the rest of those positions as
-failures, instead of the flips' outcomes: accepted drafts as successes and one failure at a
-rejection (``"accepted"``). The two have the same expectation, since whether a position is
-scored is decided before its flip (optional stopping), so the estimate tracks the same α,
-the tables' α = E[β]; but the expected count drops the flips' own noise, which in a window
-of about ten steps sent the outcome-counting policy into dips it did not need: at T = 1,
-priced with Zen 3's costs, it took 135 plain steps of 2,310 against 1 of 2,234, for 96.1%
-of the best fixed γ's modelled speedup against 98.9%
-(``benchmarks/results/policy_evidence_avx2.md``). A sampled tree step (and a chain of
-point-mass drafts), verified by recursive rejection, counts the same way along its
-first-ranked chain, the path its estimate follows: each of that chain's nodes is its
-parent's first child tried, so once the walk reaches the parent it is accepted with
-probability β = min(1, p(x) / q(x)) (p(x) for point-mass drafts), fixed before its flip
+What a sampled chain step counts (``evidence``). Token-wise verification reaches draft i
+once every earlier draft is kept, keeps it with probability min(1, p_i(d_i)/q_i(d_i)), and
+β_i = Σₓ min(p_i(x), q_i(x)) is its chance of acceptance before it was drawn (the target's
+p and the draft's q are both in the verification). Counting the flips' outcomes (accepted
+drafts as successes, one failure at a rejection: ``"accepted"``) estimates α = E[β], the
+tables' α, with the flips' own noise, which in a window of about ten steps sent the policy
+into dips it did not need: at T = 1, priced with Zen 3's costs, it took 135 plain steps of
+2,310 against 1 of 2,234, for 96.1% of the best fixed γ's modelled speedup against 98.9%
+(``benchmarks/results/policy_evidence_avx2.md``) for the βs of the positions scored (up to
+the first rejected draft; the same expectation, since whether a position is scored is
+decided before its flip). By default (``"expected"``) a step goes one step further and
+takes the expectation over the flips themselves: every draft position i counts with weight
+w_i = Π_{j<i} min(1, p_j(d_j)/q_j(d_j)), its chance of being scored given the drafts
+(``acceptance.scoring_chances``), as w_i·β_i successes and w_i·(1 − β_i) failures. That
+is the scored-β count's conditional expectation given the drafts (Rao–Blackwell: the same
+expectation, no more variance), and since no flip enters it, it is the same under block
+verification, whose flips (Sun et al. 2024) keep other prefixes than token-wise's: the
+block-verified chains of the default run are priced from the same evidence as token-wise
+ones, not from their outcomes. A sampled tree step (and a token-wise chain of
+point-mass drafts), verified by recursive rejection, counts along its first-ranked chain,
+the path its estimate follows: each of that chain's nodes is its parent's first child
+tried, so once the walk reaches the parent it is accepted with probability β = min(1, p(x)
+/ q(x)) (p(x) for point-mass drafts), fixed before its flip
 (``tree_acceptance.first_chain_beta``); the step counts Σβ over the chain's nodes up to its
 first rejected one (or its end) and the rest of those nodes as failures. A step that cannot
 weigh its flips counts outcomes either way: a greedy step (at T = 0 β is 0 or 1, the flip
-itself) and a chain verified otherwise than token by token (block verification accepts with
-other probabilities than β; typical acceptance draws none).
+itself; the weighted count is then the outcomes' too), a block-verified chain of point-mass
+drafts, and typical acceptance, which draws none.
 
 The decoder (``SpeculativeDecoder(policy=...)``) runs each choice's steps in
 an inner while loop of its own, inside the one jitted loop: no recompilation
@@ -230,8 +236,9 @@ class AdaptiveGamma:
       docstring); the default is ``MIN_GAIN``. Only with plain decoding among the
       choices; 0 takes the calibrated formula's argmax.
     evidence: what a sampled chain step counts (the module docstring): ``"expected"``
-      (default), the β of each position it scored; ``"accepted"``, its accept/reject
-      outcomes. Greedy chains and trees count outcomes under both.
+      (default), each draft position's β weighted by its chance of being scored given the
+      drafts; ``"accepted"``, its accept/reject outcomes. Greedy chains count outcomes under
+      both; sampled trees their first chain's βs up to its first rejection.
   """
 
   gammas: tuple[int, ...]
@@ -514,9 +521,9 @@ class AdaptiveGamma:
     its first-ranked chain (a chain's: all it accepted) into its kind's counts (chains or
     trees; both feed ``ease``); every count decays. Rows not ``active`` keep their counts.
 
-    ``beta_sum`` and ``beta_count`` [B]: Σβ over the positions a sampled step scored (a
-    chain's, or recursive rejection's first-ranked chain's) and their number (0 where the
-    step weighed none: plain or greedy steps). Under
+    ``beta_sum`` and ``beta_count`` [B]: a sampled chain step's Σ wᵢβᵢ and Σ wᵢ (the module
+    docstring), or recursive rejection's first-ranked chain's Σβ over the nodes it scored and
+    their number (0 where the step weighed none: plain steps). Under
     ``evidence="expected"`` a row with a count takes Σβ successes and count − Σβ failures
     in place of its outcomes (the module docstring)."""
     if (beta_sum is None) != (beta_count is None):

@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import SubsetProbs, dense_probs, sample_from
-from specjax.speculative.acceptance import (Acceptance, finite_probs, mass_outside, overlap,
-                                            probs_at, support_view)
+from specjax.speculative.acceptance import (Acceptance, finite_probs, keep_probabilities,
+                                            mass_outside, overlap, probs_at, support_view)
 
 VERIFICATIONS = ("tokenwise", "block")  # SpeculativeDecoder.verification
 
@@ -150,10 +150,7 @@ def expected_tokens(drafts: jax.Array, q: jax.Array, p: jax.Array) -> tuple[jax.
   """
   p, q = finite_probs(p), finite_probs(dense_probs(q))
   gamma = drafts.shape[1]
-  p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]
-  q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-  keep = jnp.where(q_d > 0, jnp.minimum(1.0, p_d / jnp.where(q_d > 0, q_d, 1.0)), 0.0)
-  tokenwise = 1.0 + jnp.sum(jnp.cumprod(keep, axis=1), axis=1)
+  tokenwise = 1.0 + jnp.sum(jnp.cumprod(keep_probabilities(drafts, q, p), axis=1), axis=1)
   h, _ = stop_probabilities(drafts, q, p)
   fail_after = jnp.cumprod((1.0 - h)[:, ::-1], axis=1)[:, ::-1]  # Πⱼ≥ᵢ (1 − hⱼ)
   fail_after = jnp.concatenate([fail_after[:, 1:], jnp.ones_like(h[:, :1])], axis=1)  # j > i

@@ -126,16 +126,16 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
 
   The rate is successes over successes plus failures, counted as the policy of that
   ``evidence`` (``AdaptiveGamma.evidence``) counts them: drafts accepted and steps that
-  stopped before γ; or, under "expected" where the chain's drafts are sampled and verified
-  token-wise (or point-mass, verified by recursive rejection), Σβ over the positions the
-  steps scored and the rest of those positions (the same expectation, less noise). A prompt
-  with no β (a greedy target) counts outcomes."""
+  stopped before γ; or, under "expected", sampled drafts' βs each weighted by its
+  position's chance of being scored given the drafts, over those chances (point-mass drafts,
+  verified by recursive rejection: Σβ over the positions scored, over their number): the
+  same expectation, less noise. A prompt with no β (a greedy target) counts outcomes."""
   if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma must be an integer >= 1, got {gamma}")
   check_evidence(evidence)  # before anything decodes
   counts = decode_each(chain_decoder(template, int(gamma)), target_params, draft_params,
                        prompts, max_new_tokens, seed, cache_size, CHAIN_COUNTERS)
-  return chain_alphas(counts, template, evidence)
+  return chain_alphas(counts, evidence)
 
 
 def chain_decoder(template: SpeculativeDecoder, gamma: int) -> SpeculativeDecoder:
@@ -144,24 +144,24 @@ def chain_decoder(template: SpeculativeDecoder, gamma: int) -> SpeculativeDecode
   return _tree_decoder(template, TreeTopology.chain(gamma))
 
 
-CHAIN_COUNTERS = ("accept_len_hist", "beta_sum", "beta_count", "lead_beta_sum",
+CHAIN_COUNTERS = ("accept_len_hist", "weighted_beta_sum", "weighted_count", "lead_beta_sum",
                   "lead_beta_count")  # what ``chain_alphas`` reads
 
 
-def chain_alphas(counts: dict[str, np.ndarray], template: SpeculativeDecoder,
+def chain_alphas(counts: dict[str, np.ndarray],
                  evidence: str = "expected") -> tuple[float, tuple[float, ...]]:
   """``measure_chain_alphas``' (α_c, ease) from its decodes' per-prompt counters
   (``decode_each`` of ``CHAIN_COUNTERS`` with ``chain_decoder(template, γ)``) counted for
-  ``template``'s verification and ``evidence``: one decode serves every evidence."""
+  ``evidence``: one decode serves every evidence."""
   check_evidence(evidence)
   hists = counts["accept_len_hist"]  # [prompts, γ + 1]
   gamma = hists.shape[1] - 1
   successes = (hists @ np.arange(gamma + 1)).astype(np.float64)
   failures = hists[:, :gamma].sum(axis=1).astype(np.float64)
-  if evidence == "expected" and template.verification == "tokenwise":  # as the policy weighs
-    # (sampled drafts' βs, or point-mass drafts' under recursive rejection: one or the other)
-    beta = (counts["beta_sum"] + counts.get("lead_beta_sum", 0.0)).astype(np.float64)
-    scored = counts["beta_count"] + counts.get("lead_beta_count", 0)
+  if evidence == "expected":  # as the policy weighs (``AdaptiveGamma.evidence``): sampled
+    # drafts' weighted βs under either rule, or point-mass drafts' under recursive rejection
+    beta = (counts["weighted_beta_sum"] + counts["lead_beta_sum"]).astype(np.float64)
+    scored = (counts["weighted_count"] + counts["lead_beta_count"]).astype(np.float64)
     weighed = scored > 0
     successes = np.where(weighed, beta, successes)
     failures = np.where(weighed, scored - beta, failures)

@@ -48,6 +48,7 @@ from specjax.model import Params, compute_dtype, forward, target_features
 from specjax.prompts import pack_prompts
 from specjax.sampling import Greedy, Sampler, first_argmax
 from specjax.sequences import append
+from specjax.speculative.acceptance import keep_probabilities, scoring_chances
 from specjax.speculative.adaptive import AdaptiveGamma
 from specjax.speculative.block_verification import VERIFICATIONS
 from specjax.speculative.drafter import SharedCache
@@ -366,9 +367,13 @@ class SpeculativeDecoder:
           lead_beta_count=counters.lead_beta_count + jnp.sum(scored, axis=1))
     levels = jnp.arange(acc.beta.shape[1])[None, :]
     scored = (levels <= acc.num_accepted[:, None]) & active[:, None]
+    chance = scoring_chances(keep_probabilities(proposal.tokens, proposal.q, p))
+    chance = jnp.where(active[:, None], chance, 0.0)  # [B, γ]
     return counters.replace(
         beta_sum=counters.beta_sum + jnp.sum(jnp.where(scored, acc.beta, 0.0), axis=1),
-        beta_count=counters.beta_count + jnp.sum(scored, axis=1))
+        beta_count=counters.beta_count + jnp.sum(scored, axis=1),
+        weighted_beta_sum=counters.weighted_beta_sum + jnp.sum(chance * acc.beta, axis=1),
+        weighted_count=counters.weighted_count + jnp.sum(chance, axis=1))
 
   # --- composition -----------------------------------------------------------
 
@@ -394,13 +399,13 @@ class SpeculativeDecoder:
     active = ~before.done
     hit = jax.nn.one_hot(index, self.policy.num_choices, dtype=jnp.int32) * active[:, None]
     counters = after.counters.add_choices(hit, self.policy.estimate(before.policy, index))
-    weighed = {}
-    if self.verification == "tokenwise":  # β is then each draft's acceptance probability
-      delta = lambda *names: sum(getattr(after.counters, k) - getattr(before.counters, k)
-                                 for k in names)
-      # (a step adds to one pair: a sampled chain's βs, or recursive rejection's first chain's)
-      weighed = dict(beta_sum=delta("beta_sum", "lead_beta_sum"),
-                     beta_count=delta("beta_count", "lead_beta_count"))
+    delta = lambda *names: sum(getattr(after.counters, k) - getattr(before.counters, k)
+                               for k in names)
+    # A step adds to one pair: a sampled chain's weighted βs (under either rule: their
+    # weights are token-wise's chances of scoring, given the drafts), or recursive
+    # rejection's first chain's βs (``count``; none under block verification).
+    weighed = dict(beta_sum=delta("weighted_beta_sum", "lead_beta_sum"),
+                   beta_count=delta("weighted_count", "lead_beta_count"))
     return after.replace(counters=counters, policy=self.policy.observe(
         before.policy, index, leading, active, **weighed))
 

@@ -34,6 +34,12 @@ class SpecCounters:
     beta_sum: [B] Σ β over scored positions (positions up to the first
       rejection, whose prefix is a target sample — the paper's E[β] protocol).
     beta_count: [B] number of such positions.
+    weighted_beta_sum: [B] for sampled chains (either verification rule): Σᵢ wᵢ βᵢ over every
+      draft position, wᵢ = Πⱼ<ᵢ min(1, pⱼ(dⱼ)/qⱼ(dⱼ)) the chance token-wise verification
+      scores position i given the drafts (``acceptance.scoring_chances``): ``beta_sum``'s
+      expectation over the acceptance flips, which have no part in it (what an adaptive
+      policy weighs, ``AdaptiveGamma.evidence``).
+    weighted_count: [B] Σᵢ wᵢ over the same positions (``beta_count``'s expectation).
     lead_beta_sum: [B] for steps verified by recursive rejection (trees, chains of point-mass
       drafts; sampled, not greedy): Σ β over the first-ranked chain's scored nodes (up to its
       first rejected node or its end), β a node's chance of
@@ -56,6 +62,8 @@ class SpecCounters:
   accepted_rank: jax.Array
   beta_sum: jax.Array
   beta_count: jax.Array
+  weighted_beta_sum: jax.Array
+  weighted_count: jax.Array
   lead_beta_sum: jax.Array
   lead_beta_count: jax.Array
   choice_steps: jax.Array
@@ -71,6 +79,8 @@ class SpecCounters:
                depth_hist=z(batch_size, max_depth + 1),
                accepted_rank=z(batch_size, max_depth, max_rank),
                beta_sum=jnp.zeros((batch_size,), jnp.float32), beta_count=z(batch_size),
+               weighted_beta_sum=jnp.zeros((batch_size,), jnp.float32),
+               weighted_count=jnp.zeros((batch_size,), jnp.float32),
                lead_beta_sum=jnp.zeros((batch_size,), jnp.float32),
                lead_beta_count=z(batch_size),
                choice_steps=z(batch_size, num_choices),
