@@ -45,6 +45,29 @@ def benchmark_module():
   return load
 
 
+@pytest.fixture
+def refused():
+  """``refused(MODULE, (ARGS, MESSAGE), ...)`` checks that ``python -m MODULE ARGS`` fails with
+  MESSAGE in its stderr, for every case: all of them in one fresh process
+  (``tests/flag_refusals.py``, each from the flags' defaults), not an interpreter and its
+  imports per case. ``env``: the process's environment (default: this one's)."""
+  import json
+  import subprocess
+  import sys
+
+  def check(module: str, *cases, env=None) -> None:
+    script = os.path.join(os.path.dirname(__file__), "flag_refusals.py")
+    proc = subprocess.run([sys.executable, script, module,
+                           json.dumps([list(args) for args, _ in cases])],
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = json.loads(proc.stdout.splitlines()[-1])
+    for (args, message), out in zip(cases, outs, strict=True):
+      assert out["code"] != 0 and message in out["stderr"], (args, out["stderr"][-3000:])
+  return check
+
+
 @pytest.fixture(scope="module")
 def target():
   """The tiny random target of the decoding tests (modules may define their own)."""

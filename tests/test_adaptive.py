@@ -724,21 +724,16 @@ def test_a_drafter_that_missed_steps_proposes_as_if_it_had_seen_them(models, kin
 # --- 4. measured costs and bad input ------------------------------------------------------------
 
 
-def test_the_alpha_evidence_benchmark_refuses_bad_flags_before_loading_a_model(tmp_path):
+def test_the_alpha_evidence_benchmark_refuses_bad_flags_before_loading_a_model(tmp_path,
+                                                                               refused):
   """benchmarks.alpha_evidence: a temperature at which βs are the outcomes, or an empty
   count, is refused (its flags are checked before the embedded model loads; nothing is
   written)."""
-  import os
-  import subprocess
-  import sys
-  root = os.path.join(os.path.dirname(__file__), "..")
-  for bad, message in (("--temperature=0", "--temperature must be > 0"),
-                       ("--seeds=0", "--seeds must be >= 1"),
-                       ("--prompts=0", "--prompts must be >= 1")):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.alpha_evidence", bad,
-                          f"--out={tmp_path / 'a.md'}"], cwd=root, capture_output=True,
-                         text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
-    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+  out = f"--out={tmp_path / 'a.md'}"
+  refused("benchmarks.alpha_evidence",
+          (["--temperature=0", out], "--temperature must be > 0"),
+          (["--seeds=0", out], "--seeds must be >= 1"),
+          (["--prompts=0", out], "--prompts must be >= 1"))
   assert not (tmp_path / "a.md").exists()
 
 

@@ -159,18 +159,17 @@ def test_a_methods_decode_loop_is_scaled_to_plain_decodings_length(benchmark_mod
   assert same(call(1.0, 0.5, [0, 0]), call(1.0, 0.5, [0, 0])) == pytest.approx(1.0)
 
 
-def test_bad_trees_are_refused_before_anything_is_measured(tmp_path):
-  out = _sweep(tmp_path / "sweep.md", "--trees=2:2")  # no node budget
-  assert out.returncode != 0 and "bad flag value" in out.stderr
-  out = _sweep(tmp_path / "sweep.md", "--draft=prompt_lookup")  # root branches only
-  assert out.returncode != 0 and "cannot build the trees" in out.stderr
-  for margin in ("-0.1", "nan", "inf"):
-    out = _sweep(tmp_path / "sweep.md", f"--min_gain={margin}")
-    assert out.returncode != 0 and "min_gain must be a finite number >= 0" in out.stderr
-  out = _sweep(tmp_path / "sweep.md", "--prompts=100000")  # none left to calibrate on
-  assert out.returncode != 0 and "calibration prompts after the 100000 timed" in out.stderr
-  out = _sweep(tmp_path / "sweep.md", "--evidence=outcomes")
-  assert out.returncode != 0 and "--evidence" in out.stderr
+def test_bad_trees_are_refused_before_anything_is_measured(tmp_path, refused):
+  case = lambda extra, message: ([*ARGS, extra, f"--out={tmp_path / 'sweep.md'}"], message)
+  margin = "min_gain must be a finite number >= 0"
+  refused("benchmarks.batch_sweep",
+          case("--trees=2:2", "bad flag value"),  # no node budget
+          case("--draft=prompt_lookup", "cannot build the trees"),  # root branches only
+          case("--min_gain=-0.1", margin), case("--min_gain=nan", margin),
+          case("--min_gain=inf", margin),
+          case("--prompts=100000", "calibration prompts after the 100000 timed"),  # none left
+          case("--evidence=outcomes", "--evidence"),
+          env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert not (tmp_path / "sweep.json").exists()
 
 

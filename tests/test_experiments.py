@@ -524,62 +524,60 @@ def test_cli_rejects_bad_flags_before_loading_models(tmp_path, args, message):
   assert "loading target" not in proc.stderr
 
 
-def _refuses(module: str, *cases) -> None:
-  """``python -m benchmarks.<module> ARGS`` fails with MESSAGE in stderr, for each case."""
-  for args, message in cases:
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path, refused):
+  refused("benchmarks.peer",
+          (["--gamma", "0"], "flag --gamma=0"),
+          (["--num_prompts", "0"], "flag --num_prompts=0"),
+          ([f"--out={tmp_path}"], "is a directory"))
 
 
-def test_peer_benchmark_rejects_bad_flags_before_loading(tmp_path):
-  _refuses("peer", (["--gamma", "0"], "flag --gamma=0"),
-           (["--num_prompts", "0"], "flag --num_prompts=0"),
-           ([f"--out={tmp_path}"], "is a directory"))
-
-
-def test_draft_temperature_benchmark_rejects_bad_flags_before_loading(tmp_path):
+def test_draft_temperature_benchmark_rejects_bad_flags_before_loading(tmp_path, refused):
   (tmp_path / "file").write_text("")
-  _refuses("draft_temperature", (["--temperatures=0,1"], "--temperatures must be > 0"),
-           (["--ratios=-1"], "--ratios must list numbers >= 0"),
-           (["--ratios=1e-6"], "--ratios=1e-06 at T = 0.5: temperature must be"),
-           (["--gamma=0"], "--gamma must be >= 1"),
-           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+  refused("benchmarks.draft_temperature",
+          (["--temperatures=0,1"], "--temperatures must be > 0"),
+          (["--ratios=-1"], "--ratios must list numbers >= 0"),
+          (["--ratios=1e-6"], "--ratios=1e-06 at T = 0.5: temperature must be"),
+          (["--gamma=0"], "--gamma must be >= 1"),
+          ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
-def test_hybrid_lookup_benchmark_rejects_bad_flags_before_loading(tmp_path):
+def test_hybrid_lookup_benchmark_rejects_bad_flags_before_loading(tmp_path, refused):
   (tmp_path / "file").write_text("")
-  _refuses("hybrid_lookup", (["--min_matches=0,3"], "--min_matches must list integers >= 1"),
-           (["--min_matches=3,3"], "--min_matches lists a value twice"),
-           (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
-           (["--gamma=0"], "--gamma must be >= 1"),
-           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+  refused("benchmarks.hybrid_lookup",
+          (["--min_matches=0,3"], "--min_matches must list integers >= 1"),
+          (["--min_matches=3,3"], "--min_matches lists a value twice"),
+          (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
+          (["--gamma=0"], "--gamma must be >= 1"),
+          ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
-def test_sampled_trees_benchmark_rejects_bad_flags_before_loading(tmp_path):
+def test_sampled_trees_benchmark_rejects_bad_flags_before_loading(tmp_path, refused):
   (tmp_path / "file").write_text("")
-  _refuses("sampled_trees", (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
-           (["--prompts=0"], "--prompts must be >= 1"),
-           (["--sets=eval"], "--sets must list some of"),
-           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+  refused("benchmarks.sampled_trees",
+          (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
+          (["--prompts=0"], "--prompts must be >= 1"),
+          (["--sets=eval"], "--sets must list some of"),
+          ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
-def test_draft_panels_benchmark_rejects_bad_flags_before_loading(tmp_path):
+def test_draft_panels_benchmark_rejects_bad_flags_before_loading(tmp_path, refused):
   (tmp_path / "file").write_text("")
-  _refuses("draft_panels", (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
-           (["--temperatures=x"], "--temperatures takes numbers"),
-           (["--prompts=0"], "flag --prompts=0"), (["--new_tokens=1"], "flag --new_tokens=1"),
-           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+  refused("benchmarks.draft_panels",
+          (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
+          (["--temperatures=x"], "--temperatures takes numbers"),
+          (["--prompts=0"], "flag --prompts=0"), (["--new_tokens=1"], "flag --new_tokens=1"),
+          ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
-def test_step_profile_benchmark_rejects_bad_flags_before_loading(tmp_path):
+def test_step_profile_benchmark_rejects_bad_flags_before_loading(tmp_path, refused):
   (tmp_path / "file").write_text("")
-  _refuses("step_profile", (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
-           (["--methods=chain:x"], "--methods: 'chain:x'"),
-           (["--methods=tree:4"], "is not plain, chain:γ, dynamic:k:D:N"),
-           (["--methods=chain:0"], "--methods: 'chain:0'"),
-           (["--prompts=0"], "flag --prompts=0"),
-           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+  refused("benchmarks.step_profile",
+          (["--temperatures=-1"], "--temperatures must list numbers >= 0"),
+          (["--methods=chain:x"], "--methods: 'chain:x'"),
+          (["--methods=tree:4"], "is not plain, chain:γ, dynamic:k:D:N"),
+          (["--methods=chain:0"], "--methods: 'chain:0'"),
+          (["--prompts=0"], "flag --prompts=0"),
+          ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
 def test_op_profile_counts_a_loop_thunk_without_the_thunks_nested_in_it():
@@ -597,32 +595,36 @@ def test_op_profile_counts_a_loop_thunk_without_the_thunks_nested_in_it():
   assert _exclusive_ns(events, None)["prefill_op"] == 50
 
 
-def test_bandwidth_spells_splits_rounds_at_the_midpoint_and_refuses_bad_flags(tmp_path):
+def test_bandwidth_spells_splits_rounds_at_the_midpoint_and_refuses_bad_flags(tmp_path, refused):
   from benchmarks.common import split_spells
   t1 = np.array([9.5, 9.6, 13.9, 9.4, 14.1, 13.8] * 5) * 1e-3
   fast, threshold = split_spells(t1)
   assert fast.tolist() == [True, True, False, True, False, False] * 5
   assert 9.6e-3 < threshold < 13.8e-3
   (tmp_path / "file").write_text("")
-  _refuses("bandwidth_spells", (["--tokens=0,2"], "--tokens must list integers >= 1"),
-           (["--seconds=0"], "flag --seconds=0"),
-           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+  refused("benchmarks.bandwidth_spells",
+          (["--tokens=0,2"], "--tokens must list integers >= 1"),
+          (["--seconds=0"], "flag --seconds=0"),
+          ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
-def test_kernel_ab_refuses_bad_flags_before_building(tmp_path):
+def test_kernel_ab_refuses_bad_flags_before_building(tmp_path, refused):
   src = "specjax/kernels/streaming_matmul.cc"
-  _refuses("kernel_ab", ([], "--sources needs at least one"),
-           (["--sources=/nonexistent.cc"], "no such source"),
-           ([f"--sources={src}", "--rows=0,2"], "--rows must list integers >= 1"),
-           ([f"--sources={src}", "--rows=a"], "--rows must list integers >= 1"),
-           ([f"--sources={src}", "--seconds=0"], "flag --seconds=0"))
+  refused("benchmarks.kernel_ab",
+          ([], "--sources needs at least one"),
+          (["--sources=/nonexistent.cc"], "no such source"),
+          ([f"--sources={src}", "--rows=0,2"], "--rows must list integers >= 1"),
+          ([f"--sources={src}", "--rows=a"], "--rows must list integers >= 1"),
+          ([f"--sources={src}", "--seconds=0"], "flag --seconds=0"))
   old = tmp_path / "old.cc"  # a source from before the prefetch modes
   old.write_text(open(src).read().replace("kPrefetchNta", "kPrefetchNone"))
-  _refuses("kernel_ab", ([f"--sources={src},{old}:nta"], "has no non-temporal mode"))
+  refused("benchmarks.kernel_ab",
+          ([f"--sources={src},{old}:nta"], "has no non-temporal mode"))
 
 
-def test_prefetch_modes_benchmark_edits_only_the_policy_and_refuses_bad_flags(
-    tmp_path, benchmark_module):
+def test_prefetch_modes_benchmark_edits_only_the_policy_and_refuses_bad_flags(tmp_path,
+                                                                              benchmark_module,
+                                                                              refused):
   bench = benchmark_module("prefetch_modes")  # its flags share names with other benchmarks'
   EDITS, with_prefetch = bench.EDITS, bench.with_prefetch
   from specjax.kernels import packed as pk
@@ -636,10 +638,11 @@ def test_prefetch_modes_benchmark_edits_only_the_policy_and_refuses_bad_flags(
   edited = with_prefetch(params, EDITS["l2"])
   assert edited["layers"][0]["wqkv"].panels is w.panels and edited["norm"] is params["norm"]
   (tmp_path / "file").write_text("")
-  _refuses("prefetch_modes", (["--arms=fast"], "--arms: unknown fast"),
-           (["--tokens=0"], "--tokens must list integers >= 1"),
-           (["--seconds=0"], "flag --seconds=0"),
-           ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
+  refused("benchmarks.prefetch_modes",
+          (["--arms=fast"], "--arms: unknown fast"),
+          (["--tokens=0"], "--tokens must list integers >= 1"),
+          (["--seconds=0"], "flag --seconds=0"),
+          ([f"--out={tmp_path}/file/x.md"], "cannot be written"))
 
 
 def test_kernel_ab_reports_each_spell_apart():
@@ -659,45 +662,50 @@ def test_kernel_ab_reports_each_spell_apart():
   assert "spell" not in whole and whole.count("| 4 |") == 1
 
 
-def test_continuous_batching_benchmark_rejects_bad_flags_before_loading():
-  _refuses("continuous_batching", (["--slots=0"], "slot counts must be >= 1"),
-           (["--budget_spread=2"], "flag --budget_spread=2"),
-           (["--prefill_chunk=0"], "flag --prefill_chunk=0"))
+def test_continuous_batching_benchmark_rejects_bad_flags_before_loading(refused):
+  refused("benchmarks.continuous_batching",
+          (["--slots=0"], "slot counts must be >= 1"),
+          (["--budget_spread=2"], "flag --budget_spread=2"),
+          (["--prefill_chunk=0"], "flag --prefill_chunk=0"))
 
 
-def test_tree_attention_benchmark_rejects_bad_shapes_before_timing():
-  _refuses("tree_attention", (["--trees=1,64", "--sizes=32"], "must be <= every S of --sizes"),
-           (["--trees=256"], "budget of 128 new tokens"),
-           (["--batch_sizes=0"], "--batch_sizes must list integers >= 1"),
-           (["--trees="], "--trees must list integers >= 1"),
-           (["--layers=0"], "flag --layers=0"),
-           (["--trees=a"], "--trees takes integers"))
+def test_tree_attention_benchmark_rejects_bad_shapes_before_timing(refused):
+  refused("benchmarks.tree_attention",
+          (["--trees=1,64", "--sizes=32"], "must be <= every S of --sizes"),
+          (["--trees=256"], "budget of 128 new tokens"),
+          (["--batch_sizes=0"], "--batch_sizes must list integers >= 1"),
+          (["--trees="], "--trees must list integers >= 1"),
+          (["--layers=0"], "flag --layers=0"),
+          (["--trees=a"], "--trees takes integers"))
 
 
-def test_attention_dispatch_benchmark_rejects_bad_flags_before_building():
-  _refuses("attention_dispatch", (["--impls=cpu,cpu"], "two different implementations"),
-           (["--impls=reference"], "takes two implementations"),
-           (["--impls=auto,reference"], "'auto' is what is being chosen"),
-           (["--impls=pallas,reference"], "no Pallas attention kernel for backend"),
-           (["--contexts=0"], "integers >= 1"),
-           (["--tokens="], "--tokens must list integers >= 1"),
-           (["--repeats=0"], "flag --repeats=0"),
-           (["--tokens=x"], "--tokens takes integers"))
+def test_attention_dispatch_benchmark_rejects_bad_flags_before_building(refused):
+  refused("benchmarks.attention_dispatch",
+          (["--impls=cpu,cpu"], "two different implementations"),
+          (["--impls=reference"], "takes two implementations"),
+          (["--impls=auto,reference"], "'auto' is what is being chosen"),
+          (["--impls=pallas,reference"], "no Pallas attention kernel for backend"),
+          (["--contexts=0"], "integers >= 1"),
+          (["--tokens="], "--tokens must list integers >= 1"),
+          (["--repeats=0"], "flag --repeats=0"),
+          (["--tokens=x"], "--tokens takes integers"))
 
 
-def test_exact_sharding_benchmark_rejects_bad_flags_before_loading():
-  _refuses("exact_sharding", (["--meshes=3x3"], "needs 9 devices"),
-           (["--meshes=2"], "want DATAxMODEL"),
-           (["--meshes=2x1", "--batch=3"], "does not divide"),
-           (["--repeats=0"], "--repeats must be >= 1"))
+def test_exact_sharding_benchmark_rejects_bad_flags_before_loading(refused):
+  refused("benchmarks.exact_sharding",
+          (["--meshes=3x3"], "needs 9 devices"),
+          (["--meshes=2"], "want DATAxMODEL"),
+          (["--meshes=2x1", "--batch=3"], "does not divide"),
+          (["--repeats=0"], "--repeats must be >= 1"))
 
 
-def test_roofline_benchmark_rejects_bad_flags_before_loading():
-  _refuses("roofline", (["--tokens=2,4"], "--tokens must include 1"),
-           (["--tokens=0,1"], "--tokens must list integers >= 1"),
-           (["--context=-1"], "--context must be >= 0"),
-           (["--repeats=0"], "--repeats must be >= 1"),
-           (["--bandwidth_mib=0"], "--bandwidth_mib must be >= 1"))
+def test_roofline_benchmark_rejects_bad_flags_before_loading(refused):
+  refused("benchmarks.roofline",
+          (["--tokens=2,4"], "--tokens must include 1"),
+          (["--tokens=0,1"], "--tokens must list integers >= 1"),
+          (["--context=-1"], "--context must be >= 0"),
+          (["--repeats=0"], "--repeats must be >= 1"),
+          (["--bandwidth_mib=0"], "--bandwidth_mib must be >= 1"))
 
 
 def test_roofline_counts_every_weight_once(benchmark_module):
