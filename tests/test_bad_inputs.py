@@ -503,7 +503,7 @@ def test_saving_over_a_sharded_checkpoint_removes_its_stale_shards(tmp_path):
   assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 1
 
 
-@pytest.mark.parametrize("flags,message", [
+TRAIN_DRAFT_REFUSALS = [
     (["--stage=train", "--own_head", "--draft_kind=eagle"],
      "--own_head is for --draft_kind=medusa or exit"),
     (["--stage=all", "--corpus=mix"], "--corpus=mix trains on fixed text: give --text_tokens"),
@@ -518,16 +518,14 @@ def test_saving_over_a_sharded_checkpoint_removes_its_stale_shards(tmp_path):
      "a draft directory warm-starts an EAGLE drafter, Medusa heads or a trained exit"),
     (["--stage=train", "--mesh=2by4"], "--mesh='2by4': expected DATAxMODEL, e.g. 2x4"),
     (["--stage=train", "--mesh=2x4"], "needs 8 devices, but only 1 are present"),
-])
-def test_train_draft_refuses_bad_flags_before_touching_a_corpus(tmp_path, flags, message):
-  """Refused before any corpus or model is touched (a subprocess: the script's flags would
-  collide with other entry points' in this process)."""
-  import subprocess
-  root = pathlib.Path(__file__).resolve().parents[1]
-  proc = subprocess.run([sys.executable, "-m", "experiments.train_draft", *flags,
-                         f"--workdir={tmp_path / 'w'}"],
-                        cwd=root, env=dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache")),
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode != 0
-  assert message in proc.stderr
+]
+
+
+def test_train_draft_refuses_bad_flags_before_touching_a_corpus(tmp_path, refused):
+  """Refused before any corpus or model is touched (in a process of their own: the script's
+  flags would collide with other entry points' in this one)."""
+  workdir = f"--workdir={tmp_path / 'w'}"
+  refused("experiments.train_draft",
+          *[([*flags, workdir], message) for flags, message in TRAIN_DRAFT_REFUSALS],
+          env=dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache")))
   assert not (tmp_path / "cache").exists() and not (tmp_path / "w").exists()
