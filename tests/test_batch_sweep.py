@@ -58,7 +58,7 @@ def test_the_policy_chooses_among_chains_and_the_tree_and_a_rerun_resumes(tmp_pa
   text = out.read_text()
   assert "| α_c | adaptive mix (0…1, tree) |" in text
   assert "promises more than 5% over plain decoding (`min_gain`)" in text
-  assert "adds each scored draft's β" in text
+  assert "each draft's β weighted by its chance of being scored" in text
   assert f"Matmul path: {cells[0]['matmul']}." in text  # one path: said once
   assert "rows stopping at EOS" in text
   for c in cells:

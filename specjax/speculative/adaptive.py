@@ -89,11 +89,12 @@ p and the draft's q are both in the verification). Counting the flips' outcomes 
 drafts as successes, one failure at a rejection: ``"accepted"``) estimates α = E[β], the
 tables' α, with the flips' own noise, which in a window of about ten steps sent the policy
 into dips it did not need: at T = 1, priced with Zen 3's costs, it took 135 plain steps of
-2,310 against 1 of 2,234, for 96.1% of the best fixed γ's modelled speedup against 98.9%
-(``benchmarks/results/policy_evidence_avx2.md``) for the βs of the positions scored (up to
-the first rejected draft; the same expectation, since whether a position is scored is
-decided before its flip). By default (``"expected"``) a step goes one step further and
-takes the expectation over the flips themselves: every draft position i counts with weight
+2,310 for 96.1% of the best fixed γ's modelled speedup, where counting the βs of the
+positions the flips scored (up to the first rejected draft: the same expectation, since
+whether a position is scored is decided before its flip) took 1 of 2,234 for 98.9%
+(``benchmarks/results/policy_evidence_avx2.md``). By default (``"expected"``) a step goes
+one step further and takes the expectation over the flips themselves: every draft position
+i counts with weight
 w_i = Π_{j<i} min(1, p_j(d_j)/q_j(d_j)), its chance of being scored given the drafts
 (``acceptance.scoring_chances``), as w_i·β_i successes and w_i·(1 − β_i) failures. That
 is the scored-β count's conditional expectation given the drafts (Rao–Blackwell: the same
