@@ -7,8 +7,8 @@ Usage:
 ``calibration.measure_chain_alphas`` prices an adaptive policy's prior α_c (and each prompt's
 ease) from a few training-side prompts, decoded alone with a chain of ``--gamma``. Under
 ``evidence="expected"`` a sampled chain's draft positions count their β = Σ min(p, q), each
-weighted by its chance of being scored given the drafts (the default since this benchmark's
-third row was added); under ``"accepted"`` their accept/reject outcomes; the third row,
+weighted by its chance of being scored given the drafts (the default since 2026-12-07,
+a8f8098); under ``"accepted"`` their accept/reject outcomes; the third row,
 "scored βs", is what "expected" counted from d2cc146 until then: the βs of the positions
 the flips scored. All three have the same expectation. For each seed one decode of the
 prompts gives every count (``calibration.chain_alphas``: the decoding does not depend on the
