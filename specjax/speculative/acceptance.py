@@ -83,7 +83,8 @@ def keep_probabilities(drafts: jax.Array, q: jax.Array | SubsetProbs,
   min(1, pᵢ(dᵢ)/qᵢ(dᵢ)), 0 where qᵢ(dᵢ) = 0 (never a draw). ``drafts`` [B, γ], q as in
   ``accept``, p [B, ≥ γ, V]; NaN, ±inf and negative entries count as 0."""
   gamma = drafts.shape[1]
-  p_d = jnp.take_along_axis(finite_probs(p[:, :gamma]), drafts[..., None], axis=-1)[..., 0]
+  # (gathered first: one value per draft, not a pass over the vocabulary)
+  p_d = finite_probs(jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0])
   q_d = probs_at(q, drafts)
   return jnp.where(q_d > 0, jnp.minimum(1.0, p_d / jnp.where(q_d > 0, q_d, 1.0)), 0.0)
 
