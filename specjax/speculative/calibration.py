@@ -118,7 +118,8 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
                          evidence: str = "expected") -> tuple[float, tuple[float, ...]]:
   """(α_c, ease): the chains' acceptance rate as ``AdaptiveGamma`` counts it, decoding each
   prompt alone with a chain of ``gamma`` and the template's sampler (the chains' own draw;
-  block verification is measured token-wise, as a policy verifies; ``decode_each``),
+  block verification is decoded token-wise, whose weighted βs are the same evidence; its
+  outcomes are not: ``"accepted"`` counts token-wise ones here; ``decode_each``),
   pooled over the prompts and clipped to [0.01, 0.99] (the policy needs a rate strictly
   inside (0, 1)); and each prompt's own rate over α_c (``AdaptiveGamma.prompt_ease``). A
   policy with trees takes α_c as ``prior_alpha``, measured on the prompts its
@@ -140,7 +141,7 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
 
 def chain_decoder(template: SpeculativeDecoder, gamma: int) -> SpeculativeDecoder:
   """The decoder ``measure_chain_alphas`` measures with: ``template`` on a chain of ``gamma``
-  (one compiled program for every prompt and seed; block verification token-wise)."""
+  (one compiled program for every prompt and seed; block verification decoded token-wise)."""
   return _tree_decoder(template, TreeTopology.chain(gamma))
 
 
