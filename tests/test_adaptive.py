@@ -32,6 +32,8 @@ from specjax.speculative.tree_builders import best_static_tree, expected_tokens_
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint, make_drafter,
                              new_compiles_across_batches, tiny_model)
 
+from matrix import cases
+
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11, 12, 13], [3]]
 CORPUS = [[1, 2, 5, 3, 3, 7, 1, 2, 5, 0], [4, 4, 1, 2, 6]]
 # Cheap drafts and a quickly forgetting estimate: on the tiny random models this policy
@@ -366,7 +368,8 @@ def _drafter(kind, target, draft):
   return make_drafter(kind, *target, CORPUS)
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle", "prompt_lookup", "bigram", "early_exit"])
+@pytest.mark.parametrize("kind", cases(["model", "eagle", "prompt_lookup", "bigram", "early_exit"],
+                                       keep=("model", "eagle", "early_exit")))
 def test_greedy_with_a_switching_policy_equals_plain_greedy(models, kind):
   target, draft = models
   cfg, params = target
@@ -383,7 +386,7 @@ def test_greedy_with_a_switching_policy_equals_plain_greedy(models, kind):
   assert out.per_row["accept_len_hist"].sum() == steps_at[1:].sum()  # plain steps excluded
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle"])
+@pytest.mark.parametrize("kind", cases(["model", "eagle"], keep=("eagle",)))
 def test_greedy_with_a_policy_switching_among_chains_and_trees_equals_plain_greedy(models,
                                                                                    kind):
   target, draft = models
@@ -632,12 +635,13 @@ def small_models():
           tiny_model(seed=1, vocab_size=V, scale=1.0, num_layers=1))
 
 
-@pytest.mark.parametrize("policy,first,second,sampler", [
+@pytest.mark.parametrize("policy,first,second,sampler", cases([
     (THEN_PLAIN, 3, 0, Sampling(temperature=1.0)),
     (THEN_ONE, 3, 1, Sampling(temperature=0.8, top_k=5)),
     (TREE_THEN_PLAIN, 2, 0, Sampling(temperature=1.0)),
     (TREE_THEN_ONE, 2, 1, Sampling(temperature=0.8, top_p=0.9)),
-], ids=["3-then-plain-t1", "3-then-1-topk5", "tree-then-plain-t1", "tree-then-1-topp"])
+], ids=["3-then-plain-t1", "3-then-1-topk5", "tree-then-plain-t1", "tree-then-1-topp"],
+    keep=("3-then-plain-t1", "tree-then-1-topp")))
 def test_a_switching_policy_samples_the_exact_joint(small_models, policy, first, second,
                                                     sampler):
   target, (dcfg, dparams) = small_models

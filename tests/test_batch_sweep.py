@@ -178,6 +178,7 @@ def _simulated(devices: int) -> dict:
               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
 
 
+@pytest.mark.heavy  # 135 s of the default run's four workers; the tiny model's mesh test stays
 def test_data_parallel_rows_on_two_simulated_devices(tmp_path):
   """--data_parallel=2 shards every batch's rows over a 2 x 1 mesh and reports tokens/s per
   device; a store's cell of one device is neither resumed nor reported for it (it stays in

@@ -20,6 +20,8 @@ from specjax.speculative.drafter import Drafter
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.testing import (chi_square_pvalue, exact_joint, make_drafter, tiny_model)
 
+from matrix import cases
+
 CORPUS = [[1, 2, 5, 3, 3, 7, 1, 2, 5, 0], [4, 4, 1, 2, 6]]
 
 
@@ -72,7 +74,8 @@ KINDS = ["model_chain", "model_adaptive", "model_adaptive_trees", "eagle", "medu
          "adapter_exit", "adapter_exit_tree", "adapter_exit_adaptive", "lookahead", "bigram"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", cases(KINDS, keep=("model_chain", "model_adaptive_trees", "eagle",
+                                                   "lookahead")))
 def test_every_request_gets_plain_greedy_tokens(models, kind):
   """Prompts (1 to 19 tokens, prefilled 4 at a time between the other slots' steps) and
   budgets of different lengths over 3 slots: each request's tokens are plain greedy
@@ -149,7 +152,7 @@ def test_requests_stop_at_eos_and_free_their_slot(models):
   assert stopped >= 2
 
 
-@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("interleave", cases([True, False], keep=("True",)))
 def test_slots_refill_so_a_queue_takes_fewer_steps_than_fixed_batches(models, interleave):
   """Short and long requests alternating: a fixed batch of 2 waits for its long row, a
   freed slot takes the next request at once (prefilled between steps or before them)."""

@@ -24,6 +24,8 @@ from specjax.speculative.tree_acceptance import AcceptedPath
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint, make_drafter,
                              new_compiles_across_batches, tiny_model)
 
+from matrix import cases, grid
+
 # Rows that copy from their first step (1, 2 recurs; 7, 8, 9 recurs), rows that never match
 # at first (4, 5), and a one-token prompt.
 PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9, 10, 7], [3]]
@@ -64,9 +66,10 @@ def _assert_plain_greedy(dec, cfg, params, dp, prompts):
     assert out.generated(row) == ref.generated(row)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "early_exit", "model", "no_skip"])
-@pytest.mark.parametrize("shape", ["chain", "dynamic_tree"])
-@pytest.mark.parametrize("prompts", [PROMPTS, ALL_COPY], ids=["mixed", "all_copy"])
+@pytest.mark.parametrize("prompts, shape, kind", grid(
+    {"mixed": PROMPTS, "all_copy": ALL_COPY}, ["chain", "dynamic_tree"],
+    ["eagle", "early_exit", "model", "no_skip"], keep=("mixed-chain-eagle", "mixed-dynamic_tree-model", "mixed-dynamic_tree-early_exit",
+          "all_copy-chain-no_skip", "all_copy-dynamic_tree-eagle")))
 def test_greedy_equals_plain_greedy_decoding(target, kind, shape, prompts):
   cfg, params = target
   model, dp = _models(kind, cfg, params)
@@ -218,7 +221,7 @@ def test_copied_tokens_labelled_with_the_models_q_are_rejected(small):
   assert chi_square_pvalue(counts, exact) < 1e-6
 
 
-@pytest.mark.parametrize("shape", ["chain", "dynamic_tree"])
+@pytest.mark.parametrize("shape", cases(["chain", "dynamic_tree"], keep=("dynamic_tree",)))
 def test_no_recompilation_across_prompts_budgets_and_seeds(target, shape):
   cfg, params = target
   model, dp = _models("eagle", cfg, params)

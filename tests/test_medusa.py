@@ -35,6 +35,8 @@ from specjax.speculative.typical_acceptance import TypicalAcceptance, accept_typ
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint,
                              new_compiles_across_batches, tiny_model)
 
+from matrix import grid
+
 PROMPTS = [[5, 9, 2, 7, 11, 3, 9], [4], [7, 8, 9, 10, 7, 8, 9, 10, 7], [3, 3]]
 CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]  # Medusa-style
 
@@ -281,9 +283,9 @@ SMALL_TREES = {"static": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)],
                "dynamic": DynamicTree(top_k=3, depth=2, num_nodes=6)}
 
 
-@pytest.mark.parametrize("tree", ["static", "dynamic"])
-@pytest.mark.parametrize("sampler", [Sampling(temperature=1.0),
-                                     Sampling(temperature=0.7, top_k=4)], ids=["t1", "t0.7_k4"])
+@pytest.mark.parametrize("sampler, tree", grid(
+    {"t1": Sampling(temperature=1.0), "t0.7_k4": Sampling(temperature=0.7, top_k=4)},
+    ["static", "dynamic"], keep=("t1-static", "t0.7_k4-dynamic")))
 def test_sampled_tree_keeps_the_targets_law(small, sampler, tree):
   target, (drafter, dp) = small
   topology = SMALL_TREES[tree]

@@ -11,6 +11,8 @@ from specjax.speculative import DynamicTree, SpeculativeDecoder, TreeTopology
 from specjax.speculative.replay import replay_greedy
 from specjax.testing import DRAFTER_KINDS, make_drafter, tiny_model
 
+from matrix import cases
+
 PROMPTS = [[1, 2, 3, 1, 2], [4, 5], [7, 8, 9, 10, 7, 8, 9, 10, 7]]
 BUDGET = 14
 CHAIN, TREE = TreeTopology.chain(3), TreeTopology((-1, -1, 0, 0, 1, 2))
@@ -55,7 +57,8 @@ SHAPES = {"noisy_self": (CHAIN, TREE), "eagle": (CHAIN, DYNAMIC),
 CACHE = 64  # one cache size for every call, so the programs are shared across budgets
 
 
-@pytest.mark.parametrize("kind", ("noisy_self",) + DRAFTER_KINDS)
+@pytest.mark.parametrize("kind", cases(("noisy_self",) + DRAFTER_KINDS,
+                                       keep=("noisy_self", "eagle", "medusa")))
 def test_replay_equals_the_greedy_run_token_for_token_and_counter_for_counter(target, kind):
   cfg, params, corpus = target
   drafter, dp = _drafter(kind, cfg, params, corpus)

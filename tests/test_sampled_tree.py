@@ -112,7 +112,8 @@ def small():
 
 # (1, 2): the root draws two and keeps one, so which one is kept matters most.
 @pytest.mark.parametrize("widths, sampler", [
-    ((1, 2), Sampling(temperature=1.0)), ((3, 3, 2), Sampling(temperature=1.0)),
+    pytest.param((1, 2), Sampling(temperature=1.0), marks=pytest.mark.heavy),
+    ((3, 3, 2), Sampling(temperature=1.0)),
     ((2, 2), Sampling(temperature=0.8, top_k=3)),
     pytest.param((2, 1), Sampling(temperature=1.2, top_p=0.8), marks=pytest.mark.heavy)],
     ids=["1-2_t1", "3-3-2_t1", "2-2_t0.8_topk3", "2-1_t1.2_topp0.8"])

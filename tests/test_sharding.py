@@ -214,6 +214,7 @@ def test_simulated_meshes_tiny_model_other_meshes():
 CORE_GREEDY = ("plain_greedy", "chain_greedy", "tree_greedy", "continuous_greedy")
 
 
+@pytest.mark.heavy  # 231 s of the default run's four workers; the default rules' mesh stays
 def test_simulated_meshes_exact_rules():
   """ShardingRules(exact=True) on the tiny model packed for the kernel: every core case,
   sampled plain, chain and tree decoding included, gives one device's tokens on 2x4, with

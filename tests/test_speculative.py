@@ -12,6 +12,8 @@ from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.decoder import prefill_models
 from specjax.testing import new_compiles_across_batches, tiny_model
 
+from matrix import grid
+
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11, 12, 13], [3]]
 
 
@@ -20,8 +22,9 @@ def _decoder(target_cfg, draft_cfg, gamma, sampler=Greedy(), eos_ids=()):
   return SpeculativeDecoder(target_cfg, drafter, gamma=gamma, sampler=sampler, eos_ids=eos_ids)
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 6])
-@pytest.mark.parametrize("which", ["random_draft", "target_as_draft"])
+@pytest.mark.parametrize("which, gamma", grid(["random_draft", "target_as_draft"], [1, 3, 6],
+                                              keep=("random_draft-1", "random_draft-3",
+                                                    "target_as_draft-6")))
 def test_greedy_equals_plain_greedy_decoding(target, draft, gamma, which):
   cfg, params = target
   dcfg, dparams = draft if which == "random_draft" else target

@@ -23,6 +23,8 @@ from specjax.speculative.tree import TreeTopology
 from specjax.testing import (DRAFTER_KINDS, chi_square_pvalue, empirical_joint,
                              exact_joint, make_drafter, tiny_model)
 
+from matrix import cases
+
 V, N, PROMPT = 8, 100_000, [1, 2, 5]
 
 
@@ -53,7 +55,8 @@ def _assert_matches_target(dec, target, draft_params, sampler):
   assert 0.5 * np.abs(counts / N - exact).sum() < 0.02
 
 
-@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+@pytest.mark.parametrize("kind", cases(DRAFTER_KINDS, keep=tuple(
+    k for k in DRAFTER_KINDS if k not in ("unigram", "adapter_exit"))))  # bigram's, exits' paths
 def test_every_drafter_matches_target(models, kind):
   target, _ = models
   sampler = Sampling(temperature=0.9, top_k=6)
@@ -77,11 +80,11 @@ def test_packed_models_on_the_streaming_kernel_match_target(models):
 
 # A draft law of its own (``draft_sampler``): sharper, point masses, or warped otherwise.
 # Verification reads the q the drafts came from, so the output keeps the target's law.
-@pytest.mark.parametrize("draft_sampler, tree", [
+@pytest.mark.parametrize("draft_sampler, tree", cases([
     (Sampling(temperature=0.5), None), (Greedy(), None),
     (Sampling(temperature=1.6, top_k=3), None),
     (Sampling(temperature=0.6), TreeTopology.from_choices([(0,), (1,), (0, 0), (1, 0)]))],
-    ids=["t0.5", "greedy", "t1.6_topk3", "t0.6_tree"])
+    ids=["t0.5", "greedy", "t1.6_topk3", "t0.6_tree"], keep=("t0.5", "greedy", "t0.6_tree")))
 def test_a_draft_sampler_of_its_own_keeps_the_targets_law(models, draft_sampler, tree):
   target, draft = models
   sampler = Sampling(temperature=1.0, top_k=6)

@@ -10,6 +10,8 @@ from specjax.loaders import chat_prompt, load_model, load_model_tokenizer
 from specjax.speculative import DynamicTree, SpeculativeDecoder
 from specjax.testing import tiny_model
 
+from matrix import cases
+
 pytestmark = pytest.mark.real_model
 
 TEXTS = ["Write a Python function that checks whether a number is prime.",
@@ -73,7 +75,8 @@ def test_batch4(target, which):
   _check(target, *_drafter(target, which), target[2], gamma=5, new=48)
 
 
-@pytest.mark.parametrize("which", ["default", "eagle", "adapter_exit"])
+@pytest.mark.parametrize("which", cases(["default", "eagle", "adapter_exit"],  # the adapter exit's
+                                        keep=("default", "eagle")))  # tree test follows
 def test_shipped_drafts_are_lossless_and_get_accepted(target, which):
   """The shipped distilled token draft, EAGLE drafter and adapter exit, as users load them."""
   out = _check(target, *_drafter(target, which), target[2][:2], gamma=3)

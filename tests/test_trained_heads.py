@@ -27,6 +27,8 @@ from specjax.speculative.drafter import SharedCache
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.testing import make_drafter, new_compiles_across_batches, tiny_model
 
+from matrix import cases, grid
+
 K_TOP = 8
 SEQ = 32
 
@@ -247,7 +249,7 @@ def test_zero_exit_head_is_the_training_free_exit(deep):
     np.testing.assert_allclose(a[1], b[1], atol=1e-5)
 
 
-@pytest.mark.parametrize("adapter", [False, True], ids=["head", "adapter"])
+@pytest.mark.parametrize("adapter", cases([False, True], ids=["head", "adapter"], keep=("adapter",)))
 def test_tiny_exit_training_raises_alpha_and_decodes_losslessly(deep, tmp_path, adapter):
   """The exit after 1 of 3 layers, trained on stored layer-0 features (with or without an
   attention adapter): held-out α at T = 0 rises from the untrained exit's, as does the
@@ -341,9 +343,9 @@ def test_adapter_exit_drafts_are_the_training_objective_on_the_same_tokens(deep)
                              atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["trained_exit", "adapter_exit"])
-@pytest.mark.parametrize("tree", [TreeTopology((-1, -1, 0, 1, 2, 3)), DynamicTree(2, 3, 5)],
-                         ids=["static", "dynamic"])
+@pytest.mark.parametrize("tree, kind", grid(
+    {"static": TreeTopology((-1, -1, 0, 1, 2, 3)), "dynamic": DynamicTree(2, 3, 5)},
+    ["trained_exit", "adapter_exit"], keep=("static-trained_exit", "dynamic-adapter_exit")))
 def test_exit_tree_nodes_are_drawn_from_the_teacher_forced_draft_of_their_ancestors(
     deep, kind, tree):
   """An exit's tree, drafted in the target cache's scratch slots (one row with a 6-token

@@ -32,6 +32,8 @@ from specjax.speculative.tree_acceptance import (TreeAcceptance, accept_greedy, 
                                                  node_ranks)
 from specjax.testing import chi_square_pvalue
 
+from matrix import cases, grid
+
 V, ROWS, X0 = 8, 100_000, 3
 
 TOPOLOGIES = {
@@ -226,8 +228,9 @@ def test_harness_matrices_are_far_apart():
 # --- the lossless rules match the exact law ------------------------------------------------
 
 
-@pytest.mark.parametrize("draw", ["point_mass", "sampled", "without_replacement"])
-@pytest.mark.parametrize("name", list(TOPOLOGIES))
+@pytest.mark.parametrize("name, draw", grid(list(TOPOLOGIES), ["point_mass", "sampled", "without_replacement"], keep=(
+    "two_branch-point_mass", "wide4-point_mass", "two_branch-sampled", "depth3-sampled",
+    "depth3-without_replacement", "wide4-without_replacement")))  # each rule on two trees
 def test_tree_rules_match_target(name, draw):
   topo = TOPOLOGIES[name]
   counts, n = _empirical(topo, draw)
@@ -260,9 +263,9 @@ def test_reference_rule_matches_target_and_library(draw):
   np.testing.assert_array_equal(np.asarray(lib.path)[same], np.asarray(ref.path)[same])
 
 
-@pytest.mark.parametrize("q_form", ["subset", "subset_dense"])
-@pytest.mark.parametrize("draw", ["sampled", "without_replacement"])
-@pytest.mark.parametrize("name", ["two_branch", "chain3"])
+@pytest.mark.parametrize("name, draw, q_form", grid(
+    ["two_branch", "chain3"], ["sampled", "without_replacement"], ["subset", "subset_dense"],
+    keep=("two_branch-without_replacement-subset", "chain3-sampled-subset_dense")))
 def test_reduced_vocabulary_drafts_match_target(name, draw, q_form):
   """A draft on 5 of the 8 ids, its q as ``SubsetProbs`` or over the vocabulary: the target's
   law either way (the chain through the chain rule, the trees through recursive rejection)."""
@@ -271,8 +274,9 @@ def test_reduced_vocabulary_drafts_match_target(name, draw, q_form):
   _assert_exact(counts, n, topo)
 
 
-@pytest.mark.parametrize("draw", ["sampled", "without_replacement"])
-@pytest.mark.parametrize("name", ["two_branch", "chain3"])
+@pytest.mark.parametrize("name, draw", grid(["two_branch", "chain3"],
+                                             ["sampled", "without_replacement"],
+                                             keep=("chain3-without_replacement",)))
 def test_subset_q_agrees_with_the_same_q_over_the_vocabulary(name, draw):
   """Same key: the same outcome row by row (float rounding may flip a rare comparison), and
   the same β on a chain."""
@@ -311,8 +315,9 @@ def test_a_node_outside_the_subset_is_never_accepted():
 # --- deliberately wrong rules must fail the same harness ------------------------------------
 
 
-@pytest.mark.parametrize("draw", ["sampled", "without_replacement"])
-@pytest.mark.parametrize("name", ["two_branch", "chain3"])
+@pytest.mark.parametrize("name, draw", grid(
+    ["two_branch", "chain3"], ["sampled", "without_replacement"],
+    keep=("two_branch-without_replacement", "chain3-sampled")))
 def test_residual_on_the_drafts_support_alone_is_rejected(name, draw):
   counts, _ = _empirical(TOPOLOGIES[name], draw, rule="support_only", q_form="subset")
   _assert_wrong(counts)
@@ -343,8 +348,8 @@ def _greedy_continuation(length):
   return out
 
 
-@pytest.mark.parametrize("name", list(TOPOLOGIES))
-@pytest.mark.parametrize("draw", ["point_mass", "sampled"])
+@pytest.mark.parametrize("draw, name", grid(["point_mass", "sampled"], list(TOPOLOGIES), keep=(
+    "point_mass-depth3", "point_mass-chain3", "sampled-two_branch")))
 def test_greedy_emits_the_exact_greedy_continuation(name, draw):
   topo = TOPOLOGIES[name]
   b = 4000
@@ -527,8 +532,9 @@ RULES = [("point_mass", False), ("sampled", False), ("without_replacement", Fals
          ("point_mass", True)]
 
 
-@pytest.mark.parametrize("draw,greedy", RULES)
-@pytest.mark.parametrize("name", ["depth3", "chain3"])
+@pytest.mark.parametrize("name, draw, greedy", cases(
+    [(name, d, g) for name in ("depth3", "chain3") for d, g in RULES],
+    keep=tuple(f"depth3-{d}-{g}" for d, g in RULES)))
 def test_outcome_is_a_valid_path(name, draw, greedy):
   topo = TOPOLOGIES[name]
   prop, p, parents = _random_tree_inputs(3, 2000, topo, draw)

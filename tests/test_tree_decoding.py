@@ -32,6 +32,8 @@ from specjax.speculative.tree_acceptance import AcceptedPath
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint,
                              make_drafter, tiny_model)
 
+from matrix import grid
+
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11, 12, 13], [3]]
 NEW = 24
 CACHE = 64  # one cache size everywhere, so equal decoders share compiled programs
@@ -103,8 +105,8 @@ def _assert_same_generations(out, ref, rows):
 # --- 1. greedy equality ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("which", ["random", "noisy"])
+@pytest.mark.parametrize("which, tree", grid(["random", "noisy"], list(TREES), keep=(
+    "random-chain", "noisy-chain", "noisy-branchy", "noisy-medusa", "noisy-wide")))
 def test_greedy_tree_decoding_equals_plain_greedy(target, drafts, reference, tree, which):
   cfg, params = target
   drafter, dp = drafts[which]
@@ -113,8 +115,8 @@ def test_greedy_tree_decoding_equals_plain_greedy(target, drafts, reference, tre
   np.testing.assert_array_equal(out.num_generated, NEW)
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("which", ["self", "exit_self"])
+@pytest.mark.parametrize("which, tree", grid(["self", "exit_self"], list(TREES), keep=(
+    "self-chain", "self-branchy", "self-medusa", "self-wide", "exit_self-medusa")))
 def test_target_as_its_own_draft_accepts_the_full_depth_every_step(target, drafts, reference,
                                                                    tree, which):
   """The target as a draft model with its own cache, or as an early exit after all its
@@ -135,9 +137,11 @@ def test_target_as_its_own_draft_accepts_the_full_depth_every_step(target, draft
     assert out.metrics()["tokens_per_call"] == d + 1
 
 
-@pytest.mark.parametrize("tree", ["chain", "branchy", "medusa"])
-@pytest.mark.parametrize("which", ["reduced", "reduced_full_input", "eagle", "early_exit",
-                                   "trained_exit", "adapter_exit"])
+@pytest.mark.parametrize("which, tree", grid(
+    ["reduced", "reduced_full_input", "eagle", "early_exit", "trained_exit", "adapter_exit"],
+    ["chain", "branchy", "medusa"],
+    keep=("reduced-chain", "reduced_full_input-medusa", "eagle-branchy", "early_exit-medusa",
+          "trained_exit-chain", "adapter_exit-branchy")))  # each drafter once, each tree twice
 def test_greedy_equality_with_reduced_vocabulary_eagle_and_exits(target, drafts, reference, tree,
                                                            which):
   cfg, params = target
@@ -262,8 +266,8 @@ def test_compact_gives_the_cache_of_the_accepted_sequence(target, tree):
       _assert_prefix_equal(out, b, _fresh_cache(params, cfg, seq, size), len(seq))
 
 
-@pytest.mark.parametrize("which", ["random", "reduced"])
-@pytest.mark.parametrize("tree", ["branchy", "medusa"])
+@pytest.mark.parametrize("tree, which", grid(["branchy", "medusa"], ["random", "reduced"],
+                                             keep=("branchy-reduced", "medusa-random")))
 def test_draft_cache_after_rollback_is_the_cache_of_the_committed_sequence(target, drafts,
                                                                             which, tree):
   """After propose + rollback along any path, the draft's cache and its next proposal are
