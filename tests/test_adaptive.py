@@ -23,9 +23,10 @@ from specjax.generate import prefill
 from specjax.sampling import Greedy, Sampling, dense_probs
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import EVIDENCE, MIN_GAIN, AdaptiveGamma, PolicyState
-from specjax.speculative.calibration import (calibrate, chain_alphas, measure_chain_alpha,
-                                             measure_chain_alphas, measure_rank_accept,
-                                             measure_step_costs, measure_tree_prices)
+from specjax.speculative.calibration import (calibrate, chain_alphas, chain_decoder,
+                                             measure_chain_alpha, measure_chain_alphas,
+                                             measure_rank_accept, measure_step_costs,
+                                             measure_tree_prices)
 from specjax.speculative.replay import replay_greedy
 from specjax.speculative.tree import DynamicTree, TreeTopology
 from specjax.speculative.tree_builders import best_static_tree, expected_tokens_per_step
@@ -416,6 +417,7 @@ def test_greedy_with_a_policy_switching_among_chains_and_trees_equals_plain_gree
                              out.per_row["choice_estimate"], rtol=1e-6)
 
 
+@pytest.mark.heavy  # 40 s
 def test_profiled_twin_and_single_steps_take_the_same_path(models):
   """``stream`` (the policy's choice on the host) and ``step`` (``lax.switch``) make the
   same choices as the fused loop's inner while loops."""
@@ -791,9 +793,25 @@ def test_measured_costs_make_a_policy(models):
       beta / scored)
   counted = measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8, evidence="accepted")
   assert counted == pytest.approx(accepted / (accepted + short))
-  # Block verification is priced from the same evidence (its chains measured token-wise).
-  assert measure_chain_alpha(dataclasses.replace(sampled, verification="block"), target[1], dp,
-                             PROMPTS[:2], 3, 8) == pytest.approx(beta / scored)
+  # Block-verified chains are measured block-wise, as a chains-only policy verifies them:
+  # their weighted βs, or their own outcomes (not token-wise verification's, which differ
+  # over 24 tokens); a policy with trees verifies its chains token-wise, and so do its prices.
+  block = dataclasses.replace(sampled, verification="block")
+  assert chain_decoder(block, 3).verification == "block"
+  block_outs = [chain_decoder(block, 3).generate(target[1], dp, [p], 24, seed=i)
+                for i, p in enumerate(PROMPTS[:2])]
+  block_accepted = sum(row(o, "accepted") for o in block_outs)
+  block_short = sum(float(o.per_row["accept_len_hist"][0][:3].sum()) for o in block_outs)
+  assert measure_chain_alpha(block, target[1], dp, PROMPTS[:2], 3, 24) == pytest.approx(
+      sum(row(o, "weighted_beta_sum") for o in block_outs)
+      / sum(row(o, "weighted_count") for o in block_outs))
+  block_counted = measure_chain_alpha(block, target[1], dp, PROMPTS[:2], 3, 24,
+                                      evidence="accepted")
+  assert block_counted == pytest.approx(block_accepted / (block_accepted + block_short))
+  assert block_counted != pytest.approx(measure_chain_alpha(
+      sampled, target[1], dp, PROMPTS[:2], 3, 24, evidence="accepted"), abs=1e-3)
+  assert measure_tree_prices(block, target[1], dp, PROMPTS[:2], (2, 1, 1), 8,
+                             evidence="accepted")["chain_alpha"] == pytest.approx(counted)
   with pytest.raises(ValueError, match="evidence must be one of"):
     measure_chain_alphas(sampled, target[1], dp, PROMPTS[:2], 3, 8, evidence="flips")
   # Each prompt's own rate, over the pooled one.

@@ -117,13 +117,13 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
                          cache_size: Optional[int] = None,
                          evidence: str = "expected") -> tuple[float, tuple[float, ...]]:
   """(α_c, ease): the chains' acceptance rate as ``AdaptiveGamma`` counts it, decoding each
-  prompt alone with a chain of ``gamma`` and the template's sampler (the chains' own draw;
-  block verification is decoded token-wise, whose weighted βs are the same evidence; its
-  outcomes are not: ``"accepted"`` counts token-wise ones here; ``decode_each``),
-  pooled over the prompts and clipped to [0.01, 0.99] (the policy needs a rate strictly
-  inside (0, 1)); and each prompt's own rate over α_c (``AdaptiveGamma.prompt_ease``). A
-  policy with trees takes α_c as ``prior_alpha``, measured on the prompts its
-  ``rank_accept`` table was.
+  prompt alone with a chain of ``gamma``, the template's sampler and its verification (the
+  chains' own draw and rule, as a chains-only policy verifies them; ``decode_each``; a
+  policy with trees verifies token-wise, so ``calibrate`` and ``measure_tree_prices`` pass
+  a token-wise template), pooled over the prompts and clipped to [0.01, 0.99] (the policy
+  needs a rate strictly inside (0, 1)); and each prompt's own rate over α_c
+  (``AdaptiveGamma.prompt_ease``). A policy with trees takes α_c as ``prior_alpha``,
+  measured on the prompts its ``rank_accept`` table was.
 
   The rate is successes over successes plus failures, counted as the policy of that
   ``evidence`` (``AdaptiveGamma.evidence``) counts them: drafts accepted and steps that
@@ -141,8 +141,9 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
 
 def chain_decoder(template: SpeculativeDecoder, gamma: int) -> SpeculativeDecoder:
   """The decoder ``measure_chain_alphas`` measures with: ``template`` on a chain of ``gamma``
-  (one compiled program for every prompt and seed; block verification decoded token-wise)."""
-  return _tree_decoder(template, TreeTopology.chain(gamma))
+  (one compiled program for every prompt and seed), verified as ``template`` verifies (block
+  verification is defined for chains, and a chains-only policy verifies its chains so)."""
+  return dataclasses.replace(template, policy=None, gamma=None, tree=TreeTopology.chain(gamma))
 
 
 CHAIN_COUNTERS = ("accept_len_hist", "weighted_beta_sum", "weighted_count", "lead_beta_sum",
@@ -210,12 +211,13 @@ def measure_tree_prices(template: SpeculativeDecoder, target_params: Params, dra
   """What a policy with trees is priced by, on the same prompts: ``measure_rank_accept``'s
   dict (the table and its counts) with ``chain_alpha`` and ``prompt_ease``, the chains'
   rate from a chain as deep as the full tree and how it varies by prompt
-  (``measure_chain_alphas``, counted as a policy of that ``evidence`` counts)."""
+  (``measure_chain_alphas``, counted as a policy of that ``evidence`` counts, verified
+  token-wise as a policy with trees verifies its chains)."""
   out = measure_rank_accept(template, target_params, draft_params, prompts, branching,
                             max_new_tokens, seed, cache_size)
   out["chain_alpha"], out["prompt_ease"] = measure_chain_alphas(
-      template, target_params, draft_params, prompts, len(out["branching"]), max_new_tokens,
-      seed, cache_size, evidence)
+      tokenwise(template), target_params, draft_params, prompts, len(out["branching"]),
+      max_new_tokens, seed, cache_size, evidence)
   return out
 
 
@@ -225,12 +227,18 @@ def default_branching(depth: int) -> tuple[int, ...]:
   return ((6, 3, 2) + (1,) * depth)[:depth]
 
 
+def tokenwise(template: SpeculativeDecoder) -> SpeculativeDecoder:
+  """``template`` with block verification, which is defined for chains only, replaced by
+  token-wise verification (as a policy with trees verifies); any other rule kept."""
+  if template.verification != "block":
+    return template
+  return dataclasses.replace(template, verification="tokenwise")
+
+
 def _tree_decoder(template: SpeculativeDecoder, tree: Tree) -> SpeculativeDecoder:
-  """``template`` on a fixed tree (validated against its drafter); block verification, which
-  is defined for chains only, is measured token-wise (a policy with trees must be too)."""
-  verification = "tokenwise" if template.verification == "block" else template.verification
-  return dataclasses.replace(template, policy=None, gamma=None, tree=tree,
-                             verification=verification)
+  """``template`` on a fixed tree (validated against its drafter), verified token-wise where
+  it verifies blocks (``tokenwise``)."""
+  return dataclasses.replace(tokenwise(template), policy=None, gamma=None, tree=tree)
 
 
 def loop_step_seconds(outs: Sequence[Any]) -> float:
@@ -271,7 +279,8 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   measured on the same prompts, one at a time, with a full tree as deep as the deepest
   tree (``measure_rank_accept``, with the template's sampler: the trees' own draw); with
   trees and no ``prior_alpha``, the chains' rate is measured there too
-  (``measure_chain_alphas``, counted as the policy's ``evidence`` counts); with more than
+  (``measure_chain_alphas``, counted as the policy's ``evidence`` counts, its chains
+  verified as the template verifies, token-wise where there are trees); with more than
   one prompt and no ``prompt_ease``, how the chains' rate varies over them is measured too
   (the policy then prices a batch's steps for the row it waits on), and that rate, which
   the spread is relative to, becomes the prior unless ``prior_alpha`` is given.
@@ -287,7 +296,8 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   # (no chain to measure by: AdaptiveGamma refuses such a set below)
   need_ease = len(prompts) > 1 and depth >= 1 and "prompt_ease" not in policy_kwargs
   if need_alpha or need_ease:
-    alpha, ease = measure_chain_alphas(template, target_params, draft_params, prompts, depth,
+    alpha, ease = measure_chain_alphas(tokenwise(template) if trees else template,
+                                       target_params, draft_params, prompts, depth,
                                        max_new_tokens,
                                        evidence=policy_kwargs.get("evidence", "expected"))
     policy_kwargs.setdefault("prior_alpha", alpha)
