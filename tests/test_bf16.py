@@ -102,7 +102,7 @@ def _drafter(kind, cfg, p16):
   return make_drafter(kind, cfg, p16, CORPUS)
 
 
-@pytest.mark.parametrize("kind", cases(KINDS, keep=("model", "eagle", "medusa")))
+@pytest.mark.parametrize("kind", cases(KINDS, keep=("model", "early_exit", "eagle", "medusa")))
 def test_greedy_speculative_decoding_in_bfloat16_equals_plain_bfloat16(target, kind):
   cfg, _, p16 = target
   ref = generate(p16, cfg, PROMPTS, 20, Greedy(), eos_ids=()).tokens

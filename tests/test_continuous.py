@@ -75,7 +75,7 @@ KINDS = ["model_chain", "model_adaptive", "model_adaptive_trees", "eagle", "medu
 
 
 @pytest.mark.parametrize("kind", cases(KINDS, keep=("model_chain", "model_adaptive_trees", "eagle",
-                                                   "lookahead")))
+                                                   "adapter_exit_tree", "lookahead")))
 def test_every_request_gets_plain_greedy_tokens(models, kind):
   """Prompts (1 to 19 tokens, prefilled 4 at a time between the other slots' steps) and
   budgets of different lengths over 3 slots: each request's tokens are plain greedy

@@ -273,6 +273,7 @@ def _fused_setup(cfg, params, recs, *, noise, ttt_steps, layers=(0,)):
   return recs, feats, vm, objective, draft
 
 
+@pytest.mark.heavy  # 45 s
 def test_a_trimmed_batch_gives_the_eagle_loss_of_the_padded_one(toy):
   """``make_batch(pad_to=...)`` (length-grouped training) cuts the trailing padding of tokens
   and stored features; the EAGLE loss, training-time test unrolled over 3 steps (its cache and
@@ -295,6 +296,7 @@ def test_a_trimmed_batch_gives_the_eagle_loss_of_the_padded_one(toy):
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
+@pytest.mark.heavy  # 55 s
 def test_a_fusion_trains_on_stored_zero_padded_features_with_finite_gradients(toy):
   """Stored features pad a batch with zeros (the online teacher's are the target's over pad
   tokens); the input noise's scale must not make the fusion's gradients NaN there."""
@@ -353,6 +355,7 @@ def test_training_time_test_steps_read_their_own_predictions():
   np.testing.assert_allclose(np.asarray(h1), np.asarray(hs[0]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.heavy  # 99 s; growing a drafter is the ablation's, not decoding's
 def test_a_grown_drafter_proposes_what_it_grew_from_and_its_new_layer_trains():
   cfg, params = tiny_model(seed=0)
   layers = (0, 1)

@@ -901,6 +901,7 @@ def test_stop_at_eos_run_stops_rows_and_stays_consistent(tmp_path, monkeypatch):
   assert "stopping at EOS" in open(os.path.join(str(tmp_path), "tables.md")).read()
 
 
+@pytest.mark.heavy  # 82 s
 def test_a_crowded_process_frees_its_programs_and_compiles_plain_decoding_before_timing(
     tmp_path, monkeypatch):
   """Near the memory-mapping limit (forced here) the bench frees every compiled program

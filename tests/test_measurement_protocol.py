@@ -352,6 +352,7 @@ def test_untimed_greedy_runs_are_replayed_with_the_real_runs_tokens_and_counters
       np.testing.assert_array_equal(got[name], want[name])
 
 
+@pytest.mark.heavy  # 81 s
 def test_untimed_runs_in_two_threads_log_what_one_thread_logs(tmp_path, monkeypatch):
   """Bench.untimed_many (the Table-3 α runs, config.workers at a time) stores and logs each
   job's run in job order, with the tokens and counters of one run at a time; the greedy

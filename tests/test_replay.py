@@ -58,7 +58,7 @@ CACHE = 64  # one cache size for every call, so the programs are shared across b
 
 
 @pytest.mark.parametrize("kind", cases(("noisy_self",) + DRAFTER_KINDS,
-                                       keep=("noisy_self", "eagle", "medusa")))
+                                       keep=("noisy_self", "early_exit", "eagle", "medusa")))
 def test_replay_equals_the_greedy_run_token_for_token_and_counter_for_counter(target, kind):
   cfg, params, corpus = target
   drafter, dp = _drafter(kind, cfg, params, corpus)

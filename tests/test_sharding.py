@@ -242,6 +242,7 @@ def test_exact_rules_refuse_weights_they_cannot_split_exactly():
     sharding.shard_params(params, cfg, mesh, exact)
 
 
+@pytest.mark.heavy  # 123 s of the default run's workers; decoding on the mesh stays
 def test_training_on_simulated_meshes_matches_one_device():
   """Distillation of a token draft, an EAGLE-3 drafter and Medusa heads with the teacher
   target sharded over "model" and batch rows over "data" gives one device's parameters and

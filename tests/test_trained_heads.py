@@ -427,6 +427,7 @@ def test_bad_exits_are_refused(deep, tmp_path):
 # ------------------------------------------------------------------ own heads (--own_head)
 
 
+@pytest.mark.heavy  # 47 s
 def test_own_heads_train_their_rows_and_ship_with_them(toy, deep, tmp_path):
   """``--own_head``: each head trains its own copy of the frozen LM-head rows (Medusa-1's
   design), which start as the shared head (same logits before training), move in training,
