@@ -172,7 +172,8 @@ def test_proposals_during_decoding_match_the_brute_force(target, draft, which):
 
 @pytest.mark.parametrize("which, tree", grid(
     ["random_draft", "target_as_draft", "eagle", "exit_self", "trained_exit", "adapter_exit"],
-    {"eagle2": TREE, "sampled": SAMPLED}, keep=("random_draft-eagle2", "target_as_draft-sampled", "eagle-sampled",
+    {"eagle2": TREE, "sampled": SAMPLED},
+    keep=("random_draft-eagle2", "target_as_draft-sampled", "eagle-sampled",
           "exit_self-sampled", "adapter_exit-eagle2")))
 def test_greedy_equals_plain_greedy_decoding(target, draft, which, tree):
   cfg, params = target

@@ -68,7 +68,8 @@ def _assert_plain_greedy(dec, cfg, params, dp, prompts):
 
 @pytest.mark.parametrize("prompts, shape, kind", grid(
     {"mixed": PROMPTS, "all_copy": ALL_COPY}, ["chain", "dynamic_tree"],
-    ["eagle", "early_exit", "model", "no_skip"], keep=("mixed-chain-eagle", "mixed-dynamic_tree-model", "mixed-dynamic_tree-early_exit",
+    ["eagle", "early_exit", "model", "no_skip"],
+    keep=("mixed-chain-eagle", "mixed-dynamic_tree-model", "mixed-dynamic_tree-early_exit",
           "all_copy-chain-no_skip", "all_copy-dynamic_tree-eagle")))
 def test_greedy_equals_plain_greedy_decoding(target, kind, shape, prompts):
   cfg, params = target

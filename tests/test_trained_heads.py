@@ -249,7 +249,8 @@ def test_zero_exit_head_is_the_training_free_exit(deep):
     np.testing.assert_allclose(a[1], b[1], atol=1e-5)
 
 
-@pytest.mark.parametrize("adapter", cases([False, True], ids=["head", "adapter"], keep=("adapter",)))
+@pytest.mark.parametrize("adapter", cases([False, True], ids=["head", "adapter"],
+                                           keep=("adapter",)))
 def test_tiny_exit_training_raises_alpha_and_decodes_losslessly(deep, tmp_path, adapter):
   """The exit after 1 of 3 layers, trained on stored layer-0 features (with or without an
   attention adapter): held-out α at T = 0 rises from the untrained exit's, as does the

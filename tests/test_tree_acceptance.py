@@ -228,7 +228,8 @@ def test_harness_matrices_are_far_apart():
 # --- the lossless rules match the exact law ------------------------------------------------
 
 
-@pytest.mark.parametrize("name, draw", grid(list(TOPOLOGIES), ["point_mass", "sampled", "without_replacement"], keep=(
+@pytest.mark.parametrize("name, draw", grid(
+    list(TOPOLOGIES), ["point_mass", "sampled", "without_replacement"], keep=(
     "two_branch-point_mass", "wide4-point_mass", "two_branch-sampled", "depth3-sampled",
     "depth3-without_replacement", "wide4-without_replacement")))  # each rule on two trees
 def test_tree_rules_match_target(name, draw):

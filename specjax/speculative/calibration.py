@@ -216,7 +216,7 @@ def measure_tree_prices(template: SpeculativeDecoder, target_params: Params, dra
   out = measure_rank_accept(template, target_params, draft_params, prompts, branching,
                             max_new_tokens, seed, cache_size)
   out["chain_alpha"], out["prompt_ease"] = measure_chain_alphas(
-      tokenwise(template), target_params, draft_params, prompts, len(out["branching"]),
+      _tokenwise(template), target_params, draft_params, prompts, len(out["branching"]),
       max_new_tokens, seed, cache_size, evidence)
   return out
 
@@ -227,7 +227,7 @@ def default_branching(depth: int) -> tuple[int, ...]:
   return ((6, 3, 2) + (1,) * depth)[:depth]
 
 
-def tokenwise(template: SpeculativeDecoder) -> SpeculativeDecoder:
+def _tokenwise(template: SpeculativeDecoder) -> SpeculativeDecoder:
   """``template`` with block verification, which is defined for chains only, replaced by
   token-wise verification (as a policy with trees verifies); any other rule kept."""
   if template.verification != "block":
@@ -237,8 +237,8 @@ def tokenwise(template: SpeculativeDecoder) -> SpeculativeDecoder:
 
 def _tree_decoder(template: SpeculativeDecoder, tree: Tree) -> SpeculativeDecoder:
   """``template`` on a fixed tree (validated against its drafter), verified token-wise where
-  it verifies blocks (``tokenwise``)."""
-  return dataclasses.replace(tokenwise(template), policy=None, gamma=None, tree=tree)
+  it verifies blocks (``_tokenwise``)."""
+  return dataclasses.replace(_tokenwise(template), policy=None, gamma=None, tree=tree)
 
 
 def loop_step_seconds(outs: Sequence[Any]) -> float:
@@ -296,7 +296,7 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   # (no chain to measure by: AdaptiveGamma refuses such a set below)
   need_ease = len(prompts) > 1 and depth >= 1 and "prompt_ease" not in policy_kwargs
   if need_alpha or need_ease:
-    alpha, ease = measure_chain_alphas(tokenwise(template) if trees else template,
+    alpha, ease = measure_chain_alphas(_tokenwise(template) if trees else template,
                                        target_params, draft_params, prompts, depth,
                                        max_new_tokens,
                                        evidence=policy_kwargs.get("evidence", "expected"))
