@@ -28,7 +28,8 @@ from specjax.speculative import DynamicTree, SpeculativeDecoder, TreeTopology
 from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import Acceptance
 from specjax.speculative.block_verification import (accept_block, block_weights,
-                                                    expected_tokens, stop_probabilities)
+                                                    expected_tokens, stop_probabilities,
+                                                    tree_rule)
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint, make_drafter,
                              new_compiles_across_batches, tiny_model)
 
@@ -347,3 +348,11 @@ def test_bad_settings_are_refused_before_compiling(models):
   for tree in (TreeTopology((-1, -1, 0)), DynamicTree(top_k=2, depth=2, num_nodes=4)):
     with pytest.raises(ValueError, match="defined for chains"):
       SpeculativeDecoder(cfg, ModelDrafter(dcfg), tree=tree, verification="block")
+
+
+def test_trees_are_verified_token_wise_where_block_verification_is_asked_for():
+  """The one rule the decoders of trees (experiments, calibration) share."""
+  from specjax.speculative.typical_acceptance import TypicalAcceptance
+  typical = TypicalAcceptance()
+  assert tree_rule("block") == "tokenwise" and tree_rule("tokenwise") == "tokenwise"
+  assert tree_rule(typical) is typical

@@ -765,11 +765,11 @@ def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path, refused):
   a run against its choices' steps; a forced γ outside the choices, temperatures without
   either, costs that do not match the choices and both modes at once are refused."""
   out = tmp_path / "overhead.md"
-  args = [sys.executable, "-m", "benchmarks.adaptive_overhead", "--target=tiny",
-          "--batch_sizes=1,2", "--new_tokens=4", "--rounds=2", "--prompts=2"]
+  common = ["--target=tiny", "--batch_sizes=1,2", "--new_tokens=4", "--rounds=2", "--prompts=2"]
 
   def run(*flags, out=out):
-    return subprocess.run(args + ["--draft=tiny", *flags, f"--out={out}"], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "benchmarks.adaptive_overhead", *common,
+                           "--draft=tiny", *flags, f"--out={out}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
   def rows_of(path, start):
@@ -810,7 +810,7 @@ def test_adaptive_overhead_benchmark_runs_on_tiny_models(tmp_path, refused):
     check_ratio(r[4])
     costs = [float(x.split("(")[1].rstrip(") |")) for x in r[5].split(" / ")]
     assert len(costs) == 5 and costs[0] == 1.0 and min(costs) > 0, r
-  bad = lambda *flags, draft="tiny": [*args[3:], f"--draft={draft}", *flags,
+  bad = lambda *flags, draft="tiny": [*common, f"--draft={draft}", *flags,
                                       f"--out={tmp_path / 'b.md'}"]
   refused("benchmarks.adaptive_overhead",
           (bad(draft="jacobi"), "cannot skip steps"),

@@ -52,6 +52,14 @@ from specjax.speculative.acceptance import (Acceptance, finite_probs, keep_proba
 VERIFICATIONS = ("tokenwise", "block")  # SpeculativeDecoder.verification
 
 
+def tree_rule(verification):
+  """The rule that verifies token trees where ``verification`` is asked for: block
+  verification is defined for chains only (Sun et al. 2024 give no tree construction), so
+  a tree, or a policy that may choose one, is verified token-wise; any other rule (token-wise,
+  Medusa's typical acceptance) is kept."""
+  return "tokenwise" if verification == "block" else verification
+
+
 def block_weights(drafts: jax.Array, q: jax.Array | SubsetProbs, p: jax.Array) -> jax.Array:
   """[B, γ + 1] the running weights w₀ = 1, wᵢ = min(1, wᵢ₋₁ pᵢ(dᵢ)/qᵢ(dᵢ))."""
   gamma = drafts.shape[1]

@@ -35,6 +35,7 @@ import numpy as np
 from specjax.generate import generate
 from specjax.model import Params
 from specjax.speculative.adaptive import AdaptiveGamma, Tree, check_evidence
+from specjax.speculative.block_verification import tree_rule
 from specjax.speculative.decoder import SpeculativeDecoder
 from specjax.speculative.tree import TreeTopology
 from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
@@ -228,11 +229,8 @@ def default_branching(depth: int) -> tuple[int, ...]:
 
 
 def _tokenwise(template: SpeculativeDecoder) -> SpeculativeDecoder:
-  """``template`` with block verification, which is defined for chains only, replaced by
-  token-wise verification (as a policy with trees verifies); any other rule kept."""
-  if template.verification != "block":
-    return template
-  return dataclasses.replace(template, verification="tokenwise")
+  """``template`` verifying as trees are verified (``block_verification.tree_rule``)."""
+  return dataclasses.replace(template, verification=tree_rule(template.verification))
 
 
 def _tree_decoder(template: SpeculativeDecoder, tree: Tree) -> SpeculativeDecoder:
