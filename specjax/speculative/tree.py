@@ -279,6 +279,31 @@ def depth_from_parents(parents: jax.Array, max_depth: int) -> jax.Array:
   return jnp.sum(block_mask_from_parents(parents, max_depth), axis=-1).astype(jnp.int32) - 1
 
 
+def node_arrays(topology: "TreeTopology", batch: int, parents: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(block parents of the nodes [B, N], ancestor-or-self mask [B, N + 1, N + 1], block
+  depth [B, N + 1]) of ``batch`` rows: the static topology's, or those of per-row
+  ``parents`` [B, N] (dynamic trees; ``topology`` then gives the maximum depth)."""
+  if parents is None:
+    n = topology.num_nodes
+    par = jnp.broadcast_to(jnp.asarray(topology.block_parents[1:]), (batch, n))
+    mask = jnp.broadcast_to(jnp.asarray(topology.block_mask), (batch, n + 1, n + 1))
+    depth = jnp.broadcast_to(jnp.asarray(topology.block_depth), (batch, n + 1))
+    return par, mask, depth
+  d = topology.max_depth
+  return (parents.astype(jnp.int32) + 1, block_mask_from_parents(parents, d),
+          depth_from_parents(parents, d))
+
+
+def path_to(entry: jax.Array, mask: jax.Array, depth: jax.Array, max_depth: int) -> jax.Array:
+  """[B, D + 1] the ancestors of block entry ``entry`` [B] by depth, root first (-1 past
+  its depth), from ``node_arrays``' mask and depth."""
+  anc = jnp.take_along_axis(mask, entry[:, None, None], axis=1)[:, 0]  # [B, N+1]
+  levels = jnp.arange(max_depth + 1)
+  hit = anc[:, None, :] & (depth[:, None, :] == levels[None, :, None])  # [B, D+1, N+1]
+  return jnp.where(jnp.any(hit, -1), jnp.argmax(hit, -1), -1).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamicTree:
   """An EAGLE-2 dynamic tree: static sizes, per-row shape chosen at run time by the draft.

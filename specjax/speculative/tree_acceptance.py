@@ -52,8 +52,8 @@ from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import finite_probs, support_view
 from specjax.speculative.block_verification import accept_block
 from specjax.speculative.proposal import Proposal
-from specjax.speculative.tree import (TreeTopology, block_mask_from_parents,
-                                      block_parents_from_parents, depth_from_parents)
+from specjax.speculative.tree import (TreeTopology, block_parents_from_parents, node_arrays,
+                                      path_to)
 
 
 class TreeAcceptance(NamedTuple):
@@ -86,27 +86,6 @@ class AcceptedPath(NamedTuple):
   start: jax.Array
   path: jax.Array
   num_accepted: jax.Array
-
-
-def _tree_arrays(proposal: Proposal, topology: TreeTopology):
-  """(block parents of the nodes [B, N], block mask [B, N+1, N+1], block depth [B, N+1])."""
-  b, n = proposal.tokens.shape
-  if proposal.parents is None:
-    par = jnp.broadcast_to(jnp.asarray(topology.block_parents[1:]), (b, n))
-    mask = jnp.broadcast_to(jnp.asarray(topology.block_mask), (b, n + 1, n + 1))
-    depth = jnp.broadcast_to(jnp.asarray(topology.block_depth), (b, n + 1))
-    return par, mask, depth
-  d = topology.max_depth
-  return (proposal.parents.astype(jnp.int32) + 1, block_mask_from_parents(proposal.parents, d),
-          depth_from_parents(proposal.parents, d))
-
-
-def _path_to(best: jax.Array, mask: jax.Array, depth: jax.Array, max_depth: int) -> jax.Array:
-  """[B, D + 1] the ancestors of block entry ``best`` [B] by depth (-1 past its depth)."""
-  anc = jnp.take_along_axis(mask, best[:, None, None], axis=1)[:, 0]  # [B, N+1]
-  levels = jnp.arange(max_depth + 1)
-  hit = anc[:, None, :] & (depth[:, None, :] == levels[None, :, None])  # [B, D+1, N+1]
-  return jnp.where(jnp.any(hit, -1), jnp.argmax(hit, -1), -1).astype(jnp.int32)
 
 
 GREEDY_IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu",
@@ -167,13 +146,13 @@ def accept_greedy(proposal: Proposal, p: jax.Array, topology: TreeTopology, *,
   resolved = resolve_greedy_impl(impl)
   if resolved != "reference":
     return _greedy_by_kernel(proposal, target, topology, resolved)
-  par, mask, depth = _tree_arrays(proposal, topology)
+  par, mask, depth = node_arrays(topology, b, proposal.parents)
   match = proposal.tokens == jnp.take_along_axis(target, par, axis=1)  # [B, N]
   match = jnp.concatenate([jnp.ones((b, 1), bool), match], axis=1)
   ok = ~jnp.any(mask & ~match[:, None, :], axis=-1)  # every ancestor-or-self matches
   score = jnp.where(ok, depth * (n + 2) - jnp.arange(n + 1)[None, :], -1)
   best = jnp.argmax(score, axis=1).astype(jnp.int32)
-  path = _path_to(best, mask, depth, topology.max_depth)
+  path = path_to(best, mask, depth, topology.max_depth)
   n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]
   next_token = jnp.take_along_axis(target, best[:, None], axis=1)[:, 0]
   return TreeAcceptance(path=path, num_accepted=n_acc, next_token=next_token,
@@ -225,7 +204,7 @@ def _greedy_by_kernel(proposal: Proposal, target: jax.Array, topology: TreeTopol
 def _accept_point_mass(key, proposal, p, topology) -> TreeAcceptance:
   """Recursive rejection with point-mass q: O(N^2) scalar work plus one [B, V] draw."""
   b, n = proposal.tokens.shape
-  par, mask, depth = _tree_arrays(proposal, topology)
+  par, mask, depth = node_arrays(topology, b, proposal.parents)
   u_key, s_key = jax.random.split(key)
   u = jax.random.uniform(u_key, (b, n))
   tok = proposal.tokens
@@ -253,7 +232,7 @@ def _accept_point_mass(key, proposal, p, topology) -> TreeAcceptance:
   residual = jnp.take_along_axis(p, cur[:, None, None], axis=1)[:, 0]
   drop = jnp.where(rejected, tok, p.shape[-1])  # rejected siblings of the final node
   residual = residual.at[rows[:, None], drop].set(0.0, mode="drop")
-  path = _path_to(cur, mask, depth, topology.max_depth)
+  path = path_to(cur, mask, depth, topology.max_depth)
   n_acc = jnp.take_along_axis(depth, cur[:, None], axis=1)[:, 0]
   return TreeAcceptance(path=path, num_accepted=n_acc, next_token=sample_from(s_key, residual),
                         beta=jnp.zeros((b, topology.max_depth), jnp.float32))
@@ -274,7 +253,7 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
   mass outside) + Σ r_K, and only the final draw reads a [B, V] row.
   """
   b, n = proposal.tokens.shape
-  par, mask, depth = _tree_arrays(proposal, topology)
+  par, mask, depth = node_arrays(topology, b, proposal.parents)
   u_key, s_key = jax.random.split(key)
   u = jax.random.uniform(u_key, (b, n))
   without = proposal.draw == "without_replacement"
@@ -318,7 +297,7 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
   (cur, r, _, _, _, _), _ = jax.lax.scan(body, init, xs)
   if ids is not None:  # r's entries placed in the final entry's p row
     r = jnp.take_along_axis(p, cur[:, None, None], axis=1)[:, 0].at[:, ids].set(r)
-  path = _path_to(cur, mask, depth, topology.max_depth)
+  path = path_to(cur, mask, depth, topology.max_depth)
   n_acc = jnp.take_along_axis(depth, cur[:, None], axis=1)[:, 0]
   return TreeAcceptance(path=path, num_accepted=n_acc, next_token=sample_from(s_key, r),
                         beta=jnp.zeros((b, topology.max_depth), jnp.float32))
@@ -408,7 +387,7 @@ def first_chain_beta(proposal: Proposal, p: jax.Array,
   b, n = proposal.tokens.shape
   d = topology.max_depth
   p = finite_probs(p)
-  par, _, depth = _tree_arrays(proposal, topology)
+  par, _, depth = node_arrays(topology, b, proposal.parents)
   first = node_ranks(proposal, topology) == 0
   lead = first & (par == 0)
   for _ in range(d - 1):  # down one level per pass (parents come before their children)

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from specjax.sampling import sample_from
 from specjax.speculative.acceptance import finite_probs
 from specjax.speculative.proposal import Proposal
-from specjax.speculative.tree import TreeTopology
-from specjax.speculative.tree_acceptance import TreeAcceptance, _path_to, _tree_arrays
+from specjax.speculative.tree import TreeTopology, node_arrays, path_to
+from specjax.speculative.tree_acceptance import TreeAcceptance
 from specjax import validation
 
 TYPICAL_LOSSY = "typical_lossy"  # the verification name that selects it with the defaults
@@ -74,7 +74,7 @@ def accept_typical(key: jax.Array, proposal: Proposal, p: jax.Array, topology: T
   """
   b, n = proposal.tokens.shape
   p = finite_probs(p)
-  par, mask, depth = _tree_arrays(proposal, topology)  # par [B, N] block parents
+  par, mask, depth = node_arrays(topology, b, proposal.parents)  # par [B, N] block parents
   tau = rule.tau(p)  # [B, N + 1]
   p_par = jnp.take_along_axis(p, par[:, :, None], axis=1)  # [B, N, V]
   px = jnp.take_along_axis(p_par, proposal.tokens[:, :, None], axis=-1)[:, :, 0]  # [B, N]
@@ -89,7 +89,7 @@ def accept_typical(key: jax.Array, proposal: Proposal, p: jax.Array, topology: T
   p_end = jnp.take_along_axis(p, best[:, None, None], axis=1)[:, 0]  # [B, V]
   tau_end = jnp.take_along_axis(tau, best[:, None], axis=1)
   next_token = sample_from(key, jnp.where(p_end >= tau_end, p_end, 0.0))
-  return TreeAcceptance(path=_path_to(best, mask, depth, topology.max_depth),
+  return TreeAcceptance(path=path_to(best, mask, depth, topology.max_depth),
                         num_accepted=jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0],
                         next_token=next_token.astype(jnp.int32),
                         beta=jnp.zeros((b, topology.max_depth), jnp.float32))
