@@ -123,6 +123,8 @@ def run(config: ExperimentConfig, command: str = "") -> dict:
                        ngram_corpus_build_seconds=c.build_seconds)
   results = dict(
       command=command, config=config.to_dict(), git=git,
+      # how trees were verified under --verification=block (token-wise before 2026-12-08)
+      tree_verification="traversal" if config.verification == "block" else "tokenwise",
       machine=report.machine_info(target.params),
       load_average_start=load_start, load_average_end=load_average(),
       total_seconds=time.perf_counter() - start, experiment_seconds=timings,

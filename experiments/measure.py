@@ -73,7 +73,6 @@ from specjax import compile_cache
 from specjax.sampling import make_sampler, scale_temperature
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.adaptive import MIN_GAIN, AdaptiveGamma, check_evidence
-from specjax.speculative.block_verification import tree_rule
 from specjax.speculative.calibration import (loop_step_seconds, measure_chain_alphas,
                                              measure_tree_prices)
 from specjax.speculative.replay import replay_greedy
@@ -479,13 +478,11 @@ class Bench:
     common = dict(sampler=sampler, eos_ids=self.eos_ids,
                   draft_sampler=None if temperature == 0 or ratio == 1
                   else scale_temperature(sampler, ratio))
-    rule = self.config.verification
+    common["verification"] = self.config.verification
     if policy is not None:
-      return SpeculativeDecoder(self.target.cfg, draft.drafter, policy=policy,
-                                verification=tree_rule(rule) if policy.trees else rule,
-                                **common)
+      return SpeculativeDecoder(self.target.cfg, draft.drafter, policy=policy, **common)
     return SpeculativeDecoder(self.target.cfg, draft.drafter, tree=tree_shape(tree, gamma),
-                              verification=tree_rule(rule) if tree else rule, **common)
+                              **common)
 
   def spec_many(self, draft: Draft, settings: Sequence[tuple[int, Optional[tuple]]],
                 temperature: float, timed: bool = True, group: str = "") -> list[SpecRun]:

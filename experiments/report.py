@@ -57,6 +57,15 @@ def machine_info(target_params=None) -> dict[str, Any]:
 _RULE_WORDS = {"tokenwise": "token-wise", "block": "block-wise"}  # --verification in tables
 
 
+def _tree_rule_words(results: dict) -> str:
+  """The header's words on trees under --verification=block: traversal verification since
+  2026-12-08 (``results["tree_verification"]``); before, trees were verified token-wise
+  under either rule, and runs of that time record nothing (no words)."""
+  if results.get("tree_verification") != "traversal":
+    return ""
+  return ", trees by traversal verification (Weng et al. 2025)"
+
+
 def run_summary(run: SpecRun) -> dict[str, Any]:
   """A run's timings and provenance for results.json (the token-level outputs stay in the
   progress log), with how many tokens each row generated in each method (``tokens``,
@@ -243,6 +252,7 @@ def tables_markdown(results: dict) -> str:
       f"(one category per batch), {'stopping at EOS' if cfg['stop_at_eos'] else 'EOS ignored'}; "
       f"chains verified {_RULE_WORDS[cfg.get('verification', 'tokenwise')]}"
       f"{' (Sun et al. 2024)' if cfg.get('verification') == 'block' else ''}"
+      f"{_tree_rule_words(results)}"
       f"{_draft_temperature_words(cfg.get('draft_temperature', 1.0))}.",
       "",
       "Conventions: α = E[β] with β = Σₓ min(p, q) over positions up to the first rejection; "

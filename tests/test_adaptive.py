@@ -769,7 +769,7 @@ def test_measured_costs_make_a_policy(models):
   table = measure_rank_accept(itself, target[1], self_dp, PROMPTS[:2], (6, 3),
                               max_new_tokens=8)
   assert table["table"][:, 0].tolist() == [1.0, 1.0]
-  block = dataclasses.replace(itself, verification="block")  # trees are measured token-wise
+  block = dataclasses.replace(itself, verification="block")  # its trees: traversal
   assert len(measure_step_costs(block, target[1], self_dp, PROMPTS[:1], (1,), max_new_tokens=4,
                                 rounds=1, trees=(FORK,))) == 2
   assert with_trees.rank_accept == tuple(map(tuple, table["table"].tolist()))
@@ -795,7 +795,7 @@ def test_measured_costs_make_a_policy(models):
   assert counted == pytest.approx(accepted / (accepted + short))
   # Block-verified chains are measured block-wise, as a chains-only policy verifies them:
   # their weighted βs, or their own outcomes (not token-wise verification's, which differ
-  # over 24 tokens); a policy with trees verifies its chains token-wise, and so do its prices.
+  # over 24 tokens), and so do a policy's tree prices (its trees verified by traversal).
   block = dataclasses.replace(sampled, verification="block")
   assert chain_decoder(block, 3).verification == "block"
   block_outs = [chain_decoder(block, 3).generate(target[1], dp, [p], 24, seed=i)
@@ -810,8 +810,11 @@ def test_measured_costs_make_a_policy(models):
   assert block_counted == pytest.approx(block_accepted / (block_accepted + block_short))
   assert block_counted != pytest.approx(measure_chain_alpha(
       sampled, target[1], dp, PROMPTS[:2], 3, 24, evidence="accepted"), abs=1e-3)
-  assert measure_tree_prices(block, target[1], dp, PROMPTS[:2], (2, 1, 1), 8,
-                             evidence="accepted")["chain_alpha"] == pytest.approx(counted)
+  block_prices = measure_tree_prices(block, target[1], dp, PROMPTS[:2], (2, 1, 1), 24,
+                                     evidence="accepted")
+  assert block_prices["chain_alpha"] == pytest.approx(block_counted)
+  np.testing.assert_array_equal(block_prices["table"], measure_rank_accept(
+      sampled, target[1], dp, PROMPTS[:2], (2, 1, 1), 24)["table"])  # recursive rejection's
   with pytest.raises(ValueError, match="evidence must be one of"):
     measure_chain_alphas(sampled, target[1], dp, PROMPTS[:2], 3, 8, evidence="flips")
   # Each prompt's own rate, over the pooled one.
@@ -863,8 +866,8 @@ def test_bad_policy_use_is_refused_before_anything_compiles(models):
   with pytest.raises(ValueError, match="adaptive policy"):
     replay_greedy(dec, params, dp, PROMPTS[:1], [[1] * 20], 8)
   assert dec.with_policy(None).gamma == 4  # back to a fixed chain
-  with pytest.raises(ValueError, match="verification='block'"):
-    SpeculativeDecoder(cfg, drafter, policy=WITH_TREES, verification="block")
+  assert SpeculativeDecoder(cfg, drafter, policy=WITH_TREES,  # trees: traversal verification
+                            verification="block").verification == "block"
   with pytest.raises(ValueError, match="cannot build"):  # Jacobi drafts chains only
     SpeculativeDecoder(cfg, JacobiDrafter(cfg.vocab_size),
                        policy=dataclasses.replace(WITH_TREES, gammas=(1,), step_costs=(1.1,)))

@@ -10,7 +10,8 @@ Three layers of evidence:
     independent runs of the first three emitted tokens, by chi-square and total
     variation; two deliberately wrong variants of the rule must fail the same test;
   * the decoder: ``SpeculativeDecoder(verification="block")`` on tiny models is greedy
-    exact, matches the target's two-token law, compiles once, refuses trees.
+    exact, matches the target's two-token law, compiles once; trees go to traversal
+    verification (``tests/test_traversal_verification.py``).
 """
 
 import functools
@@ -28,8 +29,7 @@ from specjax.speculative import DynamicTree, SpeculativeDecoder, TreeTopology
 from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import Acceptance
 from specjax.speculative.block_verification import (accept_block, block_weights,
-                                                    expected_tokens, stop_probabilities,
-                                                    tree_rule)
+                                                    expected_tokens, stop_probabilities)
 from specjax.testing import (chi_square_pvalue, empirical_joint, exact_joint, make_drafter,
                              new_compiles_across_batches, tiny_model)
 
@@ -346,13 +346,8 @@ def test_bad_settings_are_refused_before_compiling(models):
   with pytest.raises(ValueError, match="unknown verification"):
     SpeculativeDecoder(cfg, ModelDrafter(dcfg), gamma=2, verification="joint")
   for tree in (TreeTopology((-1, -1, 0)), DynamicTree(top_k=2, depth=2, num_nodes=4)):
-    with pytest.raises(ValueError, match="defined for chains"):
-      SpeculativeDecoder(cfg, ModelDrafter(dcfg), tree=tree, verification="block")
+    # trees are verified by traversal verification (tests/test_traversal_verification.py)
+    assert SpeculativeDecoder(cfg, ModelDrafter(dcfg), tree=tree,
+                              verification="block").verification == "block"
 
 
-def test_trees_are_verified_token_wise_where_block_verification_is_asked_for():
-  """The one rule the decoders of trees (experiments, calibration) share."""
-  from specjax.speculative.typical_acceptance import TypicalAcceptance
-  typical = TypicalAcceptance()
-  assert tree_rule("block") == "tokenwise" and tree_rule("tokenwise") == "tokenwise"
-  assert tree_rule(typical) is typical

@@ -946,7 +946,8 @@ def test_block_verification_runs_the_chains_and_says_so(tmp_path, monkeypatch):
   results = experiment.run(config, command="block verification test")
   assert built and all(d.verification == "block" for d in built)
   assert all(r["greedy_match"] == 1.0 for r in results["rows"] if r["temperature"] == 0.0)
-  assert "chains verified block-wise (Sun et al. 2024)" in open(tmp_path / "tables.md").read()
+  assert ("chains verified block-wise (Sun et al. 2024), trees by traversal verification "
+          "(Weng et al. 2025)") in open(tmp_path / "tables.md").read()
 
 
 @pytest.mark.heavy  # an experiment run of its own; Jacobi decoding is pinned in test_jacobi.py

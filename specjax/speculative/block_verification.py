@@ -27,10 +27,9 @@ exact enumeration and by sampling.
 The rule needs the law q that produced each draft token. A deterministic
 drafter (prompt lookup, top-1 chains: ``draw="point_mass"``) has q one-hot at
 its token, and the rule applies unchanged. It is defined for one block (a
-chain): for token trees the paper gives no construction (several sibling
-paths share one prefix weight, and the joint coupling of their residuals is
-not a single-chain computation), so ``SpeculativeDecoder`` refuses
-``verification="block"`` with a tree.
+chain); for token trees, ``SpeculativeDecoder(verification="block")`` runs its
+generalisation, traversal verification (``traversal_verification``, Weng et al.
+2025), which on a chain gives this rule's law.
 
 Worked example (γ = 2, V = 2): q = (½, ½) at both depths, p₁ = (1, 0) and
 p₂ = p₃ = (½, ½). For the draft (0, 0): w₁ = min(1, 1/½) = 1, w₂ = min(1, 1 ·
@@ -50,14 +49,6 @@ from specjax.speculative.acceptance import (Acceptance, finite_probs, keep_proba
                                             mass_outside, overlap, probs_at, support_view)
 
 VERIFICATIONS = ("tokenwise", "block")  # SpeculativeDecoder.verification
-
-
-def tree_rule(verification):
-  """The rule that verifies token trees where ``verification`` is asked for: block
-  verification is defined for chains only (Sun et al. 2024 give no tree construction), so
-  a tree, or a policy that may choose one, is verified token-wise; any other rule (token-wise,
-  Medusa's typical acceptance) is kept."""
-  return "tokenwise" if verification == "block" else verification
 
 
 def block_weights(drafts: jax.Array, q: jax.Array | SubsetProbs, p: jax.Array) -> jax.Array:

@@ -35,7 +35,6 @@ import numpy as np
 from specjax.generate import generate
 from specjax.model import Params
 from specjax.speculative.adaptive import AdaptiveGamma, Tree, check_evidence
-from specjax.speculative.block_verification import tree_rule
 from specjax.speculative.decoder import SpeculativeDecoder
 from specjax.speculative.tree import TreeTopology
 from specjax.speculative.tree_builders import (estimate_rank_accept, full_tree,
@@ -103,7 +102,12 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
     branching=the tree's branching, prompts=how many were decoded).
   """
   branching = tuple(int(b) for b in (branching or default_branching(4)))
-  counts = decode_alone(_tree_decoder(template, full_tree(branching)), target_params,
+  # The table feeds tree_theory's model of recursive rejection, so it counts that rule's
+  # outcomes (traversal verification, where the template verifies blocks, keeps at least
+  # as much of a sampled tree; the policy's prices of trees are then conservative).
+  rule = "tokenwise" if template.verification == "block" else template.verification
+  full = _tree_decoder(dataclasses.replace(template, verification=rule), full_tree(branching))
+  counts = decode_alone(full, target_params,
                         draft_params, prompts, max_new_tokens, seed, cache_size,
                         ("accepted_rank", "accept_len_hist"))
   accepted, offered = full_tree_counts(branching, counts["accepted_rank"],
@@ -119,9 +123,7 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
                          evidence: str = "expected") -> tuple[float, tuple[float, ...]]:
   """(α_c, ease): the chains' acceptance rate as ``AdaptiveGamma`` counts it, decoding each
   prompt alone with a chain of ``gamma``, the template's sampler and its verification (the
-  chains' own draw and rule, as a chains-only policy verifies them; ``decode_each``; a
-  policy with trees verifies token-wise, so ``calibrate`` and ``measure_tree_prices`` pass
-  a token-wise template), pooled over the prompts and clipped to [0.01, 0.99] (the policy
+  chains' own draw and rule, as a policy verifies its chains; ``decode_each``), pooled over the prompts and clipped to [0.01, 0.99] (the policy
   needs a rate strictly inside (0, 1)); and each prompt's own rate over α_c
   (``AdaptiveGamma.prompt_ease``). A policy with trees takes α_c as ``prior_alpha``,
   measured on the prompts its ``rank_accept`` table was.
@@ -212,12 +214,12 @@ def measure_tree_prices(template: SpeculativeDecoder, target_params: Params, dra
   """What a policy with trees is priced by, on the same prompts: ``measure_rank_accept``'s
   dict (the table and its counts) with ``chain_alpha`` and ``prompt_ease``, the chains'
   rate from a chain as deep as the full tree and how it varies by prompt
-  (``measure_chain_alphas``, counted as a policy of that ``evidence`` counts, verified
-  token-wise as a policy with trees verifies its chains)."""
+  (``measure_chain_alphas``, counted as a policy of that ``evidence`` counts, verified as
+  the template verifies)."""
   out = measure_rank_accept(template, target_params, draft_params, prompts, branching,
                             max_new_tokens, seed, cache_size)
   out["chain_alpha"], out["prompt_ease"] = measure_chain_alphas(
-      _tokenwise(template), target_params, draft_params, prompts, len(out["branching"]),
+      template, target_params, draft_params, prompts, len(out["branching"]),
       max_new_tokens, seed, cache_size, evidence)
   return out
 
@@ -228,15 +230,10 @@ def default_branching(depth: int) -> tuple[int, ...]:
   return ((6, 3, 2) + (1,) * depth)[:depth]
 
 
-def _tokenwise(template: SpeculativeDecoder) -> SpeculativeDecoder:
-  """``template`` verifying as trees are verified (``block_verification.tree_rule``)."""
-  return dataclasses.replace(template, verification=tree_rule(template.verification))
-
-
 def _tree_decoder(template: SpeculativeDecoder, tree: Tree) -> SpeculativeDecoder:
-  """``template`` on a fixed tree (validated against its drafter), verified token-wise where
-  it verifies blocks (``_tokenwise``)."""
-  return dataclasses.replace(_tokenwise(template), policy=None, gamma=None, tree=tree)
+  """``template`` on a fixed tree (validated against its drafter), verified as the template
+  verifies (block: by traversal verification)."""
+  return dataclasses.replace(template, policy=None, gamma=None, tree=tree)
 
 
 def loop_step_seconds(outs: Sequence[Any]) -> float:
@@ -278,7 +275,7 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   tree (``measure_rank_accept``, with the template's sampler: the trees' own draw); with
   trees and no ``prior_alpha``, the chains' rate is measured there too
   (``measure_chain_alphas``, counted as the policy's ``evidence`` counts, its chains
-  verified as the template verifies, token-wise where there are trees); with more than
+  verified as the template verifies); with more than
   one prompt and no ``prompt_ease``, how the chains' rate varies over them is measured too
   (the policy then prices a batch's steps for the row it waits on), and that rate, which
   the spread is relative to, becomes the prior unless ``prior_alpha`` is given.
@@ -294,8 +291,7 @@ def calibrate(template: SpeculativeDecoder, target_params: Params, draft_params:
   # (no chain to measure by: AdaptiveGamma refuses such a set below)
   need_ease = len(prompts) > 1 and depth >= 1 and "prompt_ease" not in policy_kwargs
   if need_alpha or need_ease:
-    alpha, ease = measure_chain_alphas(_tokenwise(template) if trees else template,
-                                       target_params, draft_params, prompts, depth,
+    alpha, ease = measure_chain_alphas(template, target_params, draft_params, prompts, depth,
                                        max_new_tokens,
                                        evidence=policy_kwargs.get("evidence", "expected"))
     policy_kwargs.setdefault("prior_alpha", alpha)

@@ -139,10 +139,12 @@ class SpeculativeDecoder:
       for sampling).
     attention_impl: the target's attention in verification (``specjax.attention``:
       "auto", "reference", "cpu", "pallas", "pallas_tpu_interpret", ...).
-    verification: how a sampled chain is accepted: "tokenwise" (modified rejection
-      sampling, token by token) or "block" (``block_verification``: the chain judged
-      jointly, never fewer tokens per step in expectation; chains only). Both are
-      lossless; with a greedy sampler both keep the longest matching prefix.
+    verification: how sampled drafts are accepted: "tokenwise" (modified rejection
+      sampling, token by token; recursive rejection over a tree's siblings) or "block"
+      (the drafts judged jointly: a chain by ``block_verification``, never fewer tokens
+      per step in expectation, a tree by ``traversal_verification``, its leaves-first
+      generalisation). Both are lossless; with a greedy sampler both keep the longest
+      path that matches the target's argmax.
       "typical_lossy" or a ``TypicalAcceptance`` selects Medusa-2's typical acceptance
       (``typical_acceptance``), which is NOT lossless: sampled output leaves the
       target's law; under a greedy sampler the exact greedy rule still applies.
@@ -203,9 +205,6 @@ class SpeculativeDecoder:
         self.verification not in VERIFICATIONS):
       raise ValueError(f"unknown verification {self.verification!r}; expected one of "
                        f"{VERIFICATIONS}, or {TYPICAL_LOSSY!r} / a TypicalAcceptance (lossy)")
-    if self.verification == "block" and not self.tree.is_chain:
-      raise ValueError(f"verification='block' is defined for chains (Sun et al. 2024 give no "
-                       f"tree construction), not for {self.tree}; use 'tokenwise' with a tree")
     if self.drafter.vocab_size != self.target_cfg.vocab_size:
       raise ValueError(
           f"vocabulary mismatch: the drafter proposes over {self.drafter.vocab_size} tokens but "
@@ -255,9 +254,6 @@ class SpeculativeDecoder:
     if self.policy.plain and not self.drafter.tolerates_skipped_steps():
       raise ValueError(f"{type(self.drafter).__name__} cannot skip steps, so the policy cannot "
                        f"choose plain decoding: take 0 out of gammas {self.policy.gammas}")
-    if self.verification == "block" and self.policy.trees:
-      raise ValueError("verification='block' is defined for chains, and the policy may "
-                       f"choose the trees {self.policy.trees}; use 'tokenwise'")
 
   # --- the algorithm's steps -------------------------------------------------
 
@@ -355,8 +351,11 @@ class SpeculativeDecoder:
     if isinstance(self.verification, TypicalAcceptance):
       return counters  # which computes no β (its zeros would read α 0)
     if not (self.tree.is_chain and proposal.draw == "sampled"):  # recursive rejection
-      if isinstance(self.sampler, Greedy) or self.verification == "block":
-        return counters  # a greedy node's β is its outcome; block verification's is no β
+      if isinstance(self.sampler, Greedy) or (self.verification == "block"
+                                              and self.tree.is_chain):
+        return counters  # a greedy node's β is its outcome; a point-mass block has no β
+      # (under traversal verification too: the first chain's βs are the drafts' agreement
+      # with the target, scored as far as the accepted path follows that chain)
       beta, length = first_chain_beta(proposal, p, self.tree)  # [B, depth], [B]
       leading = jnp.sum(jnp.cumprod((path_rank[:, :depth] == 0) & accepted_at[:, :depth],
                                     axis=1), axis=1)  # rank-0 nodes accepted from the root

@@ -52,6 +52,7 @@ from specjax.speculative import acceptance as chain_rule
 from specjax.speculative.acceptance import finite_probs, support_view
 from specjax.speculative.block_verification import accept_block
 from specjax.speculative.proposal import Proposal
+from specjax.speculative.traversal_verification import traverse
 from specjax.speculative.tree import (TreeTopology, block_parents_from_parents, node_arrays,
                                       path_to)
 
@@ -336,9 +337,14 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
     if chain_of_draws:  # the chain rule's β, without its (here deterministic) residual draw
       acc = acc._replace(beta=chain_rule.overlap(p[:, :n], proposal.q))
     return acc
+  if block and (proposal.parents is not None or not topology.is_chain):
+    entry, next_token = traverse(key, proposal, p, topology)
+    _, mask, depth = node_arrays(topology, b, proposal.parents)
+    return TreeAcceptance(path=path_to(entry, mask, depth, topology.max_depth),
+                          num_accepted=jnp.take_along_axis(depth, entry[:, None], axis=1)[:, 0],
+                          next_token=next_token,
+                          beta=jnp.zeros((b, topology.max_depth), jnp.float32))
   if block:
-    if proposal.parents is not None or not topology.is_chain:
-      raise ValueError(f"block verification is defined for chains, not for {topology}")
     q = (jax.nn.one_hot(proposal.tokens, p.shape[-1], dtype=p.dtype)
          if proposal.q is None else proposal.q)
     acc = accept_block(key, proposal.tokens, q, p)
