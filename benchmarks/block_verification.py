@@ -29,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import provenance, write_markdown
+from benchmarks.common import (held_out_setup, provenance, realised_tokens_per_call,
+                               write_markdown)
 from experiments.machine import probe_output_dir
-from experiments.models import load_draft, load_target
-from experiments.prompts import default_prompts
 from specjax.sampling import dense_probs, make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.block_verification import expected_tokens
@@ -44,12 +43,6 @@ TEMPS = flags.DEFINE_list("temperatures", ["0.5", "1"], "temperatures (> 0)")
 DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_draft spec)")
 SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
 OUT = flags.DEFINE_string("out", "benchmarks/results/block_verification.md", "markdown output")
-
-
-def realised_tokens_per_call(dec, target, draft, prompts, new, seed) -> float:
-  out = dec.generate(target.params, draft.params, prompts, new, seed=seed)
-  assert np.all(out.num_generated == new)
-  return float(out.metrics()["tokens_per_call"])
 
 
 def paired_run(dec, target, draft, prompts, new, seed) -> tuple[float, float, float]:
@@ -81,10 +74,7 @@ def main(_):
   temps = [float(t) for t in TEMPS.value]
   if not gammas or min(gammas) < 1 or not temps or min(temps) <= 0 or NEW.value < 1:
     raise ValueError("--gammas must be >= 1, --temperatures > 0 and --new_tokens >= 1")
-  target = load_target("smollm2")
-  draft = load_draft(DRAFT.value, target, lambda: [])
-  evals = default_prompts(PROMPTS.value)
-  prompts = [target.encode(p.text) for p in evals]
+  target, draft, evals, prompts = held_out_setup(DRAFT.value, PROMPTS.value)
   start = time.perf_counter()
   rows = []
   for t in temps:

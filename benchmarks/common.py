@@ -231,6 +231,25 @@ def prompt_sets(target, num: int) -> dict[str, list[list[int]]]:
           "held-out": [target.encode(p.text) for p in default_prompts(num)]}
 
 
+def held_out_setup(draft_spec: str, num: int):
+  """(target, draft, evals, prompts): the embedded SmolLM2 with the draft ``draft_spec``
+  (``experiments.models.load_draft``), ``num`` held-out prompts and their encodings."""
+  from experiments.models import load_draft, load_target
+  from experiments.prompts import default_prompts
+  target = load_target("smollm2")
+  draft = load_draft(draft_spec, target, lambda: [])
+  evals = default_prompts(num)
+  return target, draft, evals, [target.encode(p.text) for p in evals]
+
+
+def realised_tokens_per_call(dec, target, draft, prompts, new: int, seed: int) -> float:
+  """Emitted tokens per target call of one ``dec`` run of ``prompts`` (one batch), every row
+  to exactly ``new`` tokens (``dec`` without EOS)."""
+  out = dec.generate(target.params, draft.params, prompts, new, seed=seed)
+  assert np.all(out.num_generated == new)
+  return float(out.metrics()["tokens_per_call"])
+
+
 def acceptance(dec, target, draft, prompts, new: int, seeds: int) -> dict:
   """α (Σβ / scored drafts; None where nothing was scored: trees), accept rate and tokens
   per call of ``dec`` over ``seeds`` decodes of ``prompts`` (one batch)."""

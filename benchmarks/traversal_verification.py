@@ -31,11 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import provenance, write_markdown
+from benchmarks.common import (held_out_setup, provenance, realised_tokens_per_call,
+                               write_markdown)
 from experiments.config import sweep_tree
 from experiments.machine import probe_output_dir
-from experiments.models import load_draft, load_target
-from experiments.prompts import default_prompts
 from specjax.sampling import make_sampler
 from specjax.speculative import SpeculativeDecoder
 from specjax.speculative.traversal_verification import expected_tokens
@@ -52,12 +51,6 @@ DRAFT = flags.DEFINE_string("draft", "eagle", "draft (experiments.models.load_dr
 SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
 OUT = flags.DEFINE_string("out", "benchmarks/results/traversal_verification.md",
                           "markdown output")
-
-
-def realised_tokens_per_call(dec, target, draft, prompts, new, seed) -> float:
-  out = dec.generate(target.params, draft.params, prompts, new, seed=seed)
-  assert np.all(out.num_generated == new)
-  return float(out.metrics()["tokens_per_call"])
 
 
 def paired_run(dec, target, draft, prompts, new, seed, draws):
@@ -99,10 +92,7 @@ def main(_):
   if not trees or not temps or min(temps) <= 0 or NEW.value < 1 or DRAWS.value < 2:
     raise ValueError("--trees must be non-empty, --temperatures > 0, --new_tokens >= 1 and "
                      "--coin_draws >= 2")
-  target = load_target("smollm2")
-  draft = load_draft(DRAFT.value, target, lambda: [])
-  evals = default_prompts(PROMPTS.value)
-  prompts = [target.encode(p.text) for p in evals]
+  target, draft, evals, prompts = held_out_setup(DRAFT.value, PROMPTS.value)
   start = time.perf_counter()
   rows = []
   for t in temps:
