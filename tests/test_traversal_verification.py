@@ -259,6 +259,23 @@ def test_a_node_that_was_never_a_draw_changes_nothing():
   np.testing.assert_allclose(stop[:, [0, 2, 5]], want, atol=1e-6)
 
 
+@pytest.mark.parametrize("draw", ["sampled", "without_replacement"])
+def test_extreme_laws_give_a_law(draw):
+  """Laws as peaked as a sharp softmax in float32 (entries down to 1e-45, whole rows of
+  zeros after a failure): every row's stops are finite, non-negative and sum to 1 (a
+  weight of 0 times the ratio of a tiny q once made NaN)."""
+  rng = np.random.default_rng(0)
+  parents = (-1, -1, -1, 0, 0, 1, 3, 3, 5)
+  b, v, n = 512, 6, len(parents)
+  q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, n, v)) * 40, jnp.float32), -1)
+  p = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, n + 1, v)) * 40, jnp.float32), -1)
+  tokens = jnp.asarray(rng.integers(0, v, size=(b, n)), jnp.int32)
+  stop = np.asarray(tv.stop_probabilities(Proposal(tokens=tokens, q=q, draw=draw), p,
+                                          TreeTopology(parents)))
+  assert np.all(np.isfinite(stop)) and np.all(stop >= 0)
+  np.testing.assert_allclose(stop.sum(axis=1), 1.0, atol=1e-5)
+
+
 def test_draws_follow_the_law():
   """``traverse``'s coins and draw: the frequency of (entry, next token) over 200k keys on
   one tree matches stop × residual law."""

@@ -143,8 +143,10 @@ def _walk(proposal: Proposal, p: jax.Array, topology: TreeTopology,
     enter = enter & (q_t > 0)
     a_v, r_v, s_v = at_level(a, lvl), at_level(r, lvl), at_level(scale, lvl)
     z_v = s_v * outside[rows, cur] + jnp.sum(r_v, axis=-1)
-    ratio = r_v[rows, t] / jnp.where(z_v > 0, z_v, 1.0) / jnp.where(q_t > 0, q_t, 1.0)
-    a_c = jnp.minimum(1.0, a_v * ratio)
+    # a_c = min(1, a P(t) / Q(t)) with P(t) = r(t) / z, without dividing by a tiny Q(t)
+    # (a * inf is NaN where a = 0, and float32 holds q down to 1e-45).
+    num, den = a_v * r_v[rows, t], z_v * q_t
+    a_c = jnp.where(num <= 0, 0.0, jnp.where(num >= den, 1.0, num / jnp.where(den > 0, den, 1.0)))
     child = j + 1
     a = set_level(a, lvl + 1, a_c, enter)
     r = set_level(r, lvl + 1, p_k[rows, child], enter)
@@ -169,7 +171,7 @@ def _walk(proposal: Proposal, p: jax.Array, topology: TreeTopology,
     big_z = z_new / jnp.where(z_p > 0, z_p, 1.0)
     den = big_z + 1.0 - a_p
     # den = 0 only when a = 1 and P = Q, where failing has probability 0.
-    a_new = jnp.where(den > 0, big_z / jnp.where(den > 0, den, 1.0), 1.0)
+    a_new = jnp.where(den > 0, jnp.minimum(1.0, big_z / jnp.where(den > 0, den, 1.0)), 1.0)
     keep = failed & (z_new > 0)  # no mass left: a_new = 0, the old law is never drawn from
     a = set_level(a, up, a_new, failed)
     r = set_level(r, up, r_new, keep)
