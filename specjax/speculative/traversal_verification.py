@@ -51,7 +51,10 @@ probability ½ + ½ · ½ = ¾ and token 1 with ¼: exactly P.
 Static shapes: the walk is a ``lax.scan`` of 2N steps (each node is entered once and
 left once; a node with Q = 0 at its token was never a draw and is skipped, with its
 subtree, in one step). The state keeps one (a, P, Q) per depth along the current path:
-[B, D + 1, K] for a draft law over K ids (the vocabulary, or a ``SubsetProbs``' ids).
+for drawn children [B, D + 1, K] for a draft law over K ids (the vocabulary, or a
+``SubsetProbs``' ids), read and written at one depth per step; for deterministic children
+(point masses) one remaining mass per depth, P being the entry's p without the failed
+children's tokens.
 """
 
 from __future__ import annotations
@@ -82,6 +85,138 @@ class Traversal(NamedTuple):
   stop: jax.Array
 
 
+class _PointMass:
+  """The walk's laws for deterministic children (Q a point mass at each child's token).
+
+  A failure only removes its token from the parent's law (max(0, aP − δₜ) = aP without t),
+  so a level's law is its entry's p without its failed children's tokens, and the walk
+  needs one scalar per level: y, the mass of p left (O(N) work per step, no vector)."""
+
+  def __init__(self, proposal, p, par, rows):
+    b, n = proposal.tokens.shape
+    tok = proposal.tokens.astype(jnp.int32)
+    self.p, self.rows = p, rows
+    self.p_tok = p[rows[:, None], par, tok]  # [B, N] p at each node's parent, of its token
+    # a sibling repeating an earlier sibling's token finds it removed (its mass gone)
+    earlier = jnp.tril(jnp.ones((n, n), bool), -1)[None]
+    self.repeat = jnp.any(earlier & (par[:, :, None] == par[:, None, :])
+                          & (tok[:, :, None] == tok[:, None, :]), axis=-1)
+    self.total = jnp.sum(p, axis=-1)  # [B, N + 1]
+    self.children_tok = (par, tok)
+
+  def init(self, b, d):
+    return jnp.zeros((b, d + 1), self.p.dtype).at[:, 0].set(self.total[:, 0])
+
+  def ratio(self, state, lvl, j):
+    """(num, den): P_v(t_j) = num / den, Q_v(t_j) = 1; and whether node j was a draw."""
+    rows = self.rows
+    num = jnp.where(self.repeat[rows, j], 0.0, self.p_tok[rows, j])
+    return num, state[rows, lvl], jnp.ones_like(num), jnp.ones(num.shape, bool)
+
+  def enter(self, state, lvl, child, where):
+    return jnp.where(where[:, None], state.at[self.rows, lvl].set(self.total[self.rows, child]),
+                     state)
+
+  def fail(self, state, up, node, a_p, where):
+    """(state, Z) after node failed under its parent at level ``up`` of weight a_p."""
+    rows = self.rows
+    y = state[rows, up]
+    y_new = y - jnp.where(self.repeat[rows, node], 0.0, self.p_tok[rows, node])
+    big_z = a_p * jnp.maximum(y_new, 0.0) / jnp.where(y > 0, y, 1.0)
+    keep = where & (y_new > 0)
+    return jnp.where(keep[:, None], state.at[rows, up].set(y_new), state), big_z
+
+  def residual(self, state, cur, depth):
+    """[B, V] the law after entry cur: its p without its (failed) children's tokens."""
+    par, tok = self.children_tok
+    out = self.p[self.rows, cur]
+    drop = jnp.where(par == cur[:, None], tok, out.shape[-1])
+    return out.at[self.rows[:, None], drop].set(0.0, mode="drop")
+
+
+class _Drawn:
+  """The walk's laws for drawn children (a real q, over the vocabulary or a subset's K ids):
+  per level, the residual r [K] (unnormalised; outside the ids its law is ``scale`` × p,
+  which subtracting q never changes but the weight a does) and, for siblings drawn without
+  replacement, the running q with the failed siblings' tokens removed."""
+
+  def __init__(self, proposal, p, par, rows):
+    b, n = proposal.tokens.shape
+    tok = proposal.tokens.astype(jnp.int32)
+    self.without = proposal.draw == "without_replacement"
+    self.q_k, self.p_k, self.ids = support_view(proposal.q, p)  # [B, N, K], [B, N + 1, K]
+    if self.ids is None:
+      self.slot, self.found = tok, jnp.ones((b, n), bool)
+      self.outside = jnp.zeros((b, n + 1), p.dtype)
+    else:
+      self.slot, self.found = proposal.q.slots(tok)
+      self.outside = mass_outside(p, self.ids)
+    self.p, self.par, self.rows = p, par, rows
+
+  def init(self, b, d):
+    k = self.p_k.shape[-1]
+    r = jnp.zeros((b, d + 1, k), self.p.dtype).at[:, 0].set(self.p_k[:, 0])
+    run_q = jnp.zeros((b, d + 1, k if self.without else 1), self.p.dtype)
+    return (r, jnp.ones((b, d + 1), self.p.dtype), run_q, jnp.ones((b, d + 1), bool))
+
+  def _q(self, state, lvl, j):
+    """[B, K] the law node j was drawn from, under its parent at level lvl."""
+    _, _, run_q, fresh = state
+    q_j = self.q_k[self.rows, j]
+    if self.without:  # later siblings: the parent's law with the earlier siblings removed
+      q_j = jnp.where(fresh[self.rows, lvl][:, None], q_j, run_q[self.rows, lvl])
+    return q_j
+
+  def _z(self, r, scale, entry):
+    return scale * self.outside[self.rows, entry] + jnp.sum(r, axis=-1)
+
+  def ratio(self, state, lvl, j):
+    rows = self.rows
+    r, scale, _, _ = state
+    t = self.slot[rows, j]
+    q_t = jnp.where(self.found[rows, j], self._q(state, lvl, j)[rows, t], 0.0)
+    r_v = r[rows, lvl]
+    return r_v[rows, t], self._z(r_v, scale[rows, lvl], self.par[rows, j]), q_t, q_t > 0
+
+  def enter(self, state, lvl, child, where):
+    rows = self.rows
+    r, scale, run_q, fresh = state
+    r = r.at[rows, lvl].set(jnp.where(where[:, None], self.p_k[rows, child], r[rows, lvl]))
+    scale = scale.at[rows, lvl].set(jnp.where(where, 1.0, scale[rows, lvl]))
+    fresh = fresh.at[rows, lvl].set(where | fresh[rows, lvl])
+    return r, scale, run_q, fresh
+
+  def fail(self, state, up, node, a_p, where):
+    rows = self.rows
+    r, scale, run_q, fresh = state
+    q_u = self._q(state, up, node)
+    r_p, s_p = r[rows, up], scale[rows, up]
+    parent = self.par[rows, node]
+    z_p = self._z(r_p, s_p, parent)
+    r_new = jnp.maximum(a_p[:, None] * r_p - q_u * z_p[:, None], 0.0)
+    s_new = a_p * s_p
+    z_new = self._z(r_new, s_new, parent)
+    big_z = z_new / jnp.where(z_p > 0, z_p, 1.0)
+    keep = where & (z_new > 0)  # no mass left: the weight is 0, the old law never drawn from
+    r = r.at[rows, up].set(jnp.where(keep[:, None], r_new, r_p))
+    scale = scale.at[rows, up].set(jnp.where(keep, s_new, s_p))
+    if self.without:
+      removed = q_u.at[rows, self.slot[rows, node]].set(0.0)
+      mass = jnp.sum(removed, axis=-1, keepdims=True)
+      removed = jnp.where(mass > 0, removed / jnp.where(mass > 0, mass, 1.0), 0.0)
+      run_q = run_q.at[rows, up].set(jnp.where(where[:, None], removed, run_q[rows, up]))
+      fresh = fresh.at[rows, up].set(fresh[rows, up] & ~where)
+    return (r, scale, run_q, fresh), big_z
+
+  def residual(self, state, cur, depth):
+    r, scale, _, _ = state
+    lvl = depth[self.rows, cur]
+    r_end, s_end = r[self.rows, lvl], scale[self.rows, lvl]
+    if self.ids is None:
+      return r_end
+    return (s_end[:, None] * self.p[self.rows, cur]).at[:, self.ids].set(r_end)
+
+
 def _walk(proposal: Proposal, p: jax.Array, topology: TreeTopology,
           coins: jax.Array) -> Traversal:
   """The traversal of every row's tree with the given coins [B, N] (one per node: node i
@@ -91,118 +226,59 @@ def _walk(proposal: Proposal, p: jax.Array, topology: TreeTopology,
   d = topology.max_depth
   rows = jnp.arange(b)
   par, mask, depth = node_arrays(topology, b, proposal.parents)  # par: block parents
-  tokens = proposal.tokens.astype(jnp.int32)
-  point_mass = proposal.draw == "point_mass"
-  without = proposal.draw == "without_replacement"
-  if point_mass:
-    q_k, p_k, ids = None, p, None
-    slot, found = tokens, jnp.ones((b, n), bool)
-  else:
-    q_k, p_k, ids = support_view(proposal.q, p)  # [B, N, K], [B, N + 1, K]
-    if ids is None:
-      slot, found = tokens, jnp.ones((b, n), bool)
-    else:
-      slot, found = proposal.q.slots(tokens)
-  k = p_k.shape[-1]
-  outside = (jnp.zeros((b, n + 1), p.dtype) if ids is None else mass_outside(p, ids))
-  total = jnp.sum(p, axis=-1)  # [B, N + 1]
+  laws = (_PointMass if proposal.draw == "point_mass" else _Drawn)(proposal, p, par, rows)
   # descendants-or-self of each node: below[b, i, j] says node j lies in node i's subtree.
   below = jnp.swapaxes(mask, 1, 2)[:, 1:, 1:]
   node_ids = jnp.arange(n)
-  levels = jnp.arange(d + 1)
-
-  def at_level(x, lvl):  # x [B, D + 1, ...] at per-row level lvl [B]
-    return jnp.take_along_axis(x, lvl.reshape((b, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
-
-  def set_level(x, lvl, value, where):  # x with x[b, lvl[b]] = value[b] where where[b]
-    hit = (levels[None, :] == lvl[:, None]) & where[:, None]
-    return jnp.where(hit.reshape(hit.shape + (1,) * (x.ndim - 2)), value[:, None], x)
-
-  def drawn_from(j, lvl, run_q, fresh):
-    """[B, K] the law node j (per row) was drawn from, under its parent at level lvl."""
-    if point_mass:
-      return jax.nn.one_hot(slot[rows, j], k, dtype=p.dtype)
-    q_j = q_k[rows, j]
-    if without:  # later siblings: the parent's law with the earlier siblings removed
-      q_j = jnp.where(at_level(fresh, lvl)[:, None], q_j, at_level(run_q, lvl))
-    return q_j
 
   def step(carry, _):
-    cur, last, done, skipped, a, r, scale, run_q, fresh, reach, stop = carry
+    cur, last, done, skipped, a, reach, stop, state = carry
     lvl = depth[rows, cur]
     cand = (par == cur[:, None]) & (node_ids[None, :] + 1 > last[:, None]) & ~skipped
     has = jnp.any(cand, axis=1)
-    j = jnp.argmax(cand, axis=1).astype(jnp.int32)  # the next child to enter (first in index order)
+    j = jnp.argmax(cand, axis=1).astype(jnp.int32)  # the next child to enter (index order)
     leave = ~has & (cur > 0) & ~done
     enter = has & ~done
-    # ---- entering child j of cur
-    q_j = drawn_from(j, lvl, run_q, fresh)
-    t = slot[rows, j]
-    q_t = jnp.where(found[rows, j], q_j[rows, t], 0.0)
-    never = enter & ~(q_t > 0)  # never a draw: skip it and its subtree
-    enter = enter & (q_t > 0)
-    a_v, r_v, s_v = at_level(a, lvl), at_level(r, lvl), at_level(scale, lvl)
-    z_v = s_v * outside[rows, cur] + jnp.sum(r_v, axis=-1)
-    # a_c = min(1, a P(t) / Q(t)) with P(t) = r(t) / z, without dividing by a tiny Q(t)
-    # (a * inf is NaN where a = 0, and float32 holds q down to 1e-45).
-    num, den = a_v * r_v[rows, t], z_v * q_t
-    a_c = jnp.where(num <= 0, 0.0, jnp.where(num >= den, 1.0, num / jnp.where(den > 0, den, 1.0)))
-    child = j + 1
-    a = set_level(a, lvl + 1, a_c, enter)
-    r = set_level(r, lvl + 1, p_k[rows, child], enter)
-    scale = set_level(scale, lvl + 1, jnp.ones((b,), p.dtype), enter)
-    fresh = set_level(fresh, lvl + 1, jnp.ones((b,), bool), enter)
+    # ---- entering child j of cur: a_c = min(1, a P(t) / Q(t)), P(t) = r(t) / z, computed
+    # without dividing by a tiny Q(t) (a * inf is NaN where a = 0; float32 q reaches 1e-45)
+    r_t, z_v, q_t, drawn = laws.ratio(state, lvl, j)
+    never = enter & ~drawn  # never a draw: skip it and its subtree
+    enter = enter & drawn
+    num, den = a[rows, lvl] * r_t, z_v * q_t
+    a_c = jnp.where(num <= 0, 0.0, jnp.where(num >= den, 1.0,
+                                             num / jnp.where(den > 0, den, 1.0)))
+    a = a.at[rows, lvl + 1].set(jnp.where(enter, a_c, a[rows, jnp.minimum(lvl + 1, d)]),
+                                mode="drop")
+    state = laws.enter(state, jnp.minimum(lvl + 1, d), j + 1, enter)
     skipped = skipped | (never[:, None] & below[rows, j])
     # ---- leaving cur: test it; on failure its parent learns of it
     node = jnp.maximum(cur - 1, 0)
-    a_u = a_v  # cur's own weight (cur sits at level lvl)
+    a_u = a[rows, lvl]
     passed = leave & (coins[rows, node] < a_u)
     failed = leave & ~passed
     stop = stop.at[rows, cur].add(jnp.where(leave, reach * a_u, 0.0))
     reach = jnp.where(leave, reach * (1.0 - a_u), reach)
     up = jnp.maximum(lvl - 1, 0)
-    q_u = drawn_from(node, up, run_q, fresh)
-    a_p, r_p, s_p = at_level(a, up), at_level(r, up), at_level(scale, up)
-    parent = par[rows, node]
-    z_p = s_p * outside[rows, parent] + jnp.sum(r_p, axis=-1)
-    r_new = jnp.maximum(a_p[:, None] * r_p - q_u * z_p[:, None], 0.0)
-    s_new = a_p * s_p
-    z_new = s_new * outside[rows, parent] + jnp.sum(r_new, axis=-1)
-    big_z = z_new / jnp.where(z_p > 0, z_p, 1.0)
+    a_p = a[rows, up]
+    state, big_z = laws.fail(state, up, node, a_p, failed)
     den = big_z + 1.0 - a_p
     # den = 0 only when a = 1 and P = Q, where failing has probability 0.
     a_new = jnp.where(den > 0, jnp.minimum(1.0, big_z / jnp.where(den > 0, den, 1.0)), 1.0)
-    keep = failed & (z_new > 0)  # no mass left: a_new = 0, the old law is never drawn from
-    a = set_level(a, up, a_new, failed)
-    r = set_level(r, up, r_new, keep)
-    scale = set_level(scale, up, s_new, keep)
-    if without:
-      removed = q_u.at[rows, slot[rows, node]].set(0.0)
-      mass = jnp.sum(removed, axis=-1, keepdims=True)
-      removed = jnp.where(mass > 0, removed / jnp.where(mass > 0, mass, 1.0), 0.0)
-      run_q = set_level(run_q, up, removed, failed)
-      fresh = set_level(fresh, up, jnp.zeros((b,), bool), failed)
+    a = a.at[rows, up].set(jnp.where(failed, a_new, a_p))
     done = done | passed
+    parent = par[rows, node]
     last = jnp.where(enter, 0, jnp.where(failed, cur, last)).astype(jnp.int32)
-    cur = jnp.where(enter, child, jnp.where(failed, parent, cur)).astype(jnp.int32)
-    return (cur, last, done, skipped, a, r, scale, run_q, fresh, reach, stop), None
+    cur = jnp.where(enter, j + 1, jnp.where(failed, parent, cur)).astype(jnp.int32)
+    return (cur, last, done, skipped, a, reach, stop, state), None
 
   zeros_i = jnp.zeros((b,), jnp.int32)
   init = (zeros_i, zeros_i, jnp.zeros((b,), bool), jnp.zeros((b, n), bool),
-          jnp.ones((b, d + 1), p.dtype),
-          jnp.zeros((b, d + 1, k), p.dtype).at[:, 0].set(p_k[:, 0]),
-          jnp.ones((b, d + 1), p.dtype),
-          jnp.zeros((b, d + 1, k) if without else (b, d + 1, 1), p.dtype),
-          jnp.ones((b, d + 1), bool), jnp.ones((b,), p.dtype),
-          jnp.zeros((b, n + 1), p.dtype))
-  (cur, _, _, _, _, r, scale, _, _, reach, stop), _ = jax.lax.scan(step, init, None,
-                                                                   length=2 * n)
+          jnp.ones((b, d + 1), p.dtype), jnp.ones((b,), p.dtype),
+          jnp.zeros((b, n + 1), p.dtype), laws.init(b, d))
+  (cur, _, _, _, _, reach, stop, state), _ = jax.lax.scan(step, init, None, length=2 * n)
   stop = stop.at[:, 0].add(reach)  # the root always passes
-  lvl = depth[rows, cur]
-  r_end, s_end = (jnp.take_along_axis(r, lvl[:, None, None], axis=1)[:, 0],
-                  jnp.take_along_axis(scale, lvl[:, None], axis=1)[:, 0])
+  residual = laws.residual(state, cur, depth)
   p_end = p[rows, cur]
-  residual = r_end if ids is None else (s_end[:, None] * p_end).at[:, ids].set(r_end)
   mass = jnp.sum(residual, axis=-1, keepdims=True)
   residual = jnp.where(mass > 0, residual, p_end)  # an empty residual is never reached
   return Traversal(entry=cur, residual=residual, stop=stop)
