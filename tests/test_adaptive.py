@@ -793,7 +793,7 @@ def test_measured_costs_make_a_policy(models):
       beta / scored)
   counted = measure_chain_alpha(sampled, target[1], dp, PROMPTS[:2], 3, 8, evidence="accepted")
   assert counted == pytest.approx(accepted / (accepted + short))
-  # Block-verified chains are measured block-wise, as a chains-only policy verifies them:
+  # Block-verified chains are measured block-wise, as a policy verifies them:
   # their weighted βs, or their own outcomes (not token-wise verification's, which differ
   # over 24 tokens), and so do a policy's tree prices (its trees verified by traversal).
   block = dataclasses.replace(sampled, verification="block")

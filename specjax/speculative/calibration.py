@@ -103,8 +103,8 @@ def measure_rank_accept(template: SpeculativeDecoder, target_params: Params,
   """
   branching = tuple(int(b) for b in (branching or default_branching(4)))
   # The table feeds tree_theory's model of recursive rejection, so it counts that rule's
-  # outcomes (traversal verification, where the template verifies blocks, keeps at least
-  # as much of a sampled tree; the policy's prices of trees are then conservative).
+  # outcomes; where the template verifies blocks, its trees are traversed, which kept as
+  # many tokens or more on every tree measured (benchmarks/results/traversal_verification.md).
   rule = "tokenwise" if template.verification == "block" else template.verification
   full = _tree_decoder(dataclasses.replace(template, verification=rule), full_tree(branching))
   counts = decode_alone(full, target_params,
@@ -123,10 +123,10 @@ def measure_chain_alphas(template: SpeculativeDecoder, target_params: Params,
                          evidence: str = "expected") -> tuple[float, tuple[float, ...]]:
   """(α_c, ease): the chains' acceptance rate as ``AdaptiveGamma`` counts it, decoding each
   prompt alone with a chain of ``gamma``, the template's sampler and its verification (the
-  chains' own draw and rule, as a policy verifies its chains; ``decode_each``), pooled over the prompts and clipped to [0.01, 0.99] (the policy
-  needs a rate strictly inside (0, 1)); and each prompt's own rate over α_c
-  (``AdaptiveGamma.prompt_ease``). A policy with trees takes α_c as ``prior_alpha``,
-  measured on the prompts its ``rank_accept`` table was.
+  chains' own draw and rule, as a policy verifies its chains; ``decode_each``), pooled over
+  the prompts and clipped to [0.01, 0.99] (the policy needs a rate strictly inside (0, 1));
+  and each prompt's own rate over α_c (``AdaptiveGamma.prompt_ease``). A policy with trees
+  takes α_c as ``prior_alpha``, measured on the prompts its ``rank_accept`` table was.
 
   The rate is successes over successes plus failures, counted as the policy of that
   ``evidence`` (``AdaptiveGamma.evidence``) counts them: drafts accepted and steps that

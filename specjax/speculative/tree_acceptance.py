@@ -14,6 +14,9 @@ The rules (all exact: the emitted tokens are distributed as the target's):
   chain, block=True    block verification (``block_verification``, Sun et al.
                        2024): the chain is judged jointly; never fewer tokens
                        per step in expectation. q of a point-mass chain is one-hot.
+  tree, block=True     traversal verification (``traversal_verification``, Weng
+                       et al. 2025): paths judged jointly, leaves first; on a
+                       chain, block verification's law.
   greedy (one-hot p)   the deepest node whose path equals the target's argmax
                        at every step (ties: smallest index), then the argmax.
                        On GPU and TPU the walk over the tree runs in the
@@ -319,7 +322,8 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
     greedy: the target decodes greedily (p one-hot): take the argmax rule, which for a
       chain gives what the chain rule gives with one-hot p and q (β included) without
       the chain rule's draw over the vocabulary.
-    block: judge a chain jointly (``block_verification``) instead of token by token.
+    block: judge the drafts jointly instead of token by token: a chain by
+      ``block_verification``, a tree by ``traversal_verification``.
     greedy_impl: static, where the greedy rule walks the tree (``resolve_greedy_impl``).
     target_argmax: with ``greedy``, [B, N + 1] the argmax of ``p`` where the caller has it
       (the greedy rule then reads no distribution).
