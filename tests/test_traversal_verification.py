@@ -327,9 +327,11 @@ def tiny_models():
 
 
 @pytest.mark.parametrize("tree, tree_draw", [
-    (SampledDynamicTree((2, 2)), "point_mass"),  # drawn children (the sampler's law)
-    (TreeTopology((-1, -1, 0)), "without_replacement"),
-], ids=["sampled_dynamic", "static_drawn"])
+    pytest.param(SampledDynamicTree((2, 2)), "point_mass",  # children drawn: sampler's law
+                 id="sampled_dynamic"),
+    pytest.param(TreeTopology((-1, -1, 0)), "without_replacement", id="static_drawn",
+                 marks=pytest.mark.heavy),  # the same rule on a static shape
+])
 def test_decoder_traverses_trees_in_the_targets_law(tiny_models, tree, tree_draw):
   target, draft = tiny_models
   sampler = Sampling(temperature=1.0)
