@@ -29,13 +29,13 @@ checks it by enumerating every draft of small trees): call a subtree at v with w
 *fair* if it ends accepted with probability exactly a, averaged over the draws below v,
 and the tokens it then emits after v are the target's (a stopped run of it). A leaf is
 fair. If v's children are fair, the first child c ~ Q is accepted with probability
-Σ_c Q(c) min(1, aP(c)/Q(c)) = Σ min(Q, aP), emitting c first with mass min(Q(c), aP(c));
-it fails with probability 1 − a + Z whatever c was, so what remains to be emitted,
-max(0, aP − Q) of total Z, is what the updated v (P ← norm(max(0, aP − Q)), a ← Z / (1 −
-a + Z), its later children drawn from the updated Q) emits when fair: by induction v is
-fair, and the root, with a = 1, always emits the target's tokens. The update reads only
-laws, never a rejected draw's token beyond removing it from Q, which is why the weight
-after a failure may not depend on the failed token.
+Σ_c Q(c) min(1, aP(c)/Q(c)) = Σ min(Q, aP), emitting c first with mass min(Q(c), aP(c)),
+and fails with probability 1 − a + Z in all. What v still owes is max(0, aP − Q) of total
+mass Z, and the updated v (P ← norm(max(0, aP − Q)), its later children drawn from the
+updated Q) pays exactly that when fair with weight Z / (1 − a + Z), provided that weight is
+the same whichever child failed: by induction v is fair, and the root, with a = 1, always
+emits the target's tokens. So the weight after a failure may not depend on the failed
+token (a version whose weight reads it is one of the tests' wrong rules).
 
 On a chain the tests come in the order γ, γ − 1, …, with the weights h of block
 verification, so the emitted law is block verification's (tested). The paper reports 2–6%
@@ -64,7 +64,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import SubsetProbs, sample_from
+from specjax.sampling import sample_from
 from specjax.speculative.acceptance import finite_probs, mass_outside, support_view
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.tree import TreeTopology, node_arrays
