@@ -181,16 +181,22 @@ class _ResampleFromP(SpeculativeDecoder):
                           jnp.where(has_children, wrong, acc.next_token), acc.beta)
 
 
-def test_sampling_matches_target():
+# Traversal verification (verification="block" on its tree) is heavy: the rule is pinned by
+# enumeration in tests/test_traversal_verification.py.
+@pytest.mark.parametrize("verification", ["tokenwise", pytest.param("block",
+                                                                    marks=pytest.mark.heavy)])
+def test_sampling_matches_target(verification):
   target = tiny_model(seed=0, vocab_size=8, scale=1.0)
   sampler = Sampling(temperature=0.9, top_k=6)
   d = LookaheadDrafter(8, window=3, ngram=3, guesses=2)
   prompt = [1, 2, 5, 3, 1, 2, 5, 1, 2]
   exact = exact_joint(*target, sampler, prompt)
-  dec = SpeculativeDecoder(target[0], d, sampler=sampler, eos_ids=())
+  dec = SpeculativeDecoder(target[0], d, sampler=sampler, eos_ids=(), verification=verification)
   counts = empirical_joint(dec, target, (), prompt, 100_000)
   assert chi_square_pvalue(counts, exact) > 1e-3
   assert 0.5 * np.abs(counts / counts.sum() - exact).sum() < 0.02
+  if verification == "block":
+    return
   wrong = _ResampleFromP(target[0], d, sampler=sampler, eos_ids=())
   counts = empirical_joint(wrong, target, (), prompt, 100_000)
   assert chi_square_pvalue(counts, exact) < 1e-6
@@ -215,8 +221,8 @@ def test_bad_input_is_refused_before_compiling(target):
   d = LookaheadDrafter(cfg.vocab_size)
   with pytest.raises(ValueError, match="its own tree only"):
     SpeculativeDecoder(cfg, d, gamma=4)
-  with pytest.raises(ValueError, match="block"):
-    SpeculativeDecoder(cfg, d, verification="block")
+  # its own tree, verified by traversal verification under "block" (test_sampling_matches_target)
+  assert SpeculativeDecoder(cfg, d, verification="block").verification == "block"
   dec = SpeculativeDecoder(cfg, d)
   with pytest.raises(ValueError, match="cache"):
     dec.generate(params, (), [[1, 2, 3]], 8, cache_size=12)
