@@ -293,7 +293,11 @@ def test_draws_follow_the_law():
   prop, p = _inputs(parents, tokens[pick:pick + 1], draw)
   want = outcomes[pick].ravel()
   keys = jax.random.split(jax.random.PRNGKey(3), 200_000)
-  entry, nxt = jax.jit(jax.vmap(lambda k: tv.traverse(k, prop, p, topo)))(keys)
+  def draw(k):
+    walk, nxt = tv.traverse(k, prop, p, topo)
+    return walk.entry, nxt
+
+  entry, nxt = jax.jit(jax.vmap(draw))(keys)
   counts = np.bincount((np.asarray(entry)[:, 0] * V + np.asarray(nxt)[:, 0]),
                        minlength=want.size) / len(keys)
   assert np.abs(counts - want).max() < 4e-3
@@ -309,7 +313,8 @@ def test_accept_tree_uses_it_for_block_verification_of_a_tree():
   prop, p = _inputs(parents, tokens[:64], draw)
   key = jax.random.PRNGKey(4)
   acc = accept_tree(key, prop, p, topo, block=True)
-  entry, nxt = tv.traverse(key, prop, p, topo)
+  walk, nxt = tv.traverse(key, prop, p, topo)
+  entry = walk.entry
   np.testing.assert_array_equal(np.asarray(acc.next_token), np.asarray(nxt))
   np.testing.assert_array_equal(np.asarray(acc.num_accepted),
                                 np.asarray(topo.block_depth)[np.asarray(entry)])

@@ -46,6 +46,13 @@ def finite_probs(x: jax.Array) -> jax.Array:
   return jnp.where((x >= 0) & (x < jnp.inf), x, 0.0)
 
 
+def normalized(x: jax.Array, fallback: jax.Array) -> jax.Array:
+  """``x`` [..., K] over its last axis, ``fallback`` where a row has no mass (a residual
+  that is empty only where reaching it has probability 0)."""
+  mass = jnp.sum(x, axis=-1, keepdims=True)
+  return jnp.where(mass > 0, x / jnp.where(mass > 0, mass, 1.0), fallback)
+
+
 def support_view(q: jax.Array | SubsetProbs,
                  p: jax.Array) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """(q's entries, p's at the same ids, those ids or None): q [..., V] or ``SubsetProbs``
@@ -127,9 +134,8 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array | SubsetProbs,
   residual = jnp.maximum(jnp.take_along_axis(p_k, n[:, None, None], axis=1)[:, 0] - q_n, 0.0)
   if ids is not None:  # outside the subset q is 0: the residual is p there
     residual = p_n.at[:, ids].set(residual)
-  mass = jnp.sum(residual, axis=-1, keepdims=True)
-  # mass == 0 only if p_n == q_n, where rejection has probability 0; fall back to p.
-  residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+  # empty only if p_n == q_n, where rejection has probability 0; fall back to p.
+  residual = normalized(residual, p_n)
   next_token = sample_from(s_key, residual)
   beta = jnp.sum(jnp.minimum(p_k[:, :gamma], q_k), axis=-1)
   return Acceptance(num_accepted=n, next_token=next_token, accepted=accepted, beta=beta)

@@ -65,9 +65,10 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import sample_from
-from specjax.speculative.acceptance import finite_probs, mass_outside, support_view
+from specjax.speculative.acceptance import (finite_probs, mass_outside, normalized,
+                                            support_view)
 from specjax.speculative.proposal import Proposal
-from specjax.speculative.tree import TreeTopology, node_arrays
+from specjax.speculative.tree import TreeTopology, node_arrays, path_to
 
 
 class Traversal(NamedTuple):
@@ -75,12 +76,16 @@ class Traversal(NamedTuple):
 
   Attributes:
     entry: [B] the accepted block entry (0: the root, node i: i + 1).
+    path: [B, D + 1] block entries from the root to ``entry`` (-1 past its depth).
+    num_accepted: [B] ``entry``'s depth: draft tokens accepted.
     residual: [B, V] the (unnormalised) law of the next token at ``entry``.
     stop: [B, N + 1] the probability that the traversal stops at each block entry, given
       the drafts (the coins integrated out; sums to 1 per row).
   """
 
   entry: jax.Array
+  path: jax.Array
+  num_accepted: jax.Array
   residual: jax.Array
   stop: jax.Array
 
@@ -93,16 +98,15 @@ class _PointMass:
   needs one scalar per level: y, the mass of p left (O(N) work per step, no vector)."""
 
   def __init__(self, proposal, p, par, rows):
-    b, n = proposal.tokens.shape
+    n = proposal.tokens.shape[1]
     tok = proposal.tokens.astype(jnp.int32)
-    self.p, self.rows = p, rows
+    self.p, self.rows, self.par, self.tok = p, rows, par, tok
     self.p_tok = p[rows[:, None], par, tok]  # [B, N] p at each node's parent, of its token
     # a sibling repeating an earlier sibling's token finds it removed (its mass gone)
     earlier = jnp.tril(jnp.ones((n, n), bool), -1)[None]
     self.repeat = jnp.any(earlier & (par[:, :, None] == par[:, None, :])
                           & (tok[:, :, None] == tok[:, None, :]), axis=-1)
     self.total = jnp.sum(p, axis=-1)  # [B, N + 1]
-    self.children_tok = (par, tok)
 
   def init(self, b, d):
     return jnp.zeros((b, d + 1), self.p.dtype).at[:, 0].set(self.total[:, 0])
@@ -128,9 +132,8 @@ class _PointMass:
 
   def residual(self, state, cur, depth):
     """[B, V] the law after entry cur: its p without its (failed) children's tokens."""
-    par, tok = self.children_tok
     out = self.p[self.rows, cur]
-    drop = jnp.where(par == cur[:, None], tok, out.shape[-1])
+    drop = jnp.where(self.par == cur[:, None], self.tok, out.shape[-1])
     return out.at[self.rows[:, None], drop].set(0.0, mode="drop")
 
 
@@ -201,9 +204,7 @@ class _Drawn:
     r = r.at[rows, up].set(jnp.where(keep[:, None], r_new, r_p))
     scale = scale.at[rows, up].set(jnp.where(keep, s_new, s_p))
     if self.without:
-      removed = q_u.at[rows, self.slot[rows, node]].set(0.0)
-      mass = jnp.sum(removed, axis=-1, keepdims=True)
-      removed = jnp.where(mass > 0, removed / jnp.where(mass > 0, mass, 1.0), 0.0)
+      removed = normalized(q_u.at[rows, self.slot[rows, node]].set(0.0), 0.0)
       run_q = run_q.at[rows, up].set(jnp.where(where[:, None], removed, run_q[rows, up]))
       fresh = fresh.at[rows, up].set(fresh[rows, up] & ~where)
     return (r, scale, run_q, fresh), big_z
@@ -247,9 +248,9 @@ def _walk(proposal: Proposal, p: jax.Array, topology: TreeTopology,
     num, den = a[rows, lvl] * r_t, z_v * q_t
     a_c = jnp.where(num <= 0, 0.0, jnp.where(num >= den, 1.0,
                                              num / jnp.where(den > 0, den, 1.0)))
-    a = a.at[rows, lvl + 1].set(jnp.where(enter, a_c, a[rows, jnp.minimum(lvl + 1, d)]),
-                                mode="drop")
-    state = laws.enter(state, jnp.minimum(lvl + 1, d), j + 1, enter)
+    below_lvl = jnp.minimum(lvl + 1, d)  # the child's level (a leaf at depth D enters none)
+    a = a.at[rows, below_lvl].set(jnp.where(enter, a_c, a[rows, below_lvl]))
+    state = laws.enter(state, below_lvl, j + 1, enter)
     skipped = skipped | (never[:, None] & below[rows, j])
     # ---- leaving cur: test it; on failure its parent learns of it
     node = jnp.maximum(cur - 1, 0)
@@ -281,13 +282,14 @@ def _walk(proposal: Proposal, p: jax.Array, topology: TreeTopology,
   p_end = p[rows, cur]
   mass = jnp.sum(residual, axis=-1, keepdims=True)
   residual = jnp.where(mass > 0, residual, p_end)  # an empty residual is never reached
-  return Traversal(entry=cur, residual=residual, stop=stop)
+  return Traversal(entry=cur, path=path_to(cur, mask, depth, d),
+                   num_accepted=depth[rows, cur], residual=residual, stop=stop)
 
 
 def traverse(key: jax.Array, proposal: Proposal, p: jax.Array,
-             topology: TreeTopology) -> tuple[jax.Array, jax.Array]:
-  """Traversal verification of a batch of trees: ([B] the accepted block entry, [B] the
-  next token drawn after it).
+             topology: TreeTopology) -> tuple[Traversal, jax.Array]:
+  """Traversal verification of a batch of trees: (where it stopped, [B] the next token
+  drawn there).
 
   Args:
     key: PRNG key.
@@ -299,7 +301,7 @@ def traverse(key: jax.Array, proposal: Proposal, p: jax.Array,
   u_key, s_key = jax.random.split(key)
   coins = jax.random.uniform(u_key, proposal.tokens.shape)
   walk = _walk(proposal, finite_probs(p), topology, coins)
-  return walk.entry, sample_from(s_key, walk.residual)
+  return walk, sample_from(s_key, walk.residual)
 
 
 def stop_probabilities(proposal: Proposal, p: jax.Array, topology: TreeTopology) -> jax.Array:

@@ -52,7 +52,7 @@ from specjax import sharding
 from specjax.attention import ACCELERATORS, pallas_variant
 from specjax.sampling import first_argmax, sample_from
 from specjax.speculative import acceptance as chain_rule
-from specjax.speculative.acceptance import finite_probs, support_view
+from specjax.speculative.acceptance import finite_probs, normalized, support_view
 from specjax.speculative.block_verification import accept_block
 from specjax.speculative.proposal import Proposal
 from specjax.speculative.traversal_verification import traverse
@@ -242,11 +242,6 @@ def _accept_point_mass(key, proposal, p, topology) -> TreeAcceptance:
                         beta=jnp.zeros((b, topology.max_depth), jnp.float32))
 
 
-def _normalize(x: jax.Array, fallback: jax.Array) -> jax.Array:
-  mass = jnp.sum(x, axis=-1, keepdims=True)
-  return jnp.where(mass > 0, x / jnp.where(mass > 0, mass, 1.0), fallback)
-
-
 def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
   """Recursive rejection with the drafter's real q (SpecInfer; without replacement: Sequoia).
 
@@ -290,7 +285,7 @@ def _accept_sampled(key, proposal, p, topology) -> TreeAcceptance:
     out = jnp.where(acc, out_next, out)
     if without:
       removed = q_j.at[jnp.arange(b), t].set(0.0)
-      q_run = jnp.where(rej[:, None], _normalize(removed, jnp.zeros_like(removed)), q_run)
+      q_run = jnp.where(rej[:, None], normalized(removed, jnp.zeros_like(removed)), q_run)
       fresh = jnp.where(acc, True, jnp.where(rej, False, fresh))
     return (cur, r, z, out, q_run, fresh), None
 
@@ -342,11 +337,8 @@ def accept_tree(key: jax.Array, proposal: Proposal, p: jax.Array, topology: Tree
       acc = acc._replace(beta=chain_rule.overlap(p[:, :n], proposal.q))
     return acc
   if block and (proposal.parents is not None or not topology.is_chain):
-    entry, next_token = traverse(key, proposal, p, topology)
-    _, mask, depth = node_arrays(topology, b, proposal.parents)
-    return TreeAcceptance(path=path_to(entry, mask, depth, topology.max_depth),
-                          num_accepted=jnp.take_along_axis(depth, entry[:, None], axis=1)[:, 0],
-                          next_token=next_token,
+    walk, next_token = traverse(key, proposal, p, topology)
+    return TreeAcceptance(path=walk.path, num_accepted=walk.num_accepted, next_token=next_token,
                           beta=jnp.zeros((b, topology.max_depth), jnp.float32))
   if block:
     q = (jax.nn.one_hot(proposal.tokens, p.shape[-1], dtype=p.dtype)
