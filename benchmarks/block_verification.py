@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.common import (held_out_setup, provenance, realised_tokens_per_call,
-                               write_markdown)
+from benchmarks.common import (held_out_setup, paired_step_sums, provenance,
+                               realised_tokens_per_call, write_markdown)
 from experiments.machine import probe_output_dir
 from specjax.sampling import dense_probs, make_sampler
 from specjax.speculative import SpeculativeDecoder
@@ -47,25 +47,15 @@ OUT = flags.DEFINE_string("out", "benchmarks/results/block_verification.md", "ma
 
 def paired_run(dec, target, draft, prompts, new, seed) -> tuple[float, float, float]:
   """(realised tokens per call, paired token-wise, paired block) of a block-rule run."""
-  propose, verify, finish = jax.jit(dec.propose), jax.jit(dec.verify), jax.jit(dec.finish)
-  state, prompt_lens = dec.prepare(target.params, draft.params, prompts, new, seed=seed)
 
   @jax.jit
-  def expect(proposal, scores, done):
+  def expect(proposal, scores, done, _):
     tw, blk = expected_tokens(proposal.tokens, dense_probs(proposal.q), scores.p)
     live = (~done).astype(jnp.float32)
-    return jnp.sum(tw * live), jnp.sum(blk * live), jnp.sum(live)
+    return jnp.stack([jnp.sum(tw * live), jnp.sum(blk * live), jnp.sum(live)])
 
-  sums = np.zeros(3)
-  while not bool(jnp.all(state.done)):
-    rng, k_draft, k_accept = jax.random.split(state.rng, 3)
-    proposal, draft_state = propose(draft.params, state, k_draft)
-    scores = verify(target.params, state, proposal)
-    sums += np.asarray(expect(proposal, scores, state.done))
-    state = finish(state, proposal, scores, k_accept, draft_state, rng)
-  c = jax.device_get(state.counters)
-  assert np.all(np.asarray(state.seq_lens) - np.asarray(prompt_lens) == new)
-  return float(np.sum(c.emitted) / np.sum(c.target_calls)), sums[0] / sums[2], sums[1] / sums[2]
+  realised, sums = paired_step_sums(dec, target, draft, prompts, new, seed, expect, 3)
+  return realised, sums[0] / sums[2], sums[1] / sums[2]
 
 
 def main(_):

@@ -250,6 +250,30 @@ def realised_tokens_per_call(dec, target, draft, prompts, new: int, seed: int) -
   return float(out.metrics()["tokens_per_call"])
 
 
+def paired_step_sums(dec, target, draft, prompts, new: int, seed: int, per_step,
+                     size: int) -> tuple[float, np.ndarray]:
+  """Decodes ``prompts`` (one batch) with ``dec`` step by step, every row to exactly ``new``
+  tokens (``dec`` without EOS), and sums the jitted ``per_step(proposal, scores, done,
+  key)`` -> [size] over the steps: what other rules would have done with the very drafts
+  and target scores this run verified. ``key`` is a fresh key per step, from a stream apart
+  from the decoder's (which the run's own draws keep). Returns (the run's realised tokens
+  per target call, the sums)."""
+  propose, verify, finish = jax.jit(dec.propose), jax.jit(dec.verify), jax.jit(dec.finish)
+  state, prompt_lens = dec.prepare(target.params, draft.params, prompts, new, seed=seed)
+  sums = np.zeros(size)
+  key = jax.random.PRNGKey(seed + 1)
+  while not bool(jnp.all(state.done)):
+    rng, k_draft, k_accept = jax.random.split(state.rng, 3)
+    key, k_step = jax.random.split(key)
+    proposal, draft_state = propose(draft.params, state, k_draft)
+    scores = verify(target.params, state, proposal)
+    sums += np.asarray(per_step(proposal, scores, state.done, k_step))
+    state = finish(state, proposal, scores, k_accept, draft_state, rng)
+  c = jax.device_get(state.counters)
+  assert np.all(np.asarray(state.seq_lens) - np.asarray(prompt_lens) == new)
+  return float(np.sum(c.emitted) / np.sum(c.target_calls)), sums
+
+
 def acceptance(dec, target, draft, prompts, new: int, seeds: int) -> dict:
   """α (Σβ / scored drafts; None where nothing was scored: trees), accept rate and tokens
   per call of ``dec`` over ``seeds`` decodes of ``prompts`` (one batch)."""
