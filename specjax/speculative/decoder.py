@@ -350,12 +350,13 @@ class SpeculativeDecoder:
         accepted_rank=counters.accepted_rank + rank_hit * accepted_at[:, :, None])
     if isinstance(self.verification, TypicalAcceptance):
       return counters  # which computes no β (its zeros would read α 0)
-    if not (self.tree.is_chain and proposal.draw == "sampled"):  # recursive rejection
+    if not (self.tree.is_chain and proposal.draw == "sampled"):  # trees, point-mass chains
       if isinstance(self.sampler, Greedy) or (self.verification == "block"
                                               and self.tree.is_chain):
         return counters  # a greedy node's β is its outcome; a point-mass block has no β
-      # (under traversal verification too: the first chain's βs are the drafts' agreement
-      # with the target, scored as far as the accepted path follows that chain)
+      # Recursive rejection's first-chain βs, counted under traversal verification too (as
+      # far as the accepted path follows that chain): an estimate of the drafts' agreement
+      # with the target, not that rule's own acceptance chances.
       beta, length = first_chain_beta(proposal, p, self.tree)  # [B, depth], [B]
       leading = jnp.sum(jnp.cumprod((path_rank[:, :depth] == 0) & accepted_at[:, :depth],
                                     axis=1), axis=1)  # rank-0 nodes accepted from the root
